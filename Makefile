@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each sets itself up first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.cppo-installed
+# The CPU build of PyTorch (tests compare against transformers). On this machine's kind the pinned
+# version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m cppo_jax.launch --config configs/tiny_cpu.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""cppo_jax: CPPO (completion-pruning GRPO) in JAX and Flax NNX."""

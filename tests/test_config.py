@@ -1,0 +1,119 @@
+"""Configs: every shipped config loads; overrides are typed; bad input names the key and the value."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cppo_jax import config as C
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.name != "tiny_sft.py")
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    extra = (
+        ["model.path=/nonexistent/ok-for-validation"]
+        if "7b" in path.name or "1p5b" in path.name
+        else []
+    )
+    cfg = C.load_config(path, extra)
+    assert isinstance(cfg, C.Config)
+    assert C.from_dict(json.loads(json.dumps(C.to_dict(cfg)))) == cfg
+
+
+def test_overrides_are_parsed_by_type():
+    cfg = C.apply_overrides(
+        C.Config(),
+        [
+            "cppo.pruning_rate=0.875",
+            "cppo.allocation=true",
+            "cppo.num_generations=8",
+            "trainer.profile_steps=[2,4]",
+            "reward.funcs=gsm8k_accuracy,gsm8k_format",
+            "model.arch.hidden_size=96",
+            "rollout.vllm_url=http://127.0.0.1:8000",
+        ],
+    )
+    assert cfg.cppo.pruning_rate == 0.875 and cfg.cppo.allocation is True
+    assert cfg.cppo.num_generations == 8
+    assert cfg.trainer.profile_steps == (2, 4)
+    assert cfg.reward.funcs == ("gsm8k_accuracy", "gsm8k_format")
+    assert cfg.model.arch.hidden_size == 96
+    assert cfg.rollout.vllm_url == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    "override, culprit, allowed",
+    [
+        ("cppo.pruning_rate=1.0", "cppo.pruning_rate", "[0, 1)"),
+        ("cppo.pruning_rate=-0.1", "cppo.pruning_rate", "[0, 1)"),
+        ("cppo.num_generations=1", "cppo.num_generations", ">= 2"),
+        ("cppo.num_generations=abc", "cppo.num_generations", "integer"),
+        ("cppo.metric=median", "cppo.metric", "'smallest'"),
+        ("cppo.loss_type=sum", "cppo.loss_type", "'token_mean'"),
+        ("cppo.allocation=maybe", "cppo.allocation", "true or false"),
+        ("rollout.backend=ray", "rollout.backend", "'embedded'"),
+        ("rollout.top_p=0", "rollout.top_p", "(0, 1]"),
+        ("mesh.data=0", "mesh.data", "-1"),
+        ("model.arch.num_kv_heads=3", "model.arch.num_kv_heads", "divisor"),
+        ("trainer.run_name=../../etc", "trainer.run_name", "plain folder name"),
+        ("reward.weights=1.0", "reward.weights", "one weight per reward function"),
+    ],
+)
+def test_bad_values_name_key_value_and_allowed(override, culprit, allowed):
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_overrides(C.Config(), [override])
+    msg = str(e.value)
+    assert culprit in msg and allowed in msg
+    assert override.split("=", 1)[1].strip("[]") in msg
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(
+        C.ConfigError, match=r"unknown config key 'cppo\.prunning_rate'.*pruning_rate"
+    ):
+        C.apply_overrides(C.Config(), ["cppo.prunning_rate=0.5"])
+    with pytest.raises(C.ConfigError, match="unknown config key 'nope.x'"):
+        C.apply_overrides(C.Config(), ["nope.x=1"])
+
+
+def test_malformed_override_and_sections():
+    with pytest.raises(C.ConfigError, match="malformed"):
+        C.apply_overrides(C.Config(), ["cppo.pruning_rate"])
+    with pytest.raises(C.ConfigError, match="is a section"):
+        C.apply_overrides(C.Config(), ["cppo=1"])
+
+
+def test_cross_field_rules():
+    with pytest.raises(C.ConfigError, match="rollout.vllm_url"):
+        C.apply_overrides(C.Config(), ["rollout.backend=vllm"])
+    with pytest.raises(C.ConfigError, match="nothing to overlap"):
+        C.apply_overrides(C.Config(), ["rollout.overlap=1"])
+
+
+def test_config_files_errors(tmp_path):
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        C.load_config(tmp_path / "missing.py")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def get_config(:\n")
+    with pytest.raises(C.ConfigError, match="bad.py.*failed to load"):
+        C.load_config(bad)
+    none = tmp_path / "none.py"
+    none.write_text("x = 1\n")
+    with pytest.raises(C.ConfigError, match="defines no get_config"):
+        C.load_config(none)
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("def get_config():\n    return {'cppo': {}}\n")
+    with pytest.raises(C.ConfigError, match="returned dict, expected Config"):
+        C.load_config(wrong)
+
+
+def test_from_dict_rejects_unknown_and_mistyped_keys():
+    with pytest.raises(C.ConfigError, match="unknown config key 'cppo.bogus'"):
+        C.from_dict({"cppo": {"bogus": 1}})
+    with pytest.raises(C.ConfigError, match="'cppo.num_generations' = '16'.*int"):
+        C.from_dict({"cppo": {"num_generations": "16"}})
