@@ -1,0 +1,328 @@
+"""Hugging Face checkpoint folders <-> `Transformer` (safetensors, numpy API, no torch).
+
+Only local folders are read: a path that is not a directory raises FileNotFoundError and is never
+looked up on the hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from cppo_jax.models.transformer import Transformer, TransformerConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_RAW_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One HF tensor and the NNX parameter it becomes.
+
+    `n_in` is None for a plain reshape (embeddings, norms, biases); otherwise the entry is a
+    torch linear weight [out, in] whose NNX layout puts the first `n_in` dims as inputs.
+    """
+
+    hf_name: str
+    path: tuple
+    nnx_shape: tuple[int, ...]
+    hf_shape: tuple[int, ...]
+    n_in: int | None = None
+
+    def to_nnx(self, w: np.ndarray) -> np.ndarray:
+        return (w.T if self.n_in else w).reshape(self.nnx_shape)
+
+    def to_hf(self, p: np.ndarray) -> np.ndarray:
+        if self.n_in:
+            p = p.reshape(math.prod(self.nnx_shape[: self.n_in]), -1).T
+        return np.ascontiguousarray(p.reshape(self.hf_shape))
+
+
+def _linear(hf_name, path, nnx_shape, n_in) -> _Entry:
+    hf_shape = (math.prod(nnx_shape[n_in:]), math.prod(nnx_shape[:n_in]))
+    return _Entry(hf_name, path, tuple(nnx_shape), hf_shape, n_in)
+
+
+def _plain(hf_name, path, nnx_shape, hf_shape=None) -> _Entry:
+    return _Entry(hf_name, path, tuple(nnx_shape), tuple(hf_shape or nnx_shape))
+
+
+def name_table(cfg: TransformerConfig) -> list[_Entry]:
+    """Every HF tensor of `cfg`'s checkpoint (without the tied lm_head) and its NNX parameter."""
+    V, D, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+    H, J, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    table = [
+        _plain("model.embed_tokens.weight", ("embed_VD",), (V, D)),
+        _plain("model.norm.weight", ("final_norm", "scale_D"), (D,)),
+    ]
+    if not cfg.tie_word_embeddings:
+        table.append(_linear("lm_head.weight", ("lm_head_DV",), (D, V), 1))
+    for i in range(cfg.num_layers):
+        hf, nn = f"model.layers.{i}.", ("layers", i)
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        table += [
+            _plain(hf + "input_layernorm.weight", (*nn, "attn_norm", "scale_D"), (D,)),
+            _plain(hf + "post_attention_layernorm.weight", (*nn, "mlp_norm", "scale_D"), (D,)),
+            _linear(attn + "q_proj.weight", (*nn, "attn", "q_DHE"), (D, H, E), 1),
+            _linear(attn + "k_proj.weight", (*nn, "attn", "k_DJE"), (D, J, E), 1),
+            _linear(attn + "v_proj.weight", (*nn, "attn", "v_DJE"), (D, J, E), 1),
+            _linear(attn + "o_proj.weight", (*nn, "attn", "o_HED"), (H, E, D), 2),
+            _linear(mlp + "gate_proj.weight", (*nn, "mlp", "gate_DF"), (D, F), 1),
+            _linear(mlp + "up_proj.weight", (*nn, "mlp", "up_DF"), (D, F), 1),
+            _linear(mlp + "down_proj.weight", (*nn, "mlp", "down_FD"), (F, D), 1),
+        ]
+        if cfg.attention_bias:
+            table += [
+                _plain(attn + "q_proj.bias", (*nn, "attn", "q_bias_HE"), (H, E), (H * E,)),
+                _plain(attn + "k_proj.bias", (*nn, "attn", "k_bias_JE"), (J, E), (J * E,)),
+                _plain(attn + "v_proj.bias", (*nn, "attn", "v_bias_JE"), (J, E), (J * E,)),
+            ]
+        if cfg.attention_bias and cfg.arch == "llama":
+            table.append(_plain(attn + "o_proj.bias", (*nn, "attn", "o_bias_D"), (D,)))
+    return table
+
+
+def _ignored(name: str, cfg: TransformerConfig) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (
+        cfg.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Model <-> dict of HF tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    """All parameters as HF-named numpy arrays (torch layouts) in the param dtype.
+
+    Tied models also get `lm_head.weight`, a copy of the embedding (vLLM needs it on reload).
+    """
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {
+        e.hf_name: e.to_hf(np.asarray(params[e.path].get_value())) for e in name_table(model.cfg)
+    }
+    if model.cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    return tensors
+
+
+def hf_tensors_to_model(
+    cfg: TransformerConfig,
+    tensors: dict[str, np.ndarray],
+    *,
+    sources: dict[str, str] | None = None,
+    default_source: str = "<tensors>",
+    mesh: jax.sharding.Mesh | None = None,
+) -> Transformer:
+    """Builds a `Transformer` from HF-named tensors (inverse of `state_to_hf_tensors`).
+
+    Every tensor is checked (missing, wrong shape, unexpected) before any parameter is built.
+    `sources` maps tensor names to the file they came from, for error messages (a missing
+    tensor is reported against `default_source`). With a `mesh`,
+    parameters are placed replicated on it (sharding rules come later).
+    """
+    sources = sources or {}
+    where = lambda name: sources.get(name, default_source)  # noqa: E731
+    table = name_table(cfg)
+    known = {e.hf_name for e in table}
+    for name in tensors:
+        if name not in known and not _ignored(name, cfg):
+            raise ValueError(f"{where(name)}: unexpected tensor {name!r} for a {cfg.arch} model")
+    for e in table:
+        if e.hf_name not in tensors:
+            raise ValueError(f"{where(e.hf_name)}: tensor {e.hf_name!r} is missing")
+        got = tuple(tensors[e.hf_name].shape)
+        if got != e.hf_shape:
+            raise ValueError(
+                f"{where(e.hf_name)}: tensor {e.hf_name!r} has shape {got}, expected {e.hf_shape}"
+            )
+    dtype = cfg.weight_dtype
+    sharding = (
+        None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    values = {}
+    for e in table:
+        value = jnp.asarray(e.to_nnx(np.asarray(tensors[e.hf_name])), dtype=dtype)
+        values[e.path] = value if sharding is None else jax.device_put(value, sharding)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = [(path, var.replace(values[path])) for path, var in nnx.to_flat_state(abstract_state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def read_raw_tensor(file: str | Path, name: str) -> np.ndarray:
+    """Reads one tensor by parsing the safetensors layout (fallback for dtypes numpy lacks)."""
+    with open(file, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        info = json.loads(fh.read(header_len))[name]
+        start, end = info["data_offsets"]
+        fh.seek(8 + header_len + start)
+        data = fh.read(end - start)
+    if len(data) != end - start:
+        raise ValueError(f"{file}: tensor {name!r} is truncated")
+    return np.frombuffer(data, dtype=_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _read_file(file: Path) -> dict[str, np.ndarray]:
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            names = list(f.keys())
+            out = {}
+            for name in names:
+                try:
+                    out[name] = f.get_tensor(name)
+                except Exception as err:
+                    if f.get_slice(name).get_dtype() not in _RAW_DTYPES:
+                        raise ValueError(f"{file}: cannot read tensor {name!r}: {err}") from err
+                    out[name] = read_raw_tensor(file, name)
+            return out
+    except ValueError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
+
+
+def read_hf_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Reads every tensor of a local HF folder: (tensors, tensor name -> file path)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{index}: not a valid safetensors index ({err})") from err
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            if not (folder / file).is_file():
+                raise FileNotFoundError(
+                    f"{folder / file}: shard listed in {index.name} (tensor {names[0]!r}) not found"
+                )
+    elif (folder / SINGLE_FILE).is_file():
+        by_file = {SINGLE_FILE: None}
+    else:
+        raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    tensors, sources = {}, {}
+    for file, names in by_file.items():
+        loaded = _read_file(folder / file)
+        for name in names or []:
+            if name not in loaded:
+                raise ValueError(
+                    f"{folder / file}: tensor {name!r} listed in {INDEX_FILE} is missing"
+                )
+        for name, value in loaded.items():
+            tensors[name] = value
+            sources[name] = str(folder / file)
+    return tensors, sources
+
+
+def read_hf_config(path: str | Path, **overrides) -> TransformerConfig:
+    """The `TransformerConfig` of a local HF folder's config.json."""
+    config_file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: not found")
+    try:
+        return TransformerConfig.from_hf_dict(json.loads(config_file.read_text()), **overrides)
+    except ValueError as err:
+        raise ValueError(f"{config_file}: {err}") from err
+
+
+def load_hf(
+    path: str | Path,
+    dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    param_dtype: str = "float32",
+) -> Transformer:
+    """Loads a local HF folder (single or sharded safetensors) as a `Transformer`.
+
+    `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters.
+    """
+    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype)
+    tensors, sources = read_hf_tensors(path)
+    index = Path(path) / INDEX_FILE
+    default = index if index.is_file() else Path(path) / SINGLE_FILE
+    return hf_tensors_to_model(
+        cfg, tensors, sources=sources, default_source=str(default), mesh=mesh
+    )
+
+
+def save_hf(
+    model: Transformer,
+    path: str | Path,
+    extra_config: dict | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Writes `config.json` and `model.safetensors` (HF names, param dtype), atomically.
+
+    The folder is built beside `path` and renamed into place; an existing `path` is replaced
+    only once the new folder is complete. Tokenizer files from `tokenizer_dir` are copied along.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        save_file(state_to_hf_tensors(model), str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        config = model.cfg.to_hf_dict(**(extra_config or {}))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            tok_dir = Path(tokenizer_dir)
+            if not tok_dir.is_dir():
+                raise FileNotFoundError(f"tokenizer folder not found: {tok_dir}")
+            for file in sorted(tok_dir.iterdir()):
+                if file.is_file() and file.name in TOKENIZER_FILES:
+                    shutil.copy2(file, tmp / file.name)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, old / path.name)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -1,0 +1,462 @@
+"""Flax NNX decoder for Qwen2/Qwen2.5 and Llama checkpoints, with a slot-indexed KV cache.
+
+Letters (see docs/conventions.md): B batch, T tokens, S cache slots, D model width, F MLP width,
+H query heads, J key/value heads, E head dim, V vocabulary, L layers; locally R = H // J query heads
+per key/value head.
+
+Attention rule: query slot i may attend key slot j iff j <= i and key j is valid. Without a cache
+the slots are the T positions of the input; with a cache they are the S cache slots, and the T new
+tokens occupy slots [index, index + T).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+# Large finite negative for masked scores: fully masked rows (padding queries) stay finite.
+_MASKED = -1e30
+_INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture and numerics of a Qwen2 or Llama decoder.
+
+    `attention_bias` defaults to the architecture's choice (qwen2: q/k/v biases; llama: none).
+    For llama, `attention_bias=True` also adds an o_proj bias, as Hugging Face does.
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool | None = None
+    max_position_embeddings: int = 32768
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.arch not in HF_ARCHITECTURES:
+            raise ValueError(f"arch: unknown {self.arch!r}; supported: {sorted(HF_ARCHITECTURES)}")
+        if self.attention_bias is None:
+            object.__setattr__(self, "attention_bias", self.arch == "qwen2")
+        if self.arch == "qwen2" and not self.attention_bias:
+            raise ValueError("attention_bias: qwen2 always has q/k/v biases; it must be True")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(
+                    f"{name}: unknown {getattr(self, name)!r}; supported: {sorted(DTYPES)}"
+                )
+
+    @property
+    def compute_dtype(self) -> Any:
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> Any:
+        return DTYPES[self.param_dtype]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, **overrides) -> TransformerConfig:
+        """Builds a config from a Hugging Face `config.json` dict; `overrides` replace fields."""
+        model_type = d.get("model_type")
+        archs = list(d.get("architectures") or [])
+        supported = ", ".join(f"{a} ({t})" for t, a in HF_ARCHITECTURES.items())
+        if model_type not in HF_ARCHITECTURES or any(
+            a != HF_ARCHITECTURES[model_type] for a in archs
+        ):
+            raise ValueError(
+                f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}); "
+                f"supported: {supported}"
+            )
+        if d.get("rope_scaling") is not None:
+            raise ValueError(f"rope_scaling {d['rope_scaling']!r} is not supported (only None)")
+        rope_theta = d.get("rope_theta", 10000.0)
+        rope_parameters = d.get("rope_parameters")
+        if rope_parameters:
+            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"rope_parameters: rope_type {rope_type!r} is not supported")
+            rope_theta = rope_parameters.get("rope_theta", rope_theta)
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("use_sliding_window"):
+            raise ValueError("use_sliding_window: sliding-window attention is not supported")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+
+        def need(key):
+            if key not in d:
+                raise ValueError(f"config is missing {key!r}")
+            return d[key]
+
+        heads = need("num_attention_heads")
+        kwargs = dict(
+            arch=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or need("hidden_size") // heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_dict(self, **extra) -> dict:
+        """A `config.json` dict that transformers and vLLM load; `extra` keys are added last."""
+        d = {
+            "architectures": [HF_ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.param_dtype,
+            "use_cache": True,
+        }
+        if self.arch == "llama":
+            d.update(attention_bias=self.attention_bias, mlp_bias=False)
+        else:
+            d.update(use_sliding_window=False, sliding_window=None)
+        d.update(extra)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """The one place activations get logical sharding constraints (none yet: identity)."""
+    del names
+    return x
+
+
+def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
+    """A parameter annotated with logical axis names (metadata only; placed by a later pass)."""
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
+    """cos/sin tables [B, T, E] in float32, Hugging Face's rotate_half layout."""
+    inv_freq_K = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    angle_BTK = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K, jnp.float32)
+    angle_BTE = jnp.concatenate([angle_BTK, angle_BTK], axis=-1)
+    return jnp.cos(angle_BTE), jnp.sin(angle_BTE)
+
+
+def apply_rope(x_BTHE: jax.Array, cos_BTE: jax.Array, sin_BTE: jax.Array) -> jax.Array:
+    """Rotates each head: x * cos + rotate_half(x) * sin, computed in float32."""
+    x_BTHE32 = x_BTHE.astype(jnp.float32)
+    x1, x2 = jnp.split(x_BTHE32, 2, axis=-1)
+    rotated_BTHE = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_BTHE32 * cos_BTE[:, :, None, :] + rotated_BTHE * sin_BTE[:, :, None, :]
+    return out.astype(x_BTHE.dtype)
+
+
+def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
+    """Grouped-query softmax attention; scores and softmax in float32."""
+    B, T, H, E = q_BTHE.shape
+    J = k_BSJE.shape[2]
+    q_BTJRE = q_BTHE.reshape(B, T, J, H // J, E)
+    scores_BJRTS = jnp.einsum(
+        "btjre,bsje->bjrts", q_BTJRE, k_BSJE, preferred_element_type=jnp.float32
+    ) * (E**-0.5)
+    scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, _MASKED)
+    probs_BJRTS = jax.nn.softmax(scores_BJRTS, axis=-1).astype(v_BSJE.dtype)
+    out_BTJRE = jnp.einsum("bjrts,bsje->btjre", probs_BJRTS, v_BSJE)
+    return out_BTJRE.reshape(B, T, H, E)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Cache:
+    """Per-layer keys/values for S slots, which slots hold real tokens, and the next slot."""
+
+    k_LBSJE: jax.Array
+    v_LBSJE: jax.Array
+    valid_BS: jax.Array
+    index: jax.Array
+
+    def repeat(self, n: int) -> Cache:
+        return repeat_cache(self, n)
+
+    def write_kv(self, layer: int, k_BTJE: jax.Array, v_BTJE: jax.Array) -> Cache:
+        """Writes one layer's new keys/values at slots [index, index + T)."""
+        zero = jnp.zeros((), jnp.int32)
+        start = (jnp.asarray(layer, jnp.int32), zero, self.index, zero, zero)
+        k = jax.lax.dynamic_update_slice(
+            self.k_LBSJE, k_BTJE[None].astype(self.k_LBSJE.dtype), start
+        )
+        v = jax.lax.dynamic_update_slice(
+            self.v_LBSJE, v_BTJE[None].astype(self.v_LBSJE.dtype), start
+        )
+        return self.replace(k_LBSJE=k, v_LBSJE=v)
+
+
+def init_cache(cfg: TransformerConfig, batch: int, max_len: int, dtype=None) -> Cache:
+    """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
+    dtype = DTYPES.get(dtype, dtype) if dtype is not None else cfg.compute_dtype
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return Cache(
+        k_LBSJE=jnp.zeros(shape, dtype),
+        v_LBSJE=jnp.zeros(shape, dtype),
+        valid_BS=jnp.zeros((batch, max_len), jnp.bool_),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def repeat_cache(cache: Cache, n: int) -> Cache:
+    """Repeats each batch row n times consecutively (row b -> rows b*n .. b*n+n-1)."""
+    return cache.replace(
+        k_LBSJE=jnp.repeat(cache.k_LBSJE, n, axis=1),
+        v_LBSJE=jnp.repeat(cache.v_LBSJE, n, axis=1),
+        valid_BS=jnp.repeat(cache.valid_BS, n, axis=0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: TransformerConfig):
+        self.eps = cfg.rms_norm_eps
+        self.scale_D = _param(jnp.ones((cfg.hidden_size,), cfg.weight_dtype), ("norm",))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x32 = x_BTD.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale_D[...].astype(x_BTD.dtype) * normed.astype(x_BTD.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        D, H, J, E, pdt = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.weight_dtype,
+        )
+        self.cfg = cfg
+        self.q_DHE = _param(_normal(rngs, (D, H, E), pdt), ("embed", "q_heads", "head_dim"))
+        self.k_DJE = _param(_normal(rngs, (D, J, E), pdt), ("embed", "kv_heads", "head_dim"))
+        self.v_DJE = _param(_normal(rngs, (D, J, E), pdt), ("embed", "kv_heads", "head_dim"))
+        self.o_HED = _param(_normal(rngs, (H, E, D), pdt), ("q_heads", "head_dim", "embed"))
+        if cfg.attention_bias:
+            self.q_bias_HE = _param(jnp.zeros((H, E), pdt), ("q_heads", "head_dim"))
+            self.k_bias_JE = _param(jnp.zeros((J, E), pdt), ("kv_heads", "head_dim"))
+            self.v_bias_JE = _param(jnp.zeros((J, E), pdt), ("kv_heads", "head_dim"))
+        if cfg.attention_bias and cfg.arch == "llama":
+            self.o_bias_D = _param(jnp.zeros((D,), pdt), ("embed",))
+
+    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer: int):
+        dt = x_BTD.dtype
+        q_BTHE = jnp.einsum("btd,dhe->bthe", x_BTD, self.q_DHE[...].astype(dt))
+        k_BTJE = jnp.einsum("btd,dje->btje", x_BTD, self.k_DJE[...].astype(dt))
+        v_BTJE = jnp.einsum("btd,dje->btje", x_BTD, self.v_DJE[...].astype(dt))
+        if self.cfg.attention_bias:
+            q_BTHE = q_BTHE + self.q_bias_HE[...].astype(dt)
+            k_BTJE = k_BTJE + self.k_bias_JE[...].astype(dt)
+            v_BTJE = v_BTJE + self.v_bias_JE[...].astype(dt)
+        q_BTHE = apply_rope(q_BTHE, cos_BTE, sin_BTE)
+        k_BTJE = apply_rope(k_BTJE, cos_BTE, sin_BTE)
+        if cache is None:
+            k_BSJE, v_BSJE = k_BTJE, v_BTJE
+        else:
+            cache = cache.write_kv(layer, k_BTJE, v_BTJE)
+            k_BSJE = cache.k_LBSJE[layer].astype(dt)
+            v_BSJE = cache.v_LBSJE[layer].astype(dt)
+        out_BTHE = attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS)
+        y_BTD = jnp.einsum("bthe,hed->btd", out_BTHE, self.o_HED[...].astype(dt))
+        if self.cfg.attention_bias and self.cfg.arch == "llama":
+            y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
+        return y_BTD, cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        D, F, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
+        self.gate_DF = _param(_normal(rngs, (D, F), pdt), ("embed", "mlp"))
+        self.up_DF = _param(_normal(rngs, (D, F), pdt), ("embed", "mlp"))
+        self.down_FD = _param(_normal(rngs, (F, D), pdt), ("mlp", "embed"))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_DF[...].astype(dt))
+        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_DF[...].astype(dt))
+        return jnp.einsum(
+            "btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down_FD[...].astype(dt)
+        )
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer):
+        y_BTD, cache = self.attn(self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer)
+        x_BTD = constrain(x_BTD + y_BTD, ("batch", None, "embed"))
+        x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), ("batch", None, "embed"))
+        return x_BTD, cache
+
+
+def _layer_fn(index: int, remat: bool):
+    """Calls layer `index` (a static int), optionally under nnx.remat."""
+
+    def run(layer: DecoderLayer, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache):
+        return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index)
+
+    return nnx.remat(run) if remat else run
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer (Qwen2 / Llama layout)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        V, D, pdt = cfg.vocab_size, cfg.hidden_size, cfg.weight_dtype
+        self.cfg = cfg
+        self.embed_VD = _param(_normal(rngs, (V, D), pdt), ("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head_DV = _param(_normal(rngs, (D, V), pdt), ("embed", "vocab"))
+
+    def unembed_weight(self) -> jax.Array:
+        """The output projection [D, V] (the embedding transposed when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_VD[...].T
+        return self.lm_head_DV[...]
+
+    def hidden(self, tokens_BT, positions_BT, valid_BT, cache: Cache | None = None):
+        """Final-normed hidden states [B, T, D] in the compute dtype, and the updated cache.
+
+        `valid_BT` marks real tokens (prompts left-padded, completions right-padded);
+        `positions_BT` are the RoPE positions, e.g. cumsum(valid) - 1 clipped at 0. With a cache,
+        the T tokens are written at slots [index, index + T) (the caller keeps index + T <= S)
+        and attend over all S slots; index advances by T. Without one, the cache stays None.
+        Padding queries see no valid key and get finite, meaningless outputs.
+        """
+        cfg = self.cfg
+        T = tokens_BT.shape[1]
+        x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0, mode="clip")
+        x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), ("batch", None, "embed"))
+        valid_BT = valid_BT.astype(jnp.bool_)
+        if cache is None:
+            query_slot_T = jnp.arange(T)
+            key_slot_S = jnp.arange(T)
+            valid_BS = valid_BT
+        else:
+            zero = jnp.zeros((), jnp.int32)
+            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (zero, cache.index))
+            cache = cache.replace(valid_BS=valid_BS)
+            query_slot_T = cache.index + jnp.arange(T, dtype=jnp.int32)
+            key_slot_S = jnp.arange(valid_BS.shape[1], dtype=jnp.int32)
+        causal_TS = key_slot_S[None, :] <= query_slot_T[:, None]
+        mask_BTS = causal_TS[None] & valid_BS[:, None, :]
+        cos_BTE, sin_BTE = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
+        for index, layer in enumerate(self.layers):
+            run = _layer_fn(index, cfg.remat)
+            x_BTD, cache = run(layer, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache)
+        h_BTD = self.final_norm(x_BTD)
+        if cache is not None:
+            cache = cache.replace(index=cache.index + T)
+        return h_BTD, cache
+
+    def __call__(self, tokens_BT, positions_BT, valid_BT, cache: Cache | None = None):
+        """Float32 logits [B, T, V] and the updated cache."""
+        h_BTD, cache = self.hidden(tokens_BT, positions_BT, valid_BT, cache)
+        w_DV = self.unembed_weight().astype(h_BTD.dtype)
+        logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("batch", None, "vocab")), cache
+
+
+def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model: N(0, 0.02) weights, unit norms, zero biases.
+
+    Values come from NumPy's generator (no per-shape XLA compiles, which dominate start-up on
+    CPU), so they differ from `Transformer(cfg, rngs=nnx.Rngs(seed))`, whose initialiser is the same.
+    """
+    rng = np.random.default_rng(seed)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        shape, dtype = var.get_value().shape, var.get_value().dtype
+        if path[-1] == "scale_D":
+            value = np.ones(shape, np.float32)
+        elif "bias" in str(path[-1]):
+            value = np.zeros(shape, np.float32)
+        else:
+            value = _INIT_STD * rng.standard_normal(shape, np.float32)
+        flat.append((path, var.replace(jnp.asarray(value, dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

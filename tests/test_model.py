@@ -1,0 +1,279 @@
+"""The NNX decoder: parity with transformers, KV cache, remat, bf16, config handling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cppo_jax.models import TransformerConfig, init_cache, init_model, load_hf, repeat_cache
+
+try:
+    import helpers
+except ImportError:  # pragma: no cover - run as a package
+    from tests import helpers
+
+PROMPTS = [[5, 17, 33, 101, 250, 7, 64], [9, 200, 3], [44, 45, 46, 47, 48], [128]]
+LOGICAL_AXES = {"vocab", "embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm"}
+
+
+small_config = helpers.tiny_config
+scrambled_model = helpers.random_model
+STEPS = 16
+TRACES: list[tuple] = []  # one entry per trace of `forward_cache`
+
+
+def forward(model, tokens_BT, positions_BT, valid_BT):
+    """Jitted no-cache forward logits (compiles shared with other test files)."""
+    return helpers.forward(model, tokens_BT, positions_BT, valid_BT)[0]
+
+
+@nnx.jit
+def forward_cache(model, tokens_BT, positions_BT, valid_BT, cache):
+    """Jitted forward through a KV cache: (logits, cache). Shared by tests to share compiles."""
+    TRACES.append(tokens_BT.shape)
+    return model(tokens_BT, positions_BT, valid_BT, cache)
+
+
+def greedy_with_cache(model, prompts, steps: int = STEPS):
+    """Greedy decoding: one prefill, then `steps - 1` one-token steps. (tokens_BC, logits_BCV)."""
+    tokens_BP, valid_BP, positions_BP = helpers.left_pad(prompts)
+    B, P = tokens_BP.shape
+    cache = init_cache(model.cfg, B, P + steps, jnp.float32)
+    logits_BTV, cache = forward_cache(model, tokens_BP, positions_BP, valid_BP, cache)
+    position_B = jnp.asarray(valid_BP.sum(axis=1), jnp.int32)
+    step_logits = [logits_BTV[:, -1]]
+    out = [jnp.argmax(step_logits[-1], axis=-1)]
+    for c in range(steps - 1):
+        if c == 1:
+            traces_after_first_step = len(TRACES)
+        logits_BTV, cache = forward_cache(
+            model, out[-1][:, None], position_B[:, None] + c, jnp.ones((B, 1), bool), cache
+        )
+        step_logits.append(logits_BTV[:, -1])
+        out.append(jnp.argmax(step_logits[-1], axis=-1))
+    assert len(TRACES) == traces_after_first_step  # the decode step never retraces
+    assert int(cache.index) == P + steps - 1
+    return np.stack(out, axis=1), np.stack(step_logits, axis=1)
+
+
+def greedy_hf(hf_model, prompts, steps: int = STEPS):
+    """Greedy decoding with full transformers forwards on the growing left-padded batch."""
+    seqs = [list(p) for p in prompts]
+    out, step_logits = [], []
+    for _ in range(steps):
+        tokens_BT, valid_BT, _ = helpers.left_pad(seqs)
+        step_logits.append(helpers.hf_logits(hf_model, tokens_BT, valid_BT)[:, -1])
+        out.append(step_logits[-1].argmax(-1))
+        for s, t in zip(seqs, out[-1]):
+            s.append(int(t))
+    return np.stack(out, axis=1), np.stack(step_logits, axis=1)
+
+
+# Covers qwen2 tied/untied, llama, and GQA ratios 2, 4 and 1 (in that order).
+@pytest.mark.parametrize(
+    "arch,tied,heads,kv_heads",
+    [("qwen2", True, 4, 2), ("qwen2", False, 4, 1), ("llama", False, 4, 4)],
+)
+def test_logit_and_greedy_parity_with_transformers(tmp_path, arch, tied, heads, kv_heads):
+    path = helpers.make_hf_checkpoint(
+        tmp_path, arch=arch, tied=tied, heads=heads, kv_heads=kv_heads
+    )
+    hf_model = helpers.load_hf_torch(path)
+    model = load_hf(path)
+    assert model.cfg.arch == arch and model.cfg.tie_word_embeddings == tied
+    tokens_BT, valid_BT, positions_BT = helpers.left_pad(PROMPTS)
+    ours_BTV = np.asarray(forward(model, tokens_BT, positions_BT, valid_BT))
+    ref_BTV = helpers.hf_logits(hf_model, tokens_BT, valid_BT)
+    assert np.isfinite(ours_BTV).all()
+    diff = np.abs(ours_BTV - ref_BTV)[valid_BT]
+    assert diff.max() < 1e-4, diff.max()
+    assert np.abs(ref_BTV[valid_BT]).std() > 0.5  # non-trivial logits
+
+    ours_tokens, ours_logits = greedy_with_cache(model, PROMPTS)
+    ref_tokens, ref_logits = greedy_hf(hf_model, PROMPTS)
+    np.testing.assert_array_equal(ours_tokens, ref_tokens)
+    np.testing.assert_allclose(ours_logits, ref_logits, atol=1e-4)
+
+
+def test_cache_decode_matches_full_forward():
+    cfg = small_config()
+    model = scrambled_model(cfg, seed=3)
+    tokens_BP, valid_BP, positions_BP = helpers.left_pad(PROMPTS)
+    B, P = tokens_BP.shape
+    C = 6
+    cont_BC = np.asarray(jax.random.randint(jax.random.key(7), (B, C), 0, cfg.vocab_size), np.int32)
+    full_tokens = np.concatenate([tokens_BP, cont_BC], axis=1)
+    full_valid = np.concatenate([valid_BP, np.ones((B, C), bool)], axis=1)
+    full_positions = np.maximum(np.cumsum(full_valid, axis=1) - 1, 0)
+    full_BTV = np.asarray(forward(model, full_tokens, full_positions, full_valid))
+    assert model(full_tokens[:1, :2], full_positions[:1, :2], full_valid[:1, :2])[1] is None
+
+    cache = init_cache(cfg, B, P + STEPS)  # spare slots stay invalid
+    prefill_BPV, cache = forward_cache(model, tokens_BP, positions_BP, valid_BP, cache)
+    np.testing.assert_allclose(
+        np.asarray(prefill_BPV)[valid_BP], full_BTV[:, :P][valid_BP], atol=1e-5
+    )
+    assert int(cache.index) == P
+    n_traces = len(TRACES)
+    for c in range(C):
+        logits_B1V, cache = forward_cache(
+            model,
+            cont_BC[:, c : c + 1],
+            full_positions[:, P + c : P + c + 1],
+            np.ones((B, 1), bool),
+            cache,
+        )
+        np.testing.assert_allclose(logits_B1V[:, 0], full_BTV[:, P + c], atol=1e-5)
+    assert len(TRACES) <= n_traces + 1  # at most one decode compile for all steps
+    assert int(cache.index) == P + C
+    np.testing.assert_array_equal(np.asarray(cache.valid_BS)[:, : P + C], full_valid)
+    assert not np.asarray(cache.valid_BS)[:, P + C :].any()
+
+
+def test_decode_step_under_jax_jit_compiles_once():
+    """A plain jax.jit over (state, cache) with a traced index: one trace for all steps."""
+    model = scrambled_model(small_config(), seed=6)
+    graphdef, state = nnx.split(model)
+    traces = []
+
+    @jax.jit
+    def step(state, token_B1, position_B1, cache):
+        traces.append(None)
+        m = nnx.merge(graphdef, state)
+        return m(token_B1, position_B1, jnp.ones_like(token_B1, bool), cache)
+
+    cache = init_cache(model.cfg, 2, 5)
+    for i in range(4):
+        tok = jnp.full((2, 1), i + 3, jnp.int32)
+        _, cache = step(state, tok, jnp.full((2, 1), i, jnp.int32), cache)
+    assert len(traces) == 1 and int(cache.index) == 4
+    if hasattr(step, "_cache_size"):
+        assert step._cache_size() == 1
+
+
+def test_repeat_cache_shares_prefill():
+    cfg = small_config()
+    model = scrambled_model(cfg, seed=5)
+    n = 3
+    prompts = PROMPTS[:2]
+    tokens_BP, valid_BP, positions_BP = helpers.left_pad(prompts)
+    P = tokens_BP.shape[1]
+    _, cache = forward_cache(model, tokens_BP, positions_BP, valid_BP, init_cache(cfg, 2, P + 2))
+    shared = repeat_cache(cache, n)
+    assert shared.k_LBSJE.shape[1] == 2 * n and int(shared.index) == P
+    tokens_NP, valid_NP, positions_NP = helpers.left_pad([p for p in prompts for _ in range(n)])
+    _, direct = forward_cache(
+        model, tokens_NP, positions_NP, valid_NP, init_cache(cfg, 2 * n, P + 2)
+    )
+    np.testing.assert_allclose(shared.k_LBSJE, direct.k_LBSJE, atol=1e-6)
+    np.testing.assert_array_equal(shared.valid_BS, direct.valid_BS)
+    assert jax.tree.structure(cache.repeat(n)) == jax.tree.structure(shared)
+
+    next_N1 = np.arange(2 * n, dtype=np.int32)[:, None] + 10  # different token per sample
+    pos_N1 = valid_NP.sum(axis=1, keepdims=True).astype(np.int32)
+    a, _ = forward_cache(model, next_N1, pos_N1, np.ones((2 * n, 1), bool), shared)
+    b, _ = forward_cache(model, next_N1, pos_N1, np.ones((2 * n, 1), bool), direct)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_padding_is_finite_and_ignored():
+    cfg = small_config()
+    model = scrambled_model(cfg, seed=2)
+    tokens_BT, valid_BT, positions_BT = helpers.left_pad(PROMPTS)
+    logits_BTV = forward(model, tokens_BT, positions_BT, valid_BT)
+    assert np.isfinite(np.asarray(logits_BTV)).all()
+    # Changing what sits in padding slots (even an out-of-range id) changes no valid logit.
+    other = np.where(valid_BT, tokens_BT, 999)
+    other_BTV = forward(model, other, positions_BT, valid_BT)
+    np.testing.assert_allclose(
+        np.asarray(other_BTV)[valid_BT], np.asarray(logits_BTV)[valid_BT], atol=1e-6
+    )
+    # Completion-style right padding: a trailing invalid slot never affects earlier ones.
+    valid_r = valid_BT.copy()
+    valid_r[:, -1] = False
+    right_BTV = forward(model, tokens_BT, positions_BT, valid_r)
+    keep = valid_BT[:, :-1]
+    np.testing.assert_allclose(
+        np.asarray(right_BTV)[:, :-1][keep], np.asarray(logits_BTV)[:, :-1][keep], atol=1e-6
+    )
+
+
+def test_remat_matches_and_differentiates():
+    model = scrambled_model(small_config(num_layers=1), seed=1)
+    remat_model = scrambled_model(small_config(num_layers=1, remat=True), seed=1)
+    tokens_BT, valid_BT, positions_BT = helpers.left_pad(PROMPTS[:2])
+
+    def loss(m):
+        h_BTD, _ = m.hidden(tokens_BT, positions_BT, valid_BT)
+        return jnp.sum(jnp.where(valid_BT[..., None], h_BTD, 0.0) ** 2)
+
+    grad = nnx.jit(nnx.grad(loss))
+    g_plain = jax.tree.leaves(grad(model))
+    g_remat = jax.tree.leaves(grad(remat_model))
+    for a, b in zip(g_plain, g_remat):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert np.isfinite(np.asarray(a)).all()
+
+
+def test_bf16_compute_close_to_fp32():
+    model = scrambled_model(small_config(), seed=4)
+    bf16 = scrambled_model(small_config(dtype="bfloat16"), seed=4)
+    tokens_BT, valid_BT, positions_BT = helpers.left_pad(PROMPTS)
+    ref = forward(model, tokens_BT, positions_BT, valid_BT)
+    out, cache = forward_cache(bf16, tokens_BT, positions_BT, valid_BT, init_cache(bf16.cfg, 4, 8))
+    h = nnx.eval_shape(lambda m: m.hidden(tokens_BT, positions_BT, valid_BT)[0], bf16)
+    assert out.dtype == jnp.float32 and h.dtype == jnp.bfloat16
+    ref, out = np.asarray(ref)[valid_BT], np.asarray(out)[valid_BT]
+    assert np.abs(out - ref).max() < 0.05 * np.abs(ref).max()
+    assert cache.k_LBSJE.dtype == jnp.bfloat16
+
+
+def test_unembed_weight_and_logical_axes():
+    for tied in (True, False):
+        model = init_model(small_config(tie_word_embeddings=tied), seed=0)
+        w_DV = model.unembed_weight()
+        assert w_DV.shape == (37, 257)
+        if tied:
+            np.testing.assert_array_equal(w_DV, model.embed_VD[...].T)
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            names = var.get_metadata()["out_sharding"]
+            assert len(names) == var.get_value().ndim, path
+            assert set(names) <= LOGICAL_AXES, path
+
+
+def test_config_validation_names_the_field():
+    for overrides, field in [
+        (dict(num_kv_heads=3), "num_heads"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(arch="gpt2"), "arch"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(param_dtype="int8"), "param_dtype"),
+        (dict(head_dim=9), "head_dim"),
+        (dict(attention_bias=False), "attention_bias"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            small_config(**overrides)
+    assert small_config(arch="llama", hidden_size=44).attention_bias is False
+
+
+def test_config_hf_dict_roundtrip_and_rejections():
+    cfg = small_config(rope_theta=5000.0, tie_word_embeddings=False)
+    d = cfg.to_hf_dict(bos_token_id=1, eos_token_id=2)
+    assert d["architectures"] == ["Qwen2ForCausalLM"] and d["eos_token_id"] == 2
+    assert TransformerConfig.from_hf_dict(d) == cfg
+    assert TransformerConfig.from_hf_dict(d, dtype="bfloat16").dtype == "bfloat16"
+    llama = small_config(arch="llama", hidden_size=44)
+    assert TransformerConfig.from_hf_dict(llama.to_hf_dict()) == llama
+    # transformers 5 style rope_parameters
+    d5 = dict(d, rope_parameters={"rope_type": "default", "rope_theta": 7.0})
+    del d5["rope_theta"]
+    assert TransformerConfig.from_hf_dict(d5).rope_theta == 7.0
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        TransformerConfig.from_hf_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        TransformerConfig.from_hf_dict(dict(d, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="llama3"):
+        TransformerConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "llama3"}))
