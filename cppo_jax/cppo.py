@@ -1,0 +1,202 @@
+"""The CPPO algorithm core: group advantages and completion pruning (pure, jit-friendly).
+
+One CPPO step, in order (docs/CPPO_SPEC.md section 1):
+
+1. Draw Q questions: Q = floor(b / (1 - p)) with dynamic allocation, else Q = b (`num_questions`).
+2. Roll out G completions per question.
+3. Score them: rewards_QG (`check_rewards` on the host, `nonfinite_questions` in the graph).
+4. Group advantages A = (r - group mean) / (std + eps), std with ddof=1 (`group_advantages`).
+5. Prune: keep per question the k = max(1, floor(G (1 - p))) completions with the largest |A|
+   (`num_kept`, `keep_indices`, `gather_kept`); `keep_indices_batch` is the released code's
+   one top-k over the whole flattened batch (`pruning.scope = "batch"`).
+6. Reference and old-policy forward passes on the kept Q * k completions only.
+7. mu policy updates on the kept completions (the loss lives in `cppo_jax.loss`).
+
+Letters: Q questions, G completions per question, K kept per question, N = Q * G flattened,
+b questions per step of plain GRPO, p pruning rate in [0, 1), k (= K) kept per question.
+
+Selection is exact and reproducible: candidates are ranked by a stable sort, so among equal |A|
+the lower index wins, and the returned indices are sorted ascending within each question.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+METRICS = ("smallest", "largest", "random")
+SCALES = ("group", "batch", "none")
+
+
+def _as_fraction(p) -> Fraction:
+    """p as an exact fraction, read as the user meant it, so floors do not suffer float error.
+
+    A float within one ulp of a fraction with denominator <= 10**6 is that fraction (2/3 as
+    0.6666666666666666 -> 2/3, 0.9 -> 9/10); any other float is its shortest decimal repr
+    (1e-7 -> 1/10**7). A Fraction is taken as is.
+    """
+    if isinstance(p, Fraction):
+        return p
+    x = float(p)
+    near = Fraction(x).limit_denominator(10**6)
+    if near != 1 and abs(near - Fraction(x)) <= Fraction(math.ulp(x)):
+        return near
+    return Fraction(repr(x))
+
+
+def _check_p(p) -> Fraction:
+    if isinstance(p, bool) or not isinstance(p, int | float | Fraction | np.integer | np.floating):
+        raise ValueError(f"pruning rate p must be a real number in [0, 1), got {p!r}")
+    if not math.isfinite(float(p)):
+        raise ValueError(f"pruning rate p must be in [0, 1), got {p!r}")
+    frac = _as_fraction(p)
+    if not 0 <= frac < 1:
+        raise ValueError(f"pruning rate p must be in [0, 1), got {p!r}")
+    return frac
+
+
+def _check_group_size(G: int) -> None:
+    if G < 2:
+        raise ValueError(f"group size G (completions per question) must be >= 2, got G={G}")
+
+
+def _check_k(k: int, G: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise ValueError(f"k (kept per question) must be a static Python int, got {k!r}")
+    if k < 1:
+        raise ValueError(f"k (kept per question) must be >= 1, got k={k}")
+    if k > G:
+        raise ValueError(f"k (kept per question) must be <= G={G}, got k={k}")
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"unknown pruning metric {metric!r}; expected one of {METRICS}")
+
+
+def num_kept(G: int, p) -> int:
+    """k = max(1, floor(G * (1 - p))), in exact arithmetic (G=16, p=0.875 -> 2; p=0.9 -> 1)."""
+    _check_group_size(G)
+    frac = _check_p(p)
+    return max(1, math.floor(G * (1 - frac)))
+
+
+def num_questions(b: int, p, allocation: bool) -> int:
+    """Questions per step: floor(b / (1 - p)) with dynamic allocation, else b (exact arithmetic).
+
+    When p is not dyadic Q * k only approximates b * G (e.g. b=16, G=16, p=0.9: Q=160, k=1).
+    """
+    if b < 1:
+        raise ValueError(f"questions per step b must be >= 1, got b={b}")
+    frac = _check_p(p)
+    if not allocation:
+        return int(b)
+    return math.floor(Fraction(int(b)) / (1 - frac))
+
+
+def group_advantages(rewards_QG: jax.Array, scale: str = "group", eps: float = 1e-4) -> jax.Array:
+    """A = (r - group mean) / (std + eps), std with Bessel's correction (ddof=1).
+
+    scale: "group" (per-question std, GRPO/CPPO), "batch" (std over all Q * G rewards),
+    "none" (Dr. GRPO: r - group mean). A group whose rewards are all equal gets A = 0.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
+    if rewards_QG.ndim != 2:
+        raise ValueError(f"rewards_QG must be [Q, G], got shape {rewards_QG.shape}")
+    _check_group_size(rewards_QG.shape[1])
+    centered_QG = rewards_QG - jnp.mean(rewards_QG, axis=1, keepdims=True)
+    if scale == "none":
+        return centered_QG
+    if scale == "group":
+        std = jnp.std(rewards_QG, axis=1, keepdims=True, ddof=1)
+    else:
+        std = jnp.std(rewards_QG, ddof=1)
+    return centered_QG / (std + eps)
+
+
+def _rank(key_XG: jax.Array, metric: str, rng: jax.Array | None) -> jax.Array:
+    """Indices along the last axis, best first; stable, so equal keys keep the lower index first."""
+    _check_metric(metric)
+    if metric == "random":
+        if rng is None:
+            raise ValueError('metric="random" needs an rng key (rng=jax.random.key(...))')
+        order_XG = jnp.broadcast_to(jnp.arange(key_XG.shape[-1], dtype=jnp.int32), key_XG.shape)
+        return jax.random.permutation(rng, order_XG, axis=-1, independent=True)
+    abs_XG = jnp.abs(key_XG)
+    # "smallest" drops the smallest |A|: rank by descending |A| via the stable ascending sort of
+    # -|A| (every zero of |A| is +0.0, so every zero of -|A| is -0.0: no signed-zero mix-ups).
+    # A NaN sorts last, so it is dropped first. lax.top_k is not used: its tie order is unspecified.
+    sort_key = -abs_XG if metric == "smallest" else abs_XG
+    return jnp.argsort(sort_key, axis=-1, stable=True).astype(jnp.int32)
+
+
+def keep_indices(
+    adv_QG: jax.Array, k: int, metric: str = "smallest", rng: jax.Array | None = None
+) -> jax.Array:
+    """idx_QK (int32): per question the k kept completions, sorted ascending within each row.
+
+    metric: "smallest" drops the smallest |A| (keeps the k largest), "largest" drops the largest
+    |A| (keeps the k smallest), "random" keeps k uniformly without replacement (needs rng).
+    Ties in |A| keep the lower index first. k is a static Python int.
+    """
+    if adv_QG.ndim != 2:
+        raise ValueError(f"adv_QG must be [Q, G], got shape {adv_QG.shape}")
+    G = adv_QG.shape[1]
+    _check_group_size(G)
+    _check_k(k, G)
+    rank_QG = _rank(adv_QG, metric, rng)
+    return jnp.sort(rank_QG[:, :k], axis=1)
+
+
+def keep_indices_batch(
+    adv_N: jax.Array, n_keep: int, metric: str = "smallest", rng: jax.Array | None = None
+) -> jax.Array:
+    """idx_K (int32): `scope="batch"`, one selection over the flattened (per-device) batch.
+
+    The released code keeps floor(N (1 - p)): pass n_keep = num_kept(N, p). Same metrics, tie
+    rule (lower index first) and ascending output order as `keep_indices`.
+    """
+    if adv_N.ndim != 1:
+        raise ValueError(f"adv_N must be [N], got shape {adv_N.shape}")
+    N = adv_N.shape[0]
+    _check_k(n_keep, N)
+    return jnp.sort(_rank(adv_N, metric, rng)[:n_keep])
+
+
+def gather_kept(*xs_QG, idx_QK: jax.Array):
+    """Gather kept completions: each [Q, G, ...] -> [Q, K, ...] (trailing dims carried along).
+
+    Returns one array for one input, else a tuple in input order.
+    """
+    out = []
+    for x in xs_QG:
+        idx = idx_QK.reshape(idx_QK.shape + (1,) * (x.ndim - 2))
+        out.append(jnp.take_along_axis(x, idx, axis=1))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def nonfinite_questions(rewards_QG: jax.Array) -> jax.Array:
+    """bool_Q: True for each question with a NaN or inf reward (jittable)."""
+    return jnp.any(~jnp.isfinite(rewards_QG), axis=1)
+
+
+def check_rewards(rewards_QG) -> None:
+    """Host-side check: raise ValueError naming every question with a NaN or inf reward."""
+    r_QG = np.asarray(rewards_QG)
+    if r_QG.ndim != 2:
+        raise ValueError(f"rewards_QG must be [Q, G], got shape {r_QG.shape}")
+    bad_QG = ~np.isfinite(r_QG)
+    if not bad_QG.any():
+        return
+    parts = []
+    for q in np.flatnonzero(bad_QG.any(axis=1)):
+        cells = ", ".join(
+            f"completion {g}: {float(r_QG[q, g])!r}" for g in np.flatnonzero(bad_QG[q])
+        )
+        parts.append(f"question {q} ({cells})")
+    raise ValueError("non-finite rewards in " + "; ".join(parts))

@@ -1,0 +1,361 @@
+"""Tests of cppo_jax.cppo: advantages, pruning, counts and reward checks (vs a NumPy reference)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cppo_jax import cppo
+
+try:
+    import reference_numpy as ref
+except ImportError:  # tests/ became a package
+    from tests import reference_numpy as ref
+
+GSM8K_REWARDS = (0.0, 1.0, 1.5, 2.0, 2.5, 3.0)
+SETTINGS = settings(max_examples=30, deadline=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compilations inside the block: {"n": count}."""
+    box = {"n": 0}
+
+    def listener(name, _duration, **_kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            box["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield box
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def rewards_QG(draw, group_sizes=(2, 3, 4, 16), gsm8k=None):
+    """[Q, G] float64 rewards: GSM8K values (many ties) or floats, some groups all equal."""
+    Q = draw(st.sampled_from((1, 3)))  # few shapes: each one compiles
+    G = draw(st.sampled_from(group_sizes))
+    use_gsm8k = draw(st.booleans()) if gsm8k is None else gsm8k
+    values = st.sampled_from(GSM8K_REWARDS) if use_gsm8k else st.floats(-5, 5, width=32)
+    r = np.array(draw(st.lists(values, min_size=Q * G, max_size=Q * G)), dtype=np.float64)
+    r = r.reshape(Q, G)
+    for q in range(Q):
+        if draw(st.integers(0, 3)) == 0:
+            r[q] = r[q, 0]  # a group whose rewards are all equal: A = 0
+    return r
+
+
+PAIRWISE = ("smallest", "largest")
+
+
+@jax.jit
+def _all_advantages(r_QG):
+    return {scale: cppo.group_advantages(r_QG, scale) for scale in cppo.SCALES}
+
+
+@jax.jit
+def _all_kept(adv_QG):
+    """keep_indices for every k in 1..G and both |A| metrics: one compilation per shape."""
+    G = adv_QG.shape[1]
+    return {(k, m): cppo.keep_indices(adv_QG, k, m) for k in range(1, G + 1) for m in PAIRWISE}
+
+
+@jax.jit
+def _all_kept_batch(adv_N):
+    N = adv_N.shape[0]
+    counts = sorted({1, 2, N // 3, N // 2, N - 1, N} - {0})
+    return {(n, m): cppo.keep_indices_batch(adv_N, n, m) for n in counts for m in PAIRWISE}
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+@SETTINGS
+@given(r=rewards_QG())
+def test_group_advantages_match_reference(r):
+    for scale, got in _all_advantages(r).items():
+        assert got.dtype == jnp.float64
+        want = ref.group_advantages(r, scale)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=scale)
+
+
+def test_equal_rewards_give_zero_advantage():
+    adv = cppo.group_advantages(jnp.array([[1.5, 1.5, 1.5], [0.0, 2.0, 1.0]]))
+    assert np.all(np.asarray(adv[0]) == 0.0)
+    np.testing.assert_allclose(adv[1], [-1 / 1.0001, 1 / 1.0001, 0.0], rtol=1e-12)
+
+
+def test_group_advantages_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="scale"):
+        cppo.group_advantages(jnp.ones((2, 4)), scale="median")
+    with pytest.raises(ValueError, match="G=1"):
+        cppo.group_advantages(jnp.ones((2, 1)))
+    with pytest.raises(ValueError, match=r"\[Q, G\]"):
+        cppo.group_advantages(jnp.ones(4))
+
+
+# --------------------------------------------------------------------------- pruning
+
+
+@SETTINGS
+@given(r=rewards_QG())
+def test_keep_indices_match_reference_on_same_advantages(r):
+    adv = ref.group_advantages(r)
+    for (k, metric), got in _all_kept(adv).items():
+        assert got.dtype == jnp.int32
+        want = ref.prune_per_question(adv, k, metric)
+        np.testing.assert_array_equal(got, want, err_msg=f"k={k} {metric}")
+
+
+@SETTINGS
+@given(r=rewards_QG(group_sizes=(2, 4, 16), gsm8k=True))
+def test_rewards_to_kept_end_to_end(r):
+    # GSM8K rewards and power-of-two G make group means exact, so both sides see the same ties.
+    for scale, adv in _all_advantages(r).items():
+        ref_adv = ref.group_advantages(r, scale)
+        for (k, metric), got in _all_kept(adv).items():
+            want = ref.prune_per_question(ref_adv, k, metric)
+            np.testing.assert_array_equal(got, want, err_msg=f"{scale} k={k} {metric}")
+
+
+@SETTINGS
+@given(r=rewards_QG())
+def test_keep_indices_batch_matches_reference(r):
+    adv_N = ref.group_advantages(r).ravel()
+    for (n_keep, metric), got in _all_kept_batch(adv_N).items():
+        want = ref.prune_batch(adv_N, n_keep, metric)
+        np.testing.assert_array_equal(got, want, err_msg=f"n_keep={n_keep} {metric}")
+
+
+def test_batch_scope_keeps_floor_n_times_one_minus_p():
+    adv_N = jnp.arange(32.0) - 15.5
+    n_keep = cppo.num_kept(32, 0.875)
+    assert n_keep == 4
+    got = np.asarray(cppo.keep_indices_batch(adv_N, n_keep))
+    np.testing.assert_array_equal(got, [0, 1, 30, 31])
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_permuting_a_group_permutes_the_kept_set(data):
+    G = data.draw(st.sampled_from((4, 7, 16)))
+    k = data.draw(st.integers(1, G))
+    metric = data.draw(st.sampled_from(("smallest", "largest")))
+    # Distinct |A| (random signs), so no tie interferes.
+    mags = np.array(data.draw(st.permutations(range(1, G + 1))), dtype=np.float64) / G
+    signs = np.array(data.draw(st.lists(st.sampled_from((-1.0, 1.0)), min_size=G, max_size=G)))
+    adv_G = mags * signs
+    perm = np.array(data.draw(st.permutations(range(G))))
+    kept = set(np.asarray(_all_kept(adv_G[None])[k, metric])[0].tolist())
+    kept_perm = np.asarray(_all_kept(adv_G[perm][None])[k, metric])[0]
+    # position j of the shuffled group holds completion perm[j]
+    assert {int(perm[j]) for j in kept_perm} == kept
+
+
+def test_ties_keep_the_lower_index():
+    adv = jnp.array(
+        [
+            [0.5, -0.5, 0.5, 0.1, -0.5],
+            [0.0, 0.0, 0.0, 0.0, 0.0],
+            [-0.1, 0.3, 0.1, 0.3, 0.1],
+        ]
+    )
+    np.testing.assert_array_equal(cppo.keep_indices(adv, 2), [[0, 1], [0, 1], [1, 3]])
+    np.testing.assert_array_equal(cppo.keep_indices(adv, 3), [[0, 1, 2], [0, 1, 2], [0, 1, 3]])
+    np.testing.assert_array_equal(
+        cppo.keep_indices(adv, 2, metric="largest"), [[0, 3], [0, 1], [0, 2]]
+    )
+    np.testing.assert_array_equal(cppo.keep_indices_batch(adv.ravel(), 3), [0, 1, 2])
+    # -0.0 and +0.0 are the same |A|
+    adv_signed_zero = jnp.array([[-0.0, 0.0, -0.0, 1.0]])
+    np.testing.assert_array_equal(cppo.keep_indices(adv_signed_zero, 2), [[0, 3]])
+
+
+def test_output_is_sorted_ascending():
+    adv = jnp.array([[0.9, 0.1, -0.8, 0.2, 0.7, -0.3]])
+    np.testing.assert_array_equal(cppo.keep_indices(adv, 3), [[0, 2, 4]])
+    np.testing.assert_array_equal(cppo.keep_indices(adv, 3, metric="largest"), [[1, 3, 5]])
+
+
+@pytest.mark.parametrize("metric", cppo.METRICS)
+def test_k_equal_g_keeps_everything(metric):
+    adv = jnp.asarray(np.random.default_rng(0).normal(size=(3, 6)))
+    rng = jax.random.key(1)
+    np.testing.assert_array_equal(
+        cppo.keep_indices(adv, 6, metric=metric, rng=rng), np.tile(np.arange(6), (3, 1))
+    )
+    assert cppo.num_kept(16, 0) == 16
+    np.testing.assert_array_equal(
+        cppo.keep_indices_batch(adv.ravel(), 18, metric=metric, rng=rng), np.arange(18)
+    )
+
+
+def test_random_metric_is_uniform_without_replacement():
+    Q, G, k = 4000, 8, 3
+    keys = jax.random.split(jax.random.key(0), 3)
+    idx = np.asarray(cppo.keep_indices(jnp.zeros((Q, G)), k, metric="random", rng=keys[0]))
+    assert idx.dtype == np.int32 and idx.shape == (Q, k)
+    assert np.all(np.diff(idx, axis=1) > 0)  # sorted, hence distinct
+    assert idx.min() >= 0 and idx.max() < G
+    freq = np.bincount(idx.ravel(), minlength=G) / Q  # rows are independent draws
+    np.testing.assert_allclose(freq, k / G, atol=0.04)
+    assert len({tuple(row) for row in idx}) == math.comb(G, k)  # every subset shows up
+    again = cppo.keep_indices(jnp.zeros((Q, G)), k, metric="random", rng=keys[0])
+    np.testing.assert_array_equal(again, idx)
+    batch = np.asarray(cppo.keep_indices_batch(jnp.zeros(32), 5, metric="random", rng=keys[1]))
+    assert batch.shape == (5,) and np.all(np.diff(batch) > 0)
+
+
+def test_random_metric_needs_rng():
+    with pytest.raises(ValueError, match="rng"):
+        cppo.keep_indices(jnp.zeros((2, 4)), 2, metric="random")
+    with pytest.raises(ValueError, match="rng"):
+        cppo.keep_indices_batch(jnp.zeros(8), 2, metric="random")
+
+
+def test_gather_kept_carries_trailing_dims():
+    x_QGT = jnp.arange(2 * 4 * 3).reshape(2, 4, 3)
+    y_QG = jnp.arange(8.0).reshape(2, 4)
+    idx_QK = jnp.array([[1, 3], [0, 2]], dtype=jnp.int32)
+    x_QKT, y_QK = cppo.gather_kept(x_QGT, y_QG, idx_QK=idx_QK)
+    np.testing.assert_array_equal(x_QKT, np.asarray(x_QGT)[[[0], [1]], idx_QK])
+    np.testing.assert_array_equal(y_QK, [[1.0, 3.0], [4.0, 6.0]])
+    assert cppo.gather_kept(y_QG, idx_QK=idx_QK).shape == (2, 2)
+
+
+def test_keep_indices_does_not_recompile_for_new_data():
+    traces = {"n": 0}
+
+    def step(adv_QG, rng):
+        traces["n"] += 1
+        return (
+            cppo.keep_indices(adv_QG, 4),
+            cppo.keep_indices(adv_QG, 4, metric="random", rng=rng),
+            cppo.group_advantages(adv_QG),
+        )
+
+    f = jax.jit(step)
+    keep = jax.jit(cppo.keep_indices, static_argnames=("k", "metric"))
+    gen = np.random.default_rng(0)
+    inputs = [gen.normal(size=(8, 16)) for _ in range(4)]
+    keys = [jax.random.key(i) for i in range(4)]
+    jax.block_until_ready(f(inputs[0], keys[0]))
+    with count_compiles() as compiles:
+        for adv, key in zip(inputs[1:], keys[1:]):
+            jax.block_until_ready(f(adv, key))
+            jax.block_until_ready(keep(adv, k=4, metric="smallest"))
+    assert traces["n"] == 1
+    assert compiles["n"] == 1  # only keep's first call compiles
+
+
+# --------------------------------------------------------------------------- counts
+
+
+@pytest.mark.parametrize(
+    ("p", "k", "q"),
+    [(0, 16, 16), (0.5, 8, 32), (0.75, 4, 64), (0.875, 2, 128), (0.9375, 1, 256)],
+)
+def test_paper_settings(p, k, q):
+    assert cppo.num_kept(16, p) == k
+    assert cppo.num_questions(16, p, allocation=True) == q
+    assert cppo.num_questions(16, p, allocation=False) == 16
+    assert q * k == 16 * 16
+
+
+def test_non_dyadic_rates():
+    assert cppo.num_kept(16, 0.9) == 1  # 1.6
+    assert cppo.num_questions(16, 0.9, allocation=True) == 160
+    assert cppo.num_kept(16, 0.3) == 11  # 11.2
+    assert cppo.num_questions(16, 0.3, allocation=True) == 22  # 22.86
+    assert cppo.num_kept(10, 0.3) == 7  # float: 10 * 0.7 = 7.000000000000001
+    assert cppo.num_kept(10, 0.7) == 3  # float: 10 * (1 - 0.7) = 3.0000000000000004
+    assert cppo.num_questions(3, 0.7, allocation=True) == 10  # float: 3 / 0.3 = 9.999999999999998
+    assert cppo.num_questions(1, 2 / 3, allocation=True) == 3  # float: 2.9999999999999996
+    assert cppo.num_questions(1, Fraction(2, 3), allocation=True) == 3
+    assert cppo.num_kept(16, 1e-7) == 15
+    assert cppo.num_kept(16, 0.99) == 1  # at least one
+    assert cppo.num_kept(16, 1 - 1e-16) == 1  # just below 1 is still a valid rate
+
+
+@pytest.mark.parametrize("den", [2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 64, 100, 1000])
+def test_counts_are_exact_for_many_rates(den):
+    nums = range(den) if den <= 100 else range(0, den, 7)
+    for num in nums:
+        p = num / den
+        for G in range(2, 34):
+            assert cppo.num_kept(G, p) == ref.num_kept(G, num, den), (G, num, den)
+        for b in range(1, 34):
+            assert cppo.num_questions(b, p, True) == ref.num_questions(b, num, den), (b, num, den)
+
+
+@pytest.mark.parametrize("p", [1, 1.0, 1.5, -0.1, -1e-12, math.nan, math.inf, "0.5", None])
+def test_bad_pruning_rate(p):
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        cppo.num_kept(16, p)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        cppo.num_questions(16, p, allocation=True)
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="G=1"):
+        cppo.num_kept(1, 0.5)
+    with pytest.raises(ValueError, match="b=0"):
+        cppo.num_questions(0, 0.5, allocation=True)
+    adv = jnp.zeros((2, 4))
+    with pytest.raises(ValueError, match="k=5"):
+        cppo.keep_indices(adv, 5)
+    with pytest.raises(ValueError, match="k=0"):
+        cppo.keep_indices(adv, 0)
+    with pytest.raises(ValueError, match="static Python int"):
+        cppo.keep_indices(adv, 2.0)
+    with pytest.raises(ValueError, match="G=1"):
+        cppo.keep_indices(jnp.zeros((2, 1)), 1)
+    with pytest.raises(ValueError, match="metric"):
+        cppo.keep_indices(adv, 2, metric="median")
+    with pytest.raises(ValueError, match="k=9"):
+        cppo.keep_indices_batch(adv.ravel(), 9)
+    with pytest.raises(ValueError, match=r"\[N\]"):
+        cppo.keep_indices_batch(adv, 2)
+
+
+# --------------------------------------------------------------------------- reward checks
+
+
+def test_check_rewards_names_the_question():
+    r = np.zeros((4, 3))
+    cppo.check_rewards(r)  # fine
+    r[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"question 2 \(completion 1: nan\)"):
+        cppo.check_rewards(r)
+    r[0, 2] = -np.inf
+    with pytest.raises(ValueError, match=r"question 0 \(completion 2: -inf\); question 2"):
+        cppo.check_rewards(r)
+    with pytest.raises(ValueError, match=r"\[Q, G\]"):
+        cppo.check_rewards(np.zeros(3))
+
+
+def test_nonfinite_questions_in_graph():
+    r = jnp.array([[0.0, 1.0], [jnp.nan, 1.0], [2.0, jnp.inf], [3.0, 3.0]])
+    got = jax.jit(cppo.nonfinite_questions)(r)
+    np.testing.assert_array_equal(got, [False, True, True, False])
