@@ -1,0 +1,338 @@
+"""Reading question/answer data sets, and normalising their rows to one example format.
+
+- `load_records(name_or_path, split)`: a shipped data set by name (`gsm8k` train/test, `math500`, `amc23`,
+  `aime24`, all test), a local `.jsonl`, `.jsonl.gz` or `.parquet` file (or a folder holding
+  `<split>.jsonl[.gz]`/`<split>.parquet`), or, with network access and the `datasets` package, a hub name.
+  Rows that are not valid UTF-8, not a JSON object, or lack a required field are skipped and listed in the
+  result's `bad_rows` as `(line number, reason)`; with `strict=True` the first one raises ValueError.
+- `to_example(record, task)`: `{"question", "solution", "answer"}` for the rewards of `task`: GSM8K keeps its
+  `#### N` solution; MATH keeps its `\\boxed{}` solution; AMC23 and AIME24 get the solution `\\boxed{answer}`
+  so that the MATH reward applies.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import importlib.util
+import json
+import os
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+
+__all__ = [
+    "SHIPPED",
+    "TASKS",
+    "Records",
+    "last_boxed",
+    "load_examples",
+    "load_records",
+    "to_example",
+]
+
+# Shipped name -> (splits, required fields, task for to_example).
+SHIPPED: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "gsm8k": (("train", "test"), ("question", "answer"), "gsm8k"),
+    "math500": (("test",), ("problem", "solution", "answer"), "math"),
+    "amc23": (("test",), ("problem", "answer"), "amc23"),
+    "aime24": (("test",), ("problem", "answer"), "aime24"),
+}
+# Common hub names of the shipped sets, served from the shipped copies.
+_ALIASES = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "huggingfaceh4/math-500": "math500",
+    "math-500": "math500",
+    "math500": "math500",
+    "amc23": "amc23",
+    "aime24": "aime24",
+}
+# Fields each task's to_example needs.
+TASKS: dict[str, tuple[str, ...]] = {
+    "gsm8k": ("question", "answer"),
+    "math": ("problem", "solution"),
+    "amc23": ("problem", "answer"),
+    "aime24": ("problem", "answer"),
+    "arith": ("question", "solution", "answer"),
+}
+_TASK_ALIASES = {"math500": "math"}
+_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+class Records(list):
+    """A list of row dicts, with `source` (where they came from) and `bad_rows` ((line number, reason) pairs)."""
+
+    def __init__(self, rows: Iterable[dict] = (), source: str = "", bad_rows=None):
+        super().__init__(rows)
+        self.source = source
+        self.bad_rows: list[tuple[int, str]] = list(bad_rows or [])
+
+
+def load_records(
+    name_or_path: str | os.PathLike,
+    split: str | None = None,
+    *,
+    required: Sequence[str] | None = None,
+    strict: bool = False,
+) -> Records:
+    """Rows of a shipped data set, a local file or folder, or a hub data set (see the module docstring).
+
+    `required` names the fields every row must have (default: the shipped set's fields, else none).
+    """
+    text = os.fspath(name_or_path)
+    shipped = _ALIASES.get(text.lower()) if isinstance(name_or_path, str) else None
+    if (
+        shipped is not None
+    ):  # a shipped name wins over a local folder of that name; use "./name" for that
+        splits, fields, _ = SHIPPED[shipped]
+        split = _pick_split(shipped, split, splits)
+        resource = importlib.resources.files("cppo_jax").joinpath(
+            "assets", "datasets", shipped, f"{split}.jsonl.gz"
+        )
+        with resource.open("rb") as fh:
+            data = fh.read()
+        return _read_jsonl_bytes(
+            _gunzip(data, f"{shipped}/{split}"),
+            f"{shipped}/{split}",
+            fields if required is None else required,
+            strict,
+        )
+    required = tuple(required or ())
+    if os.path.isdir(text):
+        return _load_file(_split_file(text, split), required, strict)
+    if os.path.isfile(text):
+        return _load_file(text, required, strict)
+    if text.endswith(_SUFFIXES) or (os.sep in text and not _looks_like_hub_name(text)):
+        raise FileNotFoundError(f"data file {text!r} does not exist")
+    return _load_hub(text, split, required, strict)
+
+
+def load_examples(
+    name_or_path: str | os.PathLike,
+    split: str | None = None,
+    task: str | None = None,
+    *,
+    strict: bool = False,
+) -> list[dict]:
+    """`to_example` of every good row of `load_records(name_or_path, split)`; `task` defaults to the shipped one."""
+    if task is None:
+        shipped = _ALIASES.get(os.fspath(name_or_path).lower())
+        if shipped is None:
+            raise ValueError(
+                f"give the task of {os.fspath(name_or_path)!r}: one of {', '.join(TASKS)}"
+            )
+        task = SHIPPED[shipped][2]
+    task = _task_name(task)
+    return [
+        to_example(r, task)
+        for r in load_records(name_or_path, split, required=TASKS[task], strict=strict)
+    ]
+
+
+def to_example(record: dict, task: str) -> dict:
+    """`{"question", "solution", "answer"}` of one row for `task` (gsm8k, math, amc23, aime24, arith)."""
+    task = _task_name(task)
+    missing = [k for k in TASKS[task] if record.get(k) is None]
+    if missing:
+        raise ValueError(f"{task} row lacks field(s) {missing}; it has {sorted(record)}")
+    if task == "gsm8k":
+        solution = str(record["answer"])
+        _, sep, tail = solution.rpartition("####")
+        answer = (tail if sep else solution).strip().replace(",", "")
+        return {"question": str(record["question"]), "solution": solution, "answer": answer}
+    if task == "math":
+        solution = str(record["solution"])
+        answer = record.get("answer")
+        if answer is None:
+            answer = last_boxed(solution)
+            if answer is None:
+                raise ValueError(
+                    f"math row has no `answer` and no \\boxed{{}} in its solution: {solution[:200]!r}"
+                )
+        return {"question": str(record["problem"]), "solution": solution, "answer": str(answer)}
+    if task in ("amc23", "aime24"):
+        answer = _render_answer(record["answer"])
+        return {
+            "question": str(record["problem"]),
+            "solution": f"\\boxed{{{answer}}}",
+            "answer": answer,
+        }
+    return {k: str(record[k]) for k in ("question", "solution", "answer")}  # arith
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None if none."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+# ----- helpers -----
+
+
+def _task_name(task: str) -> str:
+    task = _TASK_ALIASES.get(task, task)
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    return task
+
+
+def _render_answer(value) -> str:
+    """27.0 -> "27", "025" -> "25", 0.5 -> "0.5"; other strings stripped."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).strip()
+    digits = text[1:] if text.startswith("-") else text
+    if digits.isdigit() and digits.isascii():
+        return str(int(text))
+    return text
+
+
+def _pick_split(name: str, split: str | None, splits: tuple[str, ...]) -> str:
+    if split is None:
+        if len(splits) == 1:
+            return splits[0]
+        raise ValueError(f"data set {name!r} has several splits; choose one of {', '.join(splits)}")
+    if split not in splits:
+        raise ValueError(f"data set {name!r} has no split {split!r}; it has {', '.join(splits)}")
+    return split
+
+
+def _split_file(folder: str, split: str | None) -> str:
+    candidates = [os.path.join(folder, f"{split or 'train'}{s}") for s in _SUFFIXES]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"folder {folder!r} has none of {', '.join(os.path.basename(p) for p in candidates)}"
+    )
+
+
+def _looks_like_hub_name(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def _gunzip(data: bytes, source: str) -> bytes:
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{source}: not a valid gzip file ({e})") from e
+
+
+def _load_file(path: str, required: tuple[str, ...], strict: bool) -> Records:
+    if path.endswith(".parquet"):
+        return _load_parquet(path, required, strict)
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if path.endswith(".gz"):
+        data = _gunzip(data, path)
+    elif not path.endswith(".jsonl"):
+        raise ValueError(f"{path!r}: expected a .jsonl, .jsonl.gz or .parquet file")
+    return _read_jsonl_bytes(data, path, required, strict)
+
+
+def _read_jsonl_bytes(data: bytes, source: str, required: Sequence[str], strict: bool) -> Records:
+    records = Records(source=source)
+    for lineno, row in _parse_lines(data.split(b"\n")):
+        if isinstance(row, str):
+            if strict:
+                raise ValueError(f"{source}, line {lineno}: {row}")
+            records.bad_rows.append((lineno, row))
+        else:
+            problem = _check_fields(row, required)
+            if problem:
+                if strict:
+                    raise ValueError(f"{source}, line {lineno}: {problem}")
+                records.bad_rows.append((lineno, problem))
+            else:
+                records.append(row)
+    return records
+
+
+def _parse_lines(lines: list[bytes]) -> Iterator[tuple[int, dict | str]]:
+    """(1-based line number, row dict or the reason it is bad); blank lines are skipped."""
+    for lineno, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield lineno, f"invalid UTF-8 ({e.reason} at byte {e.start})"
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield lineno, f"invalid JSON ({e.msg} at column {e.colno})"
+            continue
+        if not isinstance(row, dict):
+            yield lineno, f"a JSON {type(row).__name__}, not an object"
+            continue
+        yield lineno, row
+
+
+def _check_fields(row: dict, required: Sequence[str]) -> str | None:
+    missing = [k for k in required if row.get(k) is None]
+    return f"missing field(s) {missing}" if missing else None
+
+
+def _load_parquet(path: str, required: tuple[str, ...], strict: bool) -> Records:
+    if importlib.util.find_spec("pyarrow") is None:
+        raise ImportError(f"reading {path!r} needs pyarrow: pip install pyarrow")
+    import pyarrow.parquet as pq
+
+    records = Records(source=path)
+    for rowno, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        problem = _check_fields(row, required)
+        if problem:
+            if strict:
+                raise ValueError(f"{path}, row {rowno}: {problem}")
+            records.bad_rows.append((rowno, problem))
+        else:
+            records.append(row)
+    return records
+
+
+def _load_hub(name: str, split: str | None, required: tuple[str, ...], strict: bool) -> Records:
+    known = ", ".join(SHIPPED)
+    if importlib.util.find_spec("datasets") is None:
+        raise FileNotFoundError(
+            f"{name!r} is neither a shipped data set ({known}) nor an existing file; "
+            "loading a data set from the Hugging Face hub needs network access and the `datasets` "
+            "package (pip install datasets)"
+        )
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split or "train")
+    except Exception as e:
+        raise FileNotFoundError(
+            f"{name!r} is neither a shipped data set ({known}) nor an existing file, and the hub "
+            f"could not provide it: {type(e).__name__}: {e}"
+        ) from e
+    records = Records(source=f"hub:{name}/{split or 'train'}")
+    for rowno, row in enumerate(ds, start=1):
+        problem = _check_fields(row, required)
+        if problem:
+            if strict:
+                raise ValueError(f"{records.source}, row {rowno}: {problem}")
+            records.bad_rows.append((rowno, problem))
+        else:
+            records.append(dict(row))
+    return records

@@ -1,0 +1,168 @@
+"""Reward functions by name.
+
+A reward function takes `(completion: str, solution: str)` and returns a float. Functions are kept as
+importable references `"package.module:qualname"`, so that a reward worker (a fresh interpreter) can import
+the same function by name; the built-in entries are imported only when first resolved.
+
+    @register("my_reward")
+    def my_reward(completion: str, solution: str) -> float: ...
+
+    fn = resolve("gsm8k_accuracy")           # a registered name
+    fn = resolve("mypkg.rewards:my_reward")  # or a qualified name
+
+Reward functions may also report events (say, a gold answer that cannot be parsed) with `note(event)`; the
+counts reach the caller through `RewardPool.score`'s stats (`drain_notes` collects them per process).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections import Counter
+from collections.abc import Callable
+
+__all__ = [
+    "RewardFn",
+    "as_pair_fn",
+    "drain_notes",
+    "known_names",
+    "note",
+    "qualified_name",
+    "reference",
+    "register",
+    "resolve",
+    "resolve_ref",
+]
+
+RewardFn = Callable[[str, str], float]
+
+_BUILTIN: dict[str, str] = {
+    "gsm8k_accuracy": "cppo_jax.rewards.gsm8k:accuracy_reward",
+    "gsm8k_format": "cppo_jax.rewards.gsm8k:format_reward",
+    "math_accuracy": "cppo_jax.rewards.math:accuracy_reward",
+    "math_format": "cppo_jax.rewards.math:format_reward",
+    # The synthetic arithmetic task has GSM8K-style solutions ("#### N") and the same output format.
+    "arith_accuracy": "cppo_jax.rewards.gsm8k:accuracy_reward",
+    "arith_format": "cppo_jax.rewards.gsm8k:format_reward",
+}
+_REGISTRY: dict[str, str] = dict(_BUILTIN)
+_NOTES: Counter[str] = Counter()
+
+
+def known_names() -> list[str]:
+    """The registered names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def qualified_name(fn: Callable) -> str:
+    """`"module:qualname"` of a module-level function; ValueError if a worker could not import it back."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or "<" in qualname or module == "__main__":
+        raise ValueError(
+            f"reward function {fn!r} has no importable name ({module}:{qualname}); define it at the top "
+            "level of an importable module (not a lambda, a closure or __main__)"
+        )
+    ref = f"{module}:{qualname}"
+    if resolve_ref(ref) is not fn:
+        raise ValueError(f"reward function {fn!r} is not what {ref!r} imports to")
+    return ref
+
+
+def resolve_ref(ref: str) -> Callable:
+    """Import `"pkg.mod:qualname"` (or `"pkg.mod.name"`) and return the object."""
+    if ":" in ref:
+        module_name, _, attr_path = ref.partition(":")
+    else:
+        module_name, _, attr_path = ref.rpartition(".")
+    if not module_name or not attr_path:
+        raise ValueError(f"{ref!r} is not a qualified name like 'package.module:function'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {module_name!r} of reward {ref!r}: {e}") from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise ValueError(
+                f"module {module_name!r} has no attribute {attr_path!r} ({ref!r})"
+            ) from e
+    if not callable(obj):
+        raise ValueError(f"reward {ref!r} is not callable")
+    return obj
+
+
+def register(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register a module-level reward function under `name` (replacing any earlier entry)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: Callable) -> Callable:
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", "")
+        if not module or "<" in qualname:
+            raise ValueError(
+                f"cannot register {fn!r} as {name!r}: reward functions must be defined at the top level "
+                "of an importable module so that reward workers can import them"
+            )
+        _REGISTRY[name] = f"{module}:{qualname}"
+        return fn
+
+    return decorator
+
+
+def reference(name_or_ref: str | Callable) -> str:
+    """The importable reference of a registered name, a qualified name or a function."""
+    if callable(name_or_ref):
+        return qualified_name(name_or_ref)
+    if not isinstance(name_or_ref, str):
+        raise ValueError(f"a reward is a name, a qualified name or a function, got {name_or_ref!r}")
+    if name_or_ref in _REGISTRY:
+        return _REGISTRY[name_or_ref]
+    if ":" in name_or_ref or "." in name_or_ref:
+        return name_or_ref
+    raise ValueError(f"unknown reward {name_or_ref!r}; known rewards: {', '.join(known_names())}")
+
+
+def resolve(name: str | Callable) -> Callable:
+    """The function registered as `name` (or found at the qualified name `name`)."""
+    if callable(name):
+        return name
+    ref = reference(name)
+    try:
+        return resolve_ref(ref)
+    except ValueError as e:
+        raise ValueError(f"{e}; known rewards: {', '.join(known_names())}") from e
+
+
+def as_pair_fn(fn: Callable) -> Callable[[str, str], float]:
+    """`fn` as a function of `(completion, solution)`: format rewards take the completion only."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn
+    positional = [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional):
+        return fn
+
+    def completion_only(completion: str, solution: str) -> float:
+        return fn(completion)
+
+    return completion_only
+
+
+def note(event: str, count: int = 1) -> None:
+    """Count an event in this process (for example `"math_gold_unparsed"`)."""
+    _NOTES[event] += count
+
+
+def drain_notes() -> dict[str, int]:
+    """Return and reset this process's event counts."""
+    out = dict(_NOTES)
+    _NOTES.clear()
+    return out

@@ -1,0 +1,341 @@
+"""Rewards (spec section 4), the registry, and the time- and memory-bounded RewardPool."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cppo_jax import datasets
+from cppo_jax.rewards import RewardPool, gsm8k, registry
+from cppo_jax.rewards import math as math_rewards
+
+# ----- GSM8K accuracy and format -----
+
+GOLD = "She has 12 + 2 = <<12+2=14>>14 apples.\n#### 14"
+
+
+def completion(answer: str, think: str = "12+2=14", sep: str = "\n") -> str:
+    return f"<think>{think}</think>{sep}<answer>{answer}</answer>"
+
+
+@pytest.mark.parametrize(
+    ("answer", "solution", "expected"),
+    [
+        ("14", GOLD, 2.0),
+        (" 14 ", GOLD, 2.0),
+        ("14.0", GOLD, 1.5),
+        ("14.00", GOLD, 1.5),
+        ("15", GOLD, 0.0),
+        ("14 apples", GOLD, 0.0),
+        ("$14", GOLD, 0.0),
+        ("1,234", "#### 1234", 2.0),
+        ("1234", "#### 1,234", 2.0),
+        ("1,234.0", "#### 1234", 1.5),
+        ("-3", "#### -3", 2.0),
+        ("-3.0", "#### -3", 1.5),
+        ("3", "#### -3", 0.0),
+        ("0.5", "#### .5", 0.0),  # ".5" is not "digits, optional decimals"
+    ],
+)
+def test_gsm8k_accuracy_tiers(answer, solution, expected):
+    assert gsm8k.accuracy_reward(completion(answer), solution) == expected
+
+
+def test_gsm8k_last_answer_block_counts():
+    text = "<think>a</think>\n<answer>7</answer> wait <answer>14</answer>"
+    assert gsm8k.accuracy_reward(text, GOLD) == 2.0
+    text = "<think>a</think>\n<answer>14</answer> wait <answer>7</answer>"
+    assert gsm8k.accuracy_reward(text, GOLD) == 0.0
+    assert gsm8k.accuracy_reward("14", GOLD) == 0.0  # no answer block
+
+
+def test_gsm8k_gold_answer():
+    assert gsm8k.gold_answer("steps\n#### 1,234 ") == "1234"
+    assert gsm8k.gold_answer("42") == "42"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<think>x</think>\n<answer>1</answer>", 1.0),
+        ("  \n<think>x\ny</think>\n<answer>1</answer>\n  ", 1.0),  # stripped first
+        ("<think>x</think><answer>1</answer>", 0.0),  # no newline
+        ("<think>x</think>\n\n<answer>1</answer>", 0.0),  # two newlines
+        ("<think>x</think> \n<answer>1</answer>", 0.0),
+        ("Sure! <think>x</think>\n<answer>1</answer>", 0.0),  # must start with <think>
+        ("<think>x</think>\n<answer>1</answer>\nmore text", 1.0),  # then the end of a line
+        ("<think>x</think>\n<answer>1</answer> trailing", 0.0),
+        ("<think>x</think>\n<answer>1", 0.0),
+    ],
+)
+def test_format_reward(text, expected):
+    assert gsm8k.format_reward(text) == expected
+    assert math_rewards.format_reward(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "total"),
+    [
+        ("I think it is 14.", 0.0),
+        (completion("15"), 1.0),
+        ("<answer>14.0</answer>", 1.5),
+        ("<answer>14</answer>", 2.0),
+        (completion("14.0"), 2.5),
+        (completion("14"), 3.0),
+    ],
+)
+def test_gsm8k_totals(text, total):
+    assert gsm8k.format_reward(text) + gsm8k.accuracy_reward(text, GOLD) == total
+
+
+# ----- MATH accuracy -----
+
+
+def math_completion(answer: str) -> str:
+    return completion(
+        f"Therefore, the final answer is: $\\boxed{{{answer}}}$. I hope it is correct", "..."
+    )
+
+
+@pytest.mark.parametrize(
+    ("gold", "pred", "expected"),
+    [
+        ("\\frac{1}{2}", "0.5", 2.0),
+        ("\\frac{1}{2}", "\\dfrac{1}{2}", 2.0),
+        ("\\dfrac{1}{2}", "\\frac12", 2.0),
+        ("[1, 2)", "[1,2)", 2.0),
+        ("[1, 2)", "(1, 2)", 0.0),
+        ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\frac{\\pi}{2})", 2.0),
+        ("3", "4", 0.0),
+        ("x^2+2x+1", "(x+1)^2", 2.0),
+    ],
+)
+def test_math_equivalences(gold, pred, expected):
+    solution = f"We find that the answer is $\\boxed{{{gold}}}$."
+    assert math_rewards.accuracy_reward(math_completion(pred), solution) == expected
+
+
+def test_math_answer_block_fallback_and_boxed_first():
+    solution = "So $x = \\boxed{5}$."
+    assert math_rewards.accuracy_reward("<think>x</think>\n<answer>5</answer>", solution) == 2.0
+    assert math_rewards.accuracy_reward("<think>x</think>\n<answer>$5$</answer>", solution) == 2.0
+    # A boxed answer comes before the answer block's text.
+    text = "<think>\\boxed{5}</think>\n<answer>6</answer>"
+    assert math_rewards.accuracy_reward(text, solution) == 2.0
+    assert math_rewards.accuracy_reward("<think>x</think>\n<answer></answer>", solution) == 0.0
+    assert math_rewards.accuracy_reward("no answer at all", solution) == 0.0
+
+
+def test_math_unparsable_gold_scores_zero_and_is_counted():
+    registry.drain_notes()
+    before = math_rewards.gold_unparsed_count()
+    assert (
+        math_rewards.accuracy_reward(math_completion("5"), "a solution without any answer") == 0.0
+    )
+    assert math_rewards.gold_unparsed_count() == before + 1
+    assert registry.drain_notes().get("math_gold_unparsed") == 1
+
+
+# ----- registry -----
+
+
+def test_registry_names_and_errors():
+    names = registry.known_names()
+    for name in (
+        "gsm8k_accuracy",
+        "gsm8k_format",
+        "math_accuracy",
+        "math_format",
+        "arith_accuracy",
+        "arith_format",
+    ):
+        assert name in names
+        assert callable(registry.resolve(name))
+    assert registry.resolve("arith_accuracy") is gsm8k.accuracy_reward
+    assert registry.resolve("cppo_jax.rewards.gsm8k:format_reward") is gsm8k.format_reward
+    with pytest.raises(ValueError, match="gsm8k_accuracy"):
+        registry.resolve("no_such_reward")
+    with pytest.raises(ValueError, match="known rewards"):
+        registry.resolve("no_such_module.fn")
+    with pytest.raises(ValueError, match="top level"):
+        registry.register("bad")(lambda c, s: 0.0)
+    with pytest.raises(ValueError, match="importable"):
+        registry.qualified_name(lambda c, s: 0.0)
+
+
+@registry.register("test_length_reward")
+def length_reward(completion: str, solution: str) -> float:
+    return float(len(completion))
+
+
+def test_register_decorator():
+    assert registry.resolve("test_length_reward") is length_reward
+    assert registry.reference("test_length_reward").endswith(":length_reward")
+
+
+# ----- RewardPool -----
+
+TIMEOUT_S = 1.5
+SLACK_S = 6.0  # kill, plus waiting for a replacement worker to start when both were killed
+
+
+def hostile_reward(completion: str, solution: str) -> float:
+    """A reward that misbehaves on request (module level, so that pool workers can import it)."""
+    if completion == "sleep":
+        time.sleep(600)
+    if completion == "crash":
+        os._exit(3)
+    if completion == "raise":
+        raise RuntimeError("boom")
+    if completion == "nan":
+        return float("nan")
+    if completion == "hog":
+        block = bytearray(3 << 30)  # beyond the pool's memory limit: MemoryError
+        return float(len(block))
+    if completion == "jax?":
+        return float("jax" in sys.modules)
+    return 1.0
+
+
+@pytest.fixture(scope="module")
+def math_pool():
+    with RewardPool(
+        [("accuracy", 1.0, "math_accuracy"), ("format", 1.0, "math_format")],
+        num_workers=2,
+        timeout_s=TIMEOUT_S,
+    ) as pool:
+        yield pool
+
+
+def test_pool_matches_in_process_scores(math_pool):
+    completions = [math_completion(a) for a in ("\\frac{1}{2}", "0.5", "3")] + [
+        "<answer>1/2</answer>",
+        "",
+    ]
+    solutions = ["\\boxed{\\frac{1}{2}}"] * len(completions)
+    total, per_func, stats = math_pool.score(completions, solutions)
+    expected_acc = [math_rewards.accuracy_reward(c, s) for c, s in zip(completions, solutions)]
+    expected_fmt = [math_rewards.format_reward(c) for c in completions]
+    assert per_func["accuracy"].tolist() == expected_acc == [2.0, 2.0, 0.0, 2.0, 0.0]
+    assert per_func["format"].tolist() == expected_fmt
+    assert total.dtype == np.float64 and total.tolist() == [
+        a + f for a, f in zip(expected_acc, expected_fmt)
+    ]
+    assert stats["timeouts"] == 0 and stats["errors"] == 0
+    assert math_pool.score([], [])[0].shape == (0,)
+    with pytest.raises(ValueError, match="differ in length"):
+        math_pool.score(["a"], [])
+
+
+HOSTILE = {
+    "power tower": "<answer>$\\boxed{10^{10^{10^{10}}}}$</answer>",
+    "deep fractions": "\\boxed{" + "\\frac{" * 3000 + "1}{2}" * 3000 + "}",
+    "one megabyte": "\\boxed{" + "x^{2}+\\sqrt{y}-" * (1 << 16) + "1}",
+    "unclosed boxed": "The answer is \\boxed{" + "\\frac{1}{2" * 1000,
+}
+
+
+def test_pool_bounds_time_on_hostile_latex(math_pool):
+    timeouts = 0
+    for name, text in HOSTILE.items():
+        t0 = time.monotonic()
+        total, per_func, stats = math_pool.score([text], ["\\boxed{2}"])
+        elapsed = time.monotonic() - t0
+        assert per_func["accuracy"][0] == 0.0, name
+        assert elapsed < TIMEOUT_S + SLACK_S, (name, elapsed)
+        timeouts += stats["timeouts"]
+    assert timeouts >= 1
+    assert math_pool.totals["restarts"] >= timeouts
+    # The pool still works afterwards.
+    total, _, stats = math_pool.score(
+        [math_completion("2"), math_completion("3")], ["\\boxed{2}"] * 2
+    )
+    assert total.tolist() == [3.0, 1.0]
+    assert stats["timeouts"] == 0
+
+
+def test_pool_kills_hung_crashed_and_greedy_workers():
+    with RewardPool(
+        [("hostile", 2.0, hostile_reward)],
+        num_workers=2,
+        timeout_s=TIMEOUT_S,
+        memory_limit_bytes=1 << 30,
+    ) as pool:
+        t0 = time.monotonic()
+        texts = ["ok", "sleep", "ok", "crash", "raise", "nan", "hog", "ok", "jax?"]
+        total, per_func, stats = pool.score(texts, [""] * len(texts))
+        assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S
+        assert per_func["hostile"].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        assert total.tolist() == [2.0 * v for v in per_func["hostile"]]
+        assert stats["timeouts"] == 1
+        assert stats["errors"] == 4  # crash, raise, nan, hog
+        assert stats["restarts"] == 2  # the sleeper and the crash
+        total, _, stats = pool.score(["ok"] * 5, [""] * 5)
+        assert total.tolist() == [2.0] * 5 and stats["timeouts"] == stats["errors"] == 0
+
+
+def test_pool_inline_mode_and_bad_config():
+    with RewardPool(["gsm8k_accuracy", ("fmt", 0.5, "gsm8k_format")], num_workers=0) as pool:
+        total, per_func, _ = pool.score([completion("14"), "x"], [GOLD, GOLD])
+        assert total.tolist() == [2.5, 0.0]
+        assert per_func["gsm8k_accuracy"].tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError, match="unique"):
+        RewardPool(["gsm8k_format", "gsm8k_format"], num_workers=0)
+    with pytest.raises(ValueError, match="unknown reward"):
+        RewardPool(["nope"], num_workers=0)
+    with pytest.raises(ValueError, match="cannot load"):
+        RewardPool([("x", 1.0, "cppo_jax.rewards.gsm8k:no_such_function")], num_workers=1)
+
+
+# ----- gold answers of the shipped data -----
+
+
+def test_gsm8k_golds_are_numbers():
+    for split, count in (("train", 7473), ("test", 1319)):
+        rows = datasets.load_records("gsm8k", split)
+        assert len(rows) == count
+        for row in rows:
+            assert re.fullmatch(r"-?\d+", gsm8k.gold_answer(row["answer"])), row["answer"][-40:]
+
+
+def test_math_golds_parse_and_own_answers_score_full_marks():
+    """Every MATH-500, AMC23 and AIME24 gold parses, and its own answer, boxed, scores 2.0 through the pool."""
+    examples = (
+        datasets.load_examples("math500", task="math")
+        + datasets.load_examples("amc23")
+        + datasets.load_examples("aime24")
+    )
+    assert len(examples) == 570
+    completions = [
+        f"<think>.</think>\n<answer>$\\boxed{{{ex['answer']}}}$</answer>" for ex in examples
+    ]
+    with RewardPool([("accuracy", 1.0, "math_accuracy")], num_workers=2, timeout_s=20.0) as pool:
+        _, per_func, stats = pool.score(completions, [ex["solution"] for ex in examples])
+    assert stats["notes"].get("math_gold_unparsed", 0) == 0
+    assert stats["timeouts"] == stats["errors"] == 0
+    failed = [ex["answer"] for ex, v in zip(examples, per_func["accuracy"]) if v != 2.0]
+    assert not failed
+
+
+# ----- host code stays host code -----
+
+
+def test_host_modules_do_not_import_jax():
+    code = (
+        "import sys\n"
+        "import cppo_jax.rewards, cppo_jax.rewards.math, cppo_jax.rewards.pool, cppo_jax.rewards.registry\n"
+        "import cppo_jax.datasets, cppo_jax.tasks, cppo_jax.tasks.arith, cppo_jax.tasks.tiny_tokenizer\n"
+        "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
