@@ -1,0 +1,74 @@
+"""Training checkpoints: params, optimizer state and run metadata, written atomically by orbax.
+
+Orbax writes each step into a temporary folder and renames it into place when complete, so a run killed
+at any moment leaves only complete checkpoints behind (a half-written one is never listed). The metadata
+(step, data position, seed, counters) is JSON: nothing is unpickled on restore.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the folder."""
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int = 2):
+        self.directory = Path(directory).resolve()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint folder {self.directory}: {e}") from e
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Write `state` (a pytree of arrays) and `meta` (JSON) for `step`; blocks until durable."""
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(
+                f"writing checkpoint {step} under {self.directory} failed: {type(e).__name__}: {e}; "
+                f"earlier checkpoints are untouched: {self.all_steps()}"
+            ) from e
+
+    def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict]:
+        """Restore `step` (default: the latest) onto the shapes/shardings of `abstract_state`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint to resume from under {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"reading checkpoint {step} under {self.directory} failed: {type(e).__name__}: {e}"
+            ) from e
+        return out["state"], dict(out["meta"])
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,105 @@
+"""The main job: `python -m cppo_jax.launch --config configs/X.py key.path=value ...`.
+
+A config whose `get_config()` returns a `Config` trains with CPPO; one that returns an `SFTConfig` runs
+the supervised warm start. When `model.warm_start` names an SFT config and `model.init_checkpoint` does
+not exist yet, the warm start runs first and writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cppo_jax.config import Config, ConfigError, load_config
+
+
+def _describe(cfg: Config) -> str:
+    from cppo_jax.trainer import shapes_of
+
+    sh = shapes_of(cfg)
+    a = cfg.cppo
+    return (
+        f"CPPO: G={sh.G}, p={a.pruning_rate}, k={sh.k} kept per question, "
+        f"Q={sh.Q} questions per step (allocation {'on' if a.allocation else 'off'}), "
+        f"{sh.M} of {sh.Q * sh.G} completions trained, mu={a.mu}, beta={a.beta}, "
+        f"prompt {sh.P} + completion {sh.C} tokens, backend {cfg.rollout.backend}"
+    )
+
+
+def ensure_warm_start(cfg: Config, log=print) -> None:
+    target = cfg.model.init_checkpoint
+    if not target or Path(target).exists() or not cfg.model.warm_start:
+        return
+    from cppo_jax.sft import SFTConfig, run_sft
+
+    sft_cfg = load_config(cfg.model.warm_start, [f"out={target}"], expected=SFTConfig)
+    log(
+        f"no warm-start checkpoint at {target}: running the supervised warm start ({cfg.model.warm_start})"
+    )
+    run_sft(sft_cfg, log=log)
+
+
+def run(cfg: Config, log=print) -> dict:
+    from cppo_jax.trainer import Trainer
+
+    log(_describe(cfg))
+    if cfg.trainer.dry_run:
+        log("dry run: config validated; nothing trained")
+        return {}
+    ensure_warm_start(cfg, log)
+    trainer = Trainer(cfg)
+    try:
+        bar = _progress(trainer.num_steps - trainer.start_step, cfg.logging.progress)
+        summary = trainer.train(progress=bar)
+    finally:
+        trainer.close()
+    b, a = summary["before"]["accuracy"], summary["after"]["accuracy"]
+    log(f"\nheld-out accuracy: before {b:.1%} -> after {a:.1%} ({summary['after']['n']} questions)")
+    if summary["phases"]:
+        log("\n" + summary["phases"])
+    log(f"outputs: {trainer.out_dir}")
+    return summary
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="cppo", dynamic_ncols=True)
+
+    def update(m: dict) -> None:
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{m.get('reward', 0):.2f}",
+            acc=f"{m.get('accuracy', 0):.2f}",
+            kept=int(m.get("cppo/kept", 0)),
+            gen=f"{m.get('timing_s/rollout', 0):.1f}s",
+            upd=f"{m.get('timing_s/update', 0):.2f}s",
+        )
+
+    return update
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cppo_jax.launch", description=__doc__)
+    parser.add_argument("--config", required=True, help="a configs/*.py file defining get_config()")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    args = parser.parse_args(argv)
+    from cppo_jax.sft import SFTConfig, run_sft
+
+    try:
+        cfg = load_config(args.config, args.overrides, expected=(Config, SFTConfig))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(cfg, SFTConfig):
+        run_sft(cfg)
+    else:
+        run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

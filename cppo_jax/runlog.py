@@ -1,0 +1,103 @@
+"""What a run writes for its user: metrics.jsonl, TensorBoard events, sample completions, curves.
+
+Host code: imports no JAX. Only process 0 writes (the caller decides).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _plain(value: Any) -> Any:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return value
+    return value if math.isfinite(value) else str(value)
+
+
+class RunLog:
+    def __init__(self, out_dir: Path, tensorboard: bool = True):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+        self._samples = open(self.out_dir / "samples.jsonl", "a", buffering=1)
+        self._events = open(self.out_dir / "events.jsonl", "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self.history: list[dict] = []
+
+    def metrics(self, row: dict) -> None:
+        row = {k: _plain(v) for k, v in row.items()}
+        self.history.append(row)
+        self._metrics.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            step = int(row.get("step", len(self.history)))
+            for key, value in row.items():
+                if isinstance(value, float) and key != "step":
+                    self._tb.add_scalar(key, value, step)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        for row in rows:
+            self._samples.write(json.dumps({"step": step, **row}) + "\n")
+
+    def event(self, kind: str, **fields) -> None:
+        """Something a user must know about: a skipped update, a resume, a stop."""
+        self._events.write(
+            json.dumps({"event": kind, **{k: _plain(v) for k, v in fields.items()}}) + "\n"
+        )
+
+    def close(self) -> None:
+        for f in (self._metrics, self._samples, self._events):
+            f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def phase_table(history: list[dict]) -> str:
+    """Median time per phase and its share of the step, as a markdown table."""
+    phases = [k for k in (history[0] if history else {}) if k.startswith("timing_s/")]
+    if not phases:
+        return ""
+    steps = [r["timing_s/step"] for r in history if isinstance(r.get("timing_s/step"), float)]
+    step_med = statistics.median(steps) if steps else float("nan")
+    lines = ["| phase | median s | share of step |", "| --- | --- | --- |"]
+    for key in phases:
+        values = [r[key] for r in history if isinstance(r.get(key), float)]
+        if not values:
+            continue
+        med = statistics.median(values)
+        share = med / step_med if step_med and key != "timing_s/step" else 1.0
+        lines.append(f"| {key.removeprefix('timing_s/')} | {med:.3f} | {share:.0%} |")
+    return "\n".join(lines)
+
+
+def plot_curves(history: list[dict], evals: list[dict], path: Path) -> None:
+    """Reward per step and held-out accuracy per evaluation, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r["step"] for r in history]
+    ax1.plot(steps, [r.get("reward", float("nan")) for r in history], label="mean reward")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("reward")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    if evals:
+        ax2.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="o")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("held-out accuracy")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,194 @@
+"""The jitted device functions of a CPPO step: completion log-probs and the policy update.
+
+N kept sequences, P prompt slots (left-padded), C completion slots (right-padded), T = P + C.
+Both functions take the model as (graphdef, params) so params and optimizer state are plain pytrees that
+the mesh can shard and `jax.jit` can donate. Shapes are fixed by the config (Q, k, P, C), so each function
+compiles once per run; a non-finite loss or gradient skips the update in-graph and is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from cppo_jax import loss as loss_lib
+from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.sampler import positions_from_valid
+
+
+class Batch(NamedTuple):
+    tokens_NT: jax.Array  # int32: prompt then completion
+    valid_NT: jax.Array  # bool: real prompt tokens, completion tokens up to and including EOS
+    mask_NC: jax.Array  # float32: completion tokens that count in the loss
+    adv_N: jax.Array  # float32
+    old_logp_NC: jax.Array | None  # mu > 1 only
+    ref_logp_NC: jax.Array | None  # beta > 0 only
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static (trace-time) settings of the step functions."""
+
+    prompt_len: int
+    temperature: float
+    loss_type: str
+    eps_low: float
+    eps_high: float
+    beta: float
+    mu: int
+    max_completion_len: int
+    micro_batch: int = 0
+    logp_chunk: int = 64
+
+    @classmethod
+    def make(cls, algo: CPPOConfig, prompt_len: int, completion_len: int, temperature: float, **kw):
+        return cls(
+            prompt_len=prompt_len,
+            temperature=temperature if temperature > 0 else 1.0,
+            loss_type=algo.loss_type,
+            eps_low=algo.eps_low,
+            eps_high=algo.eps_high,
+            beta=algo.beta,
+            mu=algo.mu,
+            max_completion_len=completion_len,
+            **kw,
+        )
+
+
+def completion_logps(model, tokens_NT, valid_NT, spec: StepSpec) -> jax.Array:
+    """log p(completion token | everything before it), [N, C], without [N, T, V] logits."""
+    P = spec.prompt_len
+    pos_NT = positions_from_valid(valid_NT)
+    h_NTD, _ = model.hidden(tokens_NT[:, :-1], pos_NT[:, :-1], valid_NT[:, :-1])
+    h_NCD = h_NTD[:, P - 1 :]
+    return loss_lib.token_logps_from_hidden(
+        h_NCD,
+        model.unembed_weight(),
+        tokens_NT[:, P:],
+        temperature=spec.temperature,
+        chunk_size=spec.logp_chunk,
+    )
+
+
+def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+    total = max(total_updates, 1)
+    warmup = int(cfg.warmup_ratio * total)
+    if cfg.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, total, end_value=0.0)
+    elif cfg.schedule == "linear":
+        lr = optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, cfg.lr, max(warmup, 1)),
+                optax.linear_schedule(cfg.lr, 0.0, max(total - warmup, 1)),
+            ],
+            [warmup],
+        )
+    else:
+        lr = optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, max(warmup, 1)), optax.constant_schedule(cfg.lr)],
+            [warmup],
+        )
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts)
+
+
+def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
+    model = nnx.merge(graphdef, params)
+    logp_NC = completion_logps(model, batch.tokens_NT, batch.valid_NT, spec)
+    old_NC = batch.old_logp_NC if spec.mu > 1 else jax.lax.stop_gradient(logp_NC)
+    loss, metrics = loss_lib.policy_loss(
+        logp_NC,
+        old_NC,
+        batch.ref_logp_NC if spec.beta > 0 else None,
+        batch.adv_N,
+        batch.mask_NC,
+        loss_type=spec.loss_type,
+        eps_low=spec.eps_low,
+        eps_high=spec.eps_high,
+        beta=spec.beta,
+        max_completion_len=spec.max_completion_len,
+    )
+    return loss, metrics
+
+
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves))
+
+
+def _grads(params, graphdef, batch: Batch, spec: StepSpec):
+    grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
+    N = batch.tokens_NT.shape[0]
+    m = spec.micro_batch
+    if m <= 0 or m >= N:
+        (loss, metrics), grads = grad_fn(params, graphdef, batch, spec)
+        return loss, metrics, grads
+    if N % m:
+        raise ValueError(f"trainer.micro_batch={m} must divide the {N} kept sequences of a step")
+    # Gradient accumulation: equal-size micro-batches, averaged (exact for seq-level means of equal
+    # weight; token_mean is re-weighted by each micro-batch's share of the masked tokens).
+    split = lambda x: None if x is None else x.reshape(N // m, m, *x.shape[1:])  # noqa: E731
+    micro = Batch(*(split(x) for x in batch))
+    tokens_total = jnp.maximum(batch.mask_NC.sum(), 1.0)
+
+    def body(acc, mb: Batch):
+        (loss, metrics), grads = grad_fn(params, graphdef, mb, spec)
+        if spec.loss_type in ("token_mean", "dapo"):
+            w = mb.mask_NC.sum() / tokens_total
+        else:
+            w = 1.0 / (N // m)
+        acc = jax.tree.map(lambda a, g: a + w * g, acc, (loss, metrics, grads))
+        return acc, None
+
+    zeros = jax.tree.map(
+        jnp.zeros_like,
+        jax.eval_shape(
+            lambda: grad_fn(
+                params, graphdef, Batch(*(x[0] if x is not None else None for x in micro)), spec
+            )
+        ),
+    )
+    (loss, metrics), grads = zeros
+    (loss, metrics, grads), _ = jax.lax.scan(body, (loss, metrics, grads), micro)
+    return loss, metrics, grads
+
+
+def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec):
+    """One optimizer update; skipped (params and state unchanged) when loss or grads are not finite."""
+    loss, metrics, grads = _grads(params, graphdef, batch, spec)
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    metrics = dict(metrics)
+    metrics["loss"] = loss
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["update_skipped"] = (~finite).astype(jnp.float32)
+    return params, opt_state, metrics
+
+
+def logps_fn(params, tokens_NT, valid_NT, *, graphdef, spec: StepSpec):
+    """Completion log-probs of a frozen model (reference or old policy)."""
+    model = nnx.merge(graphdef, params)
+    return completion_logps(model, tokens_NT, valid_NT, spec)
+
+
+@functools.cache
+def compiled(graphdef, tx, spec: StepSpec):
+    """(train_step, logps) jitted once per run, params and optimizer state donated."""
+    step = jax.jit(
+        functools.partial(train_step, graphdef=graphdef, tx=tx, spec=spec), donate_argnums=(0, 1)
+    )
+    logps = jax.jit(functools.partial(logps_fn, graphdef=graphdef, spec=spec))
+    return step, logps

@@ -1,0 +1,412 @@
+"""The CPPO trainer: one step in the order of the paper, logging, evaluation, checkpoints.
+
+One step (`Trainer.step`):
+  1. Draw Q questions (Q = floor(b / (1 - p)) with allocation, else b).
+  2. Roll out G completions each from the current policy.
+  3. Score every completion (host reward workers).
+  4. Group advantages.
+  5. Keep k = floor(G (1 - p)) completions per question by |A| (a static-shape top-k).
+  6. Reference log-probs (beta > 0) and old-policy log-probs (mu > 1) on the kept completions only.
+  7. mu policy updates on the kept completions.
+Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cppo_jax import cppo, pipeline
+from cppo_jax import step as step_lib
+from cppo_jax.checkpoint import Checkpointer
+from cppo_jax.config import Config, save_config
+from cppo_jax.models import Tokenizer, load_hf
+from cppo_jax.rewards.pool import RewardPool
+from cppo_jax.rollout import make_backend
+from cppo_jax.runlog import RunLog, phase_table, plot_curves
+from cppo_jax.sampler import SamplingParams
+
+_COMPILATIONS = [0]
+
+
+def _count_compile(name, *_args, **_kw):
+    if name == "/jax/core/compile/backend_compile_duration":
+        _COMPILATIONS[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compilations() -> int:
+    """XLA compilations in this process so far."""
+    return _COMPILATIONS[0]
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite steps in a row; the last good state was saved."""
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "metric", "scope", "scale", "eps", "n_keep"))
+def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep):
+    """Advantages, then the flat indices (into Q*G) of the kept completions."""
+    Q, G = rewards_QG.shape
+    adv_QG = cppo.group_advantages(rewards_QG, scale=scale, eps=eps)
+    if scope == "question":
+        idx_QK = cppo.keep_indices(adv_QG, k, metric=metric, rng=key)
+        flat_M = (idx_QK + jnp.arange(Q)[:, None] * G).reshape(-1)
+    else:
+        flat_M = cppo.keep_indices_batch(adv_QG.reshape(-1), n_keep, metric=metric, rng=key)
+    return adv_QG, flat_M
+
+
+@functools.partial(jax.jit, static_argnames=("G", "mask_truncated"))
+def _gather_batch(
+    prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG, flat_M, *, G, mask_truncated
+):
+    """The kept sequences as one [M, P + C] training batch."""
+    q_M = flat_M // G
+    tokens_MT = jnp.concatenate([prompt_QP[q_M], tokens_NC[flat_M]], axis=1)
+    valid_MT = jnp.concatenate([pvalid_QP[q_M], cvalid_NC[flat_M]], axis=1)
+    mask_MC = cvalid_NC[flat_M].astype(jnp.float32)
+    if mask_truncated:
+        mask_MC = mask_MC * finished_N[flat_M][:, None].astype(jnp.float32)
+    return tokens_MT, valid_MT, mask_MC, adv_QG.reshape(-1)[flat_M]
+
+
+@dataclasses.dataclass
+class Shapes:
+    Q: int  # questions per step
+    G: int  # completions per question
+    k: int  # kept per question (question scope)
+    M: int  # kept sequences per step
+    P: int  # prompt slots
+    C: int  # completion slots
+
+
+def shapes_of(cfg: Config) -> Shapes:
+    a = cfg.cppo
+    Q = cppo.num_questions(a.questions_per_step, a.pruning_rate, a.allocation)
+    G = a.num_generations
+    k = cppo.num_kept(G, a.pruning_rate)
+    M = Q * k if a.scope == "question" else max(1, math.floor(Q * G * (1 - a.pruning_rate) + 1e-9))
+    return Shapes(Q, G, k, M, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model_path: str | Path | None = None):
+        self.cfg = cfg
+        self.out_dir = Path(cfg.trainer.out_dir).resolve() / cfg.trainer.run_name
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out_dir / "config.json")
+        self.shapes = shapes_of(cfg)
+        path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
+        self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
+        model = load_hf(path, dtype=cfg.model.dtype)
+        self.graphdef, params = nnx.split(model)
+        self.params = params
+        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.cppo.beta > 0 else None
+
+        # Data.
+        train, train_stats = pipeline.load_examples(cfg.data, "train")
+        test, _ = pipeline.load_examples(cfg.data, "test")
+        enc = functools.partial(
+            pipeline.encode_prompts,
+            tokenizer=self.tokenizer,
+            task=cfg.data.task,
+            max_len=self.shapes.P,
+            long_prompts=cfg.data.long_prompts,
+        )
+        self.train_set = enc(train)
+        self.test_set = enc(test)
+        if cfg.trainer.eval_size:
+            self.test_set = self.test_set.take(np.arange(min(cfg.trainer.eval_size, len(test))))
+        self.data_stats = {
+            "bad_rows": train_stats.get("bad_rows", 0),
+            "truncated": self.train_set.truncated,
+        }
+        self.order = pipeline.question_order(
+            len(self.train_set), self.shapes.Q, cfg.data.seed, cfg.data.shuffle
+        )
+        self.num_steps = cfg.trainer.steps or pipeline.steps_per_epoch(
+            len(self.train_set), self.shapes.Q
+        )
+
+        # Device functions.
+        self.sp = SamplingParams(
+            max_new_tokens=self.shapes.C,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            eos_id=self.tokenizer.eos_id,
+            pad_id=self.tokenizer.pad_id,
+            cache_dtype=cfg.model.dtype,
+        )
+        self.backend = make_backend(cfg.rollout, self.graphdef, self.sp, self.out_dir)
+        self.tx = step_lib.make_optimizer(cfg.optim, self.num_steps * cfg.cppo.mu)
+        self.opt_state = self.tx.init(self.params)
+        self.spec = step_lib.StepSpec.make(
+            cfg.cppo,
+            self.shapes.P,
+            self.shapes.C,
+            cfg.rollout.temperature,
+            micro_batch=cfg.trainer.micro_batch,
+        )
+        self.train_step, self.logps = step_lib.compiled(self.graphdef, self.tx, self.spec)
+
+        # Rewards, logs, checkpoints.
+        funcs = list(zip(cfg.reward.funcs, cfg.reward.weights))
+        self.rewards = RewardPool(
+            funcs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
+        )
+        self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
+        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+        self.start_step = 0
+        self.nan_streak = 0
+        self.evals: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def save(self, step: int) -> None:
+        meta = {"step": step, "seed": self.cfg.trainer.seed, "nan_streak": self.nan_streak}
+        self.ckpt.save(step, self.state(), meta)
+
+    def maybe_resume(self) -> None:
+        if not self.cfg.trainer.resume or self.ckpt.latest_step() is None:
+            return
+        state, meta = self.ckpt.restore(None, self.state())
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.start_step = int(meta["step"])
+        self.nan_streak = int(meta.get("nan_streak", 0))
+        self.log.event("resumed", step=self.start_step)
+
+    def _decode(self, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
+        eos = self.tokenizer.eos_id
+        out = []
+        for row, valid in zip(tokens_NC, valid_NC):
+            ids = [int(t) for t, v in zip(row, valid) if v and t != eos]
+            out.append(self.tokenizer.decode(ids))
+        return out
+
+    # ------------------------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict:
+        """One CPPO step (see the module docstring); returns its metrics."""
+        cfg, sh = self.cfg, self.shapes
+        t0 = time.perf_counter()
+        times = {}
+
+        # 1. Questions.
+        idx_Q = np.asarray(self.order[step])
+        batch = self.train_set.take(idx_Q)
+        prompt_QP, pvalid_QP = jnp.asarray(batch.ids_nP), jnp.asarray(batch.valid_nP)
+        seeds_Q = jnp.asarray(
+            (cfg.trainer.seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31), jnp.uint32
+        )
+
+        # 2. Rollout.
+        t = time.perf_counter()
+        samples = _block(self.backend.generate(self.params, prompt_QP, pvalid_QP, seeds_Q, sh.G))
+        times["rollout"] = time.perf_counter() - t
+        tokens_NC = np.asarray(samples.tokens_NC)
+        valid_NC = np.asarray(samples.valid_NC)
+
+        # 3. Rewards.
+        t = time.perf_counter()
+        texts = self._decode(tokens_NC, valid_NC)
+        solutions = [ex["solution"] for ex in batch.examples for _ in range(sh.G)]
+        total_N, per_fn, rstats = self.rewards.score(texts, solutions)
+        times["reward"] = time.perf_counter() - t
+        rewards_QG = np.asarray(total_N, np.float64).reshape(sh.Q, sh.G)
+        metrics = self._reward_metrics(rewards_QG, per_fn, rstats, valid_NC, samples)
+        try:
+            cppo.check_rewards(rewards_QG)
+        except ValueError as e:
+            self.log.event("nonfinite_rewards", step=step, error=str(e))
+            return self._skip(step, metrics, times, t0, reason=str(e))
+
+        # 4-5. Advantages and pruning.
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
+        adv_QG, flat_M = _select(
+            jnp.asarray(rewards_QG, jnp.float32),
+            key,
+            k=sh.k,
+            metric=cfg.cppo.metric,
+            scope=cfg.cppo.scope,
+            scale=cfg.cppo.adv_scale,
+            eps=cfg.cppo.adv_eps,
+            n_keep=sh.M,
+        )
+        tokens_MT, valid_MT, mask_MC, adv_M = _gather_batch(
+            prompt_QP,
+            pvalid_QP,
+            samples.tokens_NC,
+            samples.valid_NC,
+            samples.finished_N,
+            adv_QG,
+            flat_M,
+            G=sh.G,
+            mask_truncated=cfg.cppo.mask_truncated,
+        )
+
+        # 6. Reference and old-policy log-probs, kept completions only.
+        t = time.perf_counter()
+        ref = (
+            _block(self.logps(self.ref_params, tokens_MT, valid_MT)) if cfg.cppo.beta > 0 else None
+        )
+        times["ref_logps"] = time.perf_counter() - t
+        t = time.perf_counter()
+        old = _block(self.logps(self.params, tokens_MT, valid_MT)) if cfg.cppo.mu > 1 else None
+        times["old_logps"] = time.perf_counter() - t
+
+        # 7. mu updates.
+        t = time.perf_counter()
+        train_batch = step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, old, ref)
+        skipped = 0.0
+        for _ in range(cfg.cppo.mu):
+            self.params, self.opt_state, m = self.train_step(
+                self.params, self.opt_state, train_batch
+            )
+            m = jax.device_get(m)
+            skipped = max(skipped, float(m["update_skipped"]))
+        times["update"] = time.perf_counter() - t
+        if (step + 1) % cfg.rollout.push_every == 0:
+            t = time.perf_counter()
+            metrics.update(self.backend.sync_weights(self.params, step + 1))
+            times["weight_sync"] = time.perf_counter() - t
+        metrics.update({k: float(v) for k, v in m.items()})
+        metrics.update(self._step_counts(mask_MC))
+        if skipped:
+            self.log.event("nonfinite_update", step=step, loss=metrics.get("loss"))
+            return self._skip(step, metrics, times, t0, reason="non-finite loss or gradient")
+        self.nan_streak = 0
+        return self._finish(step, metrics, times, t0, texts, batch)
+
+    def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples) -> dict:
+        lengths = valid_NC.sum(axis=1)
+        finished = np.asarray(samples.finished_N)
+        m = {
+            "reward": float(np.mean(rewards_QG)),
+            "reward_std": float(np.std(rewards_QG, ddof=1)) if rewards_QG.size > 1 else 0.0,
+            "frac_reward_zero_std": float(np.mean(np.std(rewards_QG, axis=1) == 0)),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(np.mean(~finished)),
+            "rewards/timeouts": float(rstats.get("timeouts", 0)),
+        }
+        for name, values in per_fn.items():
+            m[f"rewards/{name}/mean"] = float(np.mean(values))
+        acc = per_fn.get(self.accuracy_fn)
+        if acc is not None:
+            m["accuracy"] = float(np.mean(np.asarray(acc) > 0))
+        return m
+
+    def _step_counts(self, mask_MC) -> dict:
+        return {
+            "cppo/questions": float(self.shapes.Q),
+            "cppo/kept": float(self.shapes.M),
+            "cppo/tokens_trained": float(jnp.sum(mask_MC)),
+        }
+
+    def _finish(self, step, metrics, times, t0, texts, batch) -> dict:
+        times["step"] = time.perf_counter() - t0
+        metrics.update({f"timing_s/{k}": v for k, v in times.items()})
+        metrics["step"] = step + 1
+        metrics["jit/compilations"] = float(compilations())
+        metrics["update_skipped"] = 0.0
+        if (
+            texts is not None
+            and self.cfg.logging.samples_per_log
+            and step % self.cfg.trainer.log_every == 0
+        ):
+            n = min(self.cfg.logging.samples_per_log, len(batch.examples))
+            rows = [
+                {"question": batch.examples[i]["question"], "completion": texts[i * self.shapes.G]}
+                for i in range(n)
+            ]
+            self.log.samples(step + 1, rows)
+        return metrics
+
+    def _skip(self, step, metrics, times, t0, reason: str) -> dict:
+        self.nan_streak += 1
+        metrics = self._finish(step, metrics, times, t0, None, None)
+        metrics["update_skipped"] = 1.0
+        if self.nan_streak >= self.cfg.trainer.max_nan_streak:
+            self.save(step)  # params are the last good ones: skipped updates changed nothing
+            raise NonFiniteError(
+                f"{self.nan_streak} non-finite steps in a row (last: {reason}) at step {step + 1}; "
+                f"stopped with the last good state saved under {self.ckpt.directory} (step {step}). "
+                f"Raise trainer.max_nan_streak to tolerate more."
+            )
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+
+    def evaluate(self, step: int, batch_size: int = 64) -> dict:
+        """Greedy accuracy on the held-out split; every question is scored."""
+        n = len(self.test_set)
+        texts = []
+        for lo in range(0, n, batch_size):
+            idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
+            part = self.test_set.take(idx)
+            out = self.backend.greedy(
+                self.params, jnp.asarray(part.ids_nP), jnp.asarray(part.valid_nP)
+            )
+            got = self._decode(np.asarray(out.tokens_NC), np.asarray(out.valid_NC))
+            texts.extend(got[: min(batch_size, n - lo)])
+        solutions = [ex["solution"] for ex in self.test_set.examples]
+        _, per_fn, _ = self.rewards.score(texts, solutions)
+        acc = float(np.mean(np.asarray(per_fn[self.accuracy_fn]) > 0))
+        result = {"step": step, "accuracy": acc, "n": n}
+        self.evals.append(result)
+        self.log.event("eval", **result)
+        return result
+
+    def train(self, progress=None) -> dict:
+        """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
+        self.maybe_resume()
+        self.backend.sync_weights(self.params, self.start_step)
+        cfg = self.cfg.trainer
+        before = self.evaluate(self.start_step)
+        for step in range(self.start_step, self.num_steps):
+            metrics = self.step(step)
+            self.log.metrics(metrics)
+            if progress is not None:
+                progress(metrics)
+            done = step + 1
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < self.num_steps:
+                self.evaluate(done)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                self.save(done)
+        if self.ckpt.latest_step() != self.num_steps:
+            self.save(self.num_steps)
+        after = self.evaluate(self.num_steps)
+        if self.cfg.logging.plot and self.log.history:
+            plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
+        table = phase_table(self.log.history)
+        (self.out_dir / "summary.md").write_text(
+            f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
+        )
+        return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.backend.close()
+        self.log.close()
+        self.ckpt.close()
