@@ -1,29 +1,50 @@
 """The embedded JAX sampler: one shared prompt prefill per question, then batched KV-cache decode.
 
-Q questions, G samples each, N = Q * G sequences; P prompt slots (left-padded), C new tokens.
+Q questions, G samples each, N = Q * G sequences (row q * G + j is sample j of question q); P prompt
+slots (left-padded), C new tokens.
 
-1. Prefill the Q prompts once into a cache of P + C slots.
-2. Repeat that cache G times (row q -> rows q*G .. q*G+G-1): no G-fold prompt recompute.
-3. Decode in a bounded `lax.while_loop` that stops when every sequence has emitted EOS or C tokens.
+1. Prefill the Q prompts once (`Transformer.hidden` with a P-slot cache).
+2. Decode in bounded `lax.while_loop`s that stop when every sequence has emitted EOS or C tokens.
+   The prompt keys/values stay one copy per question: each decode step's attention reads them once
+   for all G samples (shared-prefix attention) and reads the G completions' own keys/values from a
+   separate completion cache, written in place. No G-fold prompt recompute and no G-fold prompt
+   cache. The completion cache grows by segments (`SamplingParams.segment_len`) so that attention
+   reads about the slots in use rather than all C.
+3. The last position is sampled without a forward pass.
 
-Each sequence draws from its own key, `fold_in(fold_in(seed, q), j)` for sample j of question q, so a
-question's samples do not depend on which other questions share the batch. Returns the sampled tokens,
-their log-probabilities under the sampling distribution (logits / temperature, before top-k/top-p
-truncation) and whether each sequence stopped on EOS.
+Randomness: token t of sample j of question q is drawn by inverse CDF from one uniform number,
+u[q * G + j, t], and question q's numbers come from `PRNGKey(seed_q)` alone (`sequence_uniforms`),
+so a question's samples depend only on its seed and prompt, never on the other questions in the
+batch. All numbers are drawn before the loop: no per-step key derivation, no V random numbers per
+token.
+
+Returns the sampled tokens, their log-probabilities under the sampling distribution (log-softmax of
+logits / temperature, before top-k/top-p truncation: the old-policy log-probs when mu = 1), which
+tokens are valid (up to and including EOS), whether each sequence stopped on EOS, and how many
+positions were decoded before every sequence stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from cppo_jax.models import init_cache
-from cppo_jax.models.transformer import repeat_cache
+from cppo_jax.models.transformer import DTYPES, apply_rope, rope_tables
+
+# Large finite negative for masked attention scores (as in the model).
+_MASKED = -1e30
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +56,29 @@ class SamplingParams:
     eos_id: int = 0
     pad_id: int = 0
     cache_dtype: str = "float32"
+    # Completion-cache slots of the first decode segment; later segments double it (0: one
+    # segment of max_new_tokens). See `_segment_ends`.
+    segment_len: int = 64
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}"
+            )
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: must be a non-negative integer, got {self.top_k!r}")
+        if not _is_int(self.segment_len) or self.segment_len < 0:
+            raise ValueError(
+                f"segment_len: must be a non-negative integer, got {self.segment_len!r}"
+            )
+        if self.cache_dtype not in DTYPES:
+            raise ValueError(
+                f"cache_dtype: unknown {self.cache_dtype!r}; supported: {sorted(DTYPES)}"
+            )
 
 
 class Samples(NamedTuple):
@@ -42,6 +86,9 @@ class Samples(NamedTuple):
     logp_NC: jax.Array  # float32, 0 after EOS
     valid_NC: jax.Array  # bool: tokens up to and including EOS
     finished_N: jax.Array  # bool: stopped on EOS (False: truncated at C)
+    # int32 scalar: completion positions decoded, C unless every sequence stopped earlier (then
+    # 1 + the last sequence's EOS position). None where a backend does not report it.
+    steps: jax.Array | None = None
 
 
 def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
@@ -49,35 +96,405 @@ def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def completion_valid(tokens_NC: jax.Array, eos_id: int, length=None) -> jax.Array:
+    """True up to and including the first EOS (all True when there is none), within `length`."""
+    is_eos_NC = tokens_NC == eos_id
+    before_eos_NC = jnp.cumsum(is_eos_NC.astype(jnp.int32), axis=-1) - is_eos_NC.astype(jnp.int32)
+    valid_NC = before_eos_NC == 0
+    if length is not None:
+        valid_NC = valid_NC & (jnp.arange(tokens_NC.shape[1]) < length)[None, :]
+    return valid_NC
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a token
+# ---------------------------------------------------------------------------------------------
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys that sort like the float32 values (non-NaN; -inf smallest)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> jnp.uint32(31)) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys_NV: jax.Array, enough) -> jax.Array:
+    """Per row, the largest key K with enough(keys >= K) true ([N] uint32), bit by bit.
+
+    `enough(mask_NV) -> bool [N]` must be monotone (true for a set, true for any superset) and
+    true for the full row. 32 passes over the row, exact, no sort.
+    """
+
+    def body(i, best_N):
+        candidate_N = best_N | (jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32)))
+        return jnp.where(enough(keys_NV >= candidate_N[:, None]), candidate_N, best_N)
+
+    return jax.lax.fori_loop(0, 32, body, jnp.zeros(keys_NV.shape[:1], jnp.uint32))
+
+
 def _truncate(logits_NV: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Mask logits outside the top-k set and outside the top-p nucleus with -inf."""
-    if top_k > 0:
-        kth_N = jax.lax.top_k(logits_NV, top_k)[0][:, -1:]
-        logits_NV = jnp.where(logits_NV < kth_N, -jnp.inf, logits_NV)
+    """Mask logits outside the top-k set and outside the top-p nucleus with -inf.
+
+    top-k keeps every token at least as large as the k-th largest logit (ties at the cut are all
+    kept). top-p then keeps the smallest set of the remaining tokens, by decreasing logit, whose
+    probability mass reaches `top_p` (the token that crosses it included), again with every token
+    tied with the last kept one. Both cuts are found by an exact bit-by-bit search over the
+    logits' order keys (32 masked passes) instead of a sort: sorting is slow on CPU.
+    """
+    keys_NV = _order_keys(logits_NV)
+    keep_NV = jnp.ones(logits_NV.shape, jnp.bool_)
+    if top_k == 1:
+        keep_NV = logits_NV >= jnp.max(logits_NV, axis=-1, keepdims=True)
+    elif 0 < top_k < logits_NV.shape[-1]:
+        kth_N = _largest_threshold(keys_NV, lambda m_NV: jnp.sum(m_NV, axis=-1) >= top_k)
+        keep_NV = keys_NV >= kth_N[:, None]
     if top_p < 1.0:
-        sorted_NV = jnp.sort(logits_NV, axis=-1)[:, ::-1]
-        probs_NV = jax.nn.softmax(sorted_NV, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-        mass_before_NV = jnp.cumsum(probs_NV, axis=-1) - probs_NV
-        keep_NV = mass_before_NV < top_p
-        cutoff_N = jnp.min(jnp.where(keep_NV, sorted_NV, jnp.inf), axis=-1, keepdims=True)
-        logits_NV = jnp.where(logits_NV < cutoff_N, -jnp.inf, logits_NV)
-    return logits_NV
+        masked_NV = jnp.where(keep_NV, logits_NV, -jnp.inf)
+        weight_NV = jnp.exp(masked_NV - jnp.max(masked_NV, axis=-1, keepdims=True))
+        target_N = top_p * jnp.sum(weight_NV, axis=-1)
+
+        def enough(m_NV):
+            return jnp.sum(jnp.where(m_NV, weight_NV, 0.0), axis=-1) >= target_N
+
+        cut_N = _largest_threshold(keys_NV, enough)
+        keep_NV = keep_NV & (keys_NV >= cut_N[:, None])
+    return jnp.where(keep_NV, logits_NV, -jnp.inf)
 
 
-def _choose(logits_NV, keys_N, step, sp: SamplingParams):
-    """Pick one token per row; return it and its log-prob under logits / temperature."""
+def _prefix_sum(x_NK: jax.Array) -> jax.Array:
+    """Inclusive prefix sums along the last axis as a triangular matmul (full float32 precision)."""
+    K = x_NK.shape[-1]
+    upper_KK = np.triu(np.ones((K, K), np.float32))  # a literal: nothing to compute per step
+    return jnp.matmul(x_NK, upper_KK.astype(x_NK.dtype), precision=jax.lax.Precision.HIGHEST)
+
+
+def _first_above(cum_NK: jax.Array, w_NK: jax.Array, x_N: jax.Array) -> jax.Array:
+    """First k with cum_k > x and w_k > 0; the last k with w_k > 0 when rounding left none."""
+    K = w_NK.shape[-1]
+    k_K = np.arange(K, dtype=np.int32)
+    positive_NK = w_NK > 0
+    first_N = jnp.min(jnp.where((cum_NK > x_N[:, None]) & positive_NK, k_K, K), axis=-1)
+    last_N = jnp.max(jnp.where(positive_NK, k_K, -1), axis=-1)
+    return jnp.where(first_N < K, first_N, last_N)
+
+
+def _inverse_cdf(w_NV: jax.Array, u_N: jax.Array) -> jax.Array:
+    """Row-wise index v drawn with probability w_v / sum(w), given u ~ U[0, 1) per row.
+
+    Picks the first v whose cumulative weight exceeds u * sum(w); zero-weight entries are never
+    picked. Two levels (blocks of about sqrt(V)): prefix sums over the block totals, then within the
+    chosen block only, so the work is O(V) per row with small matmuls instead of a V-long scan.
+    """
+    N, V = w_NV.shape
+    b = math.isqrt(V - 1) + 1 if V > 1 else 1
+    nb = -(-V // b)
+    w_NBb = jnp.pad(w_NV, ((0, 0), (0, nb * b - V))).reshape(N, nb, b)
+    total_NB = jnp.sum(w_NBb, axis=-1)
+    cum_NB = _prefix_sum(total_NB)
+    x_N = u_N * cum_NB[:, -1]
+    block_N = _first_above(cum_NB, total_NB, x_N)
+    take = functools.partial(jnp.take_along_axis, axis=1)
+    before_N = (take(cum_NB, block_N[:, None]) - take(total_NB, block_N[:, None]))[:, 0]
+    w_Nb = jnp.take_along_axis(w_NBb, block_N[:, None, None], axis=1)[:, 0]
+    inner_N = _first_above(_prefix_sum(w_Nb), w_Nb, x_N - before_N)
+    return (block_N * b + inner_N).astype(jnp.int32)
+
+
+def _choose(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams):
+    """One token per row and its log-prob under log-softmax(logits / temperature).
+
+    temperature 0 is greedy (log-probs of the unscaled logits). Otherwise the token is drawn from
+    the top-k/top-p truncation of softmax(logits / temperature) by inverse CDF with `u_N`.
+    """
     if sp.temperature == 0.0:
         token_N = jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
-        logp_NV = jax.nn.log_softmax(logits_NV, axis=-1)
+        scaled_NV = logits_NV
     else:
         scaled_NV = logits_NV / sp.temperature
-        logp_NV = jax.nn.log_softmax(scaled_NV, axis=-1)
-        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_N)
-        truncated_NV = _truncate(scaled_NV, sp.top_k, sp.top_p)
-        token_N = jax.vmap(jax.random.categorical)(step_keys, truncated_NV).astype(jnp.int32)
-    logp_N = jnp.take_along_axis(logp_NV, token_N[:, None], axis=-1)[:, 0]
-    return token_N, logp_N
+    max_N1 = jnp.max(scaled_NV, axis=-1, keepdims=True)
+    weight_NV = jnp.exp(scaled_NV - max_N1)
+    log_total_N = jnp.log(jnp.sum(weight_NV, axis=-1))
+    if sp.temperature != 0.0:
+        if sp.top_k > 0 or sp.top_p < 1.0:
+            # The largest logit always survives truncation, so the shift by the max still holds.
+            kept_NV = _truncate(scaled_NV, sp.top_k, sp.top_p) > -jnp.inf
+            weight_NV = jnp.where(kept_NV, weight_NV, 0.0)
+        token_N = _inverse_cdf(weight_NV, u_N)
+    chosen_N = jnp.take_along_axis(scaled_NV, token_N[:, None], axis=-1)[:, 0]
+    return token_N, (chosen_N - max_N1[:, 0]) - log_total_N
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+class _LayerWeights(NamedTuple):
+    qkv_DX: jax.Array  # X = (H + 2J) * E: q, k, v projections side by side
+    qkv_bias_X: jax.Array | None
+    o_XD: jax.Array  # [H * E, D]
+    o_bias_D: jax.Array | None
+    gate_up_DF2: jax.Array  # [D, 2F]: gate then up
+    down_FD: jax.Array
+
+
+def _layer_weights(model) -> list[_LayerWeights]:
+    """Per-layer decode weights in the compute dtype, fused and cast once outside the loop."""
+    cfg = model.cfg
+    dt = cfg.compute_dtype
+    D, H, J, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out = []
+    for layer in model.layers:
+        a, m = layer.attn, layer.mlp
+        qkv = jnp.concatenate(
+            [a.q_DHE[...].reshape(D, H * E), a.k_DJE[...].reshape(D, J * E)]
+            + [a.v_DJE[...].reshape(D, J * E)],
+            axis=1,
+        )
+        bias = None
+        if cfg.attention_bias:
+            bias = jnp.concatenate(
+                [a.q_bias_HE[...].reshape(-1), a.k_bias_JE[...].reshape(-1)]
+                + [a.v_bias_JE[...].reshape(-1)]
+            ).astype(dt)
+        o_bias = a.o_bias_D[...].astype(dt) if cfg.attention_bias and cfg.arch == "llama" else None
+        out.append(
+            _LayerWeights(
+                qkv_DX=qkv.astype(dt),
+                qkv_bias_X=bias,
+                o_XD=a.o_HED[...].reshape(H * E, D).astype(dt),
+                o_bias_D=o_bias,
+                gate_up_DF2=jnp.concatenate([m.gate_DF[...], m.up_DF[...]], axis=1).astype(dt),
+                down_FD=m.down_FD[...].astype(dt),
+            )
+        )
+    return out
+
+
+def _decode_step(model, weights, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_QE, sin_QE):
+    """One token per sequence through the model at completion slot t: logits [N, V] and the cache.
+
+    prompt_kv: per layer (k, v) [Q, J, P, E], one copy per question; kv: per layer (k, v)
+    [Q, J, G, C, E], the completions so far. Same math as `Transformer.hidden` with a cache, but
+    attention splits into the shared prompt part and the per-sample completion part.
+    """
+    cfg = model.cfg
+    dt, cd = cfg.compute_dtype, kv[0][0].dtype
+    Q, J, G, C, E = kv[0][1].shape
+    H = cfg.num_heads
+    R = H // J
+    scale = E**-0.5
+    x_QGD = jnp.take(model.embed_VD[...], token_N.reshape(Q, G), axis=0, mode="clip").astype(dt)
+    cos_QGE, sin_QGE = cos_QE[:, None], sin_QE[:, None]
+    prompt_mask_QJGRP = prompt_valid_QP[:, None, None, None, :]
+    slot_mask_C = jnp.arange(C) <= t
+    new_kv = []
+    for layer, w, (kp_QJPE, vp_QJPE), (kc_QJGEC, vc_QJGCE) in zip(
+        model.layers, weights, prompt_kv, kv
+    ):
+        a_QGD = layer.attn_norm(x_QGD)
+        qkv_QGX = jnp.einsum("qgd,dx->qgx", a_QGD, w.qkv_DX)
+        if w.qkv_bias_X is not None:
+            qkv_QGX = qkv_QGX + w.qkv_bias_X
+        q_QGHE = qkv_QGX[..., : H * E].reshape(Q, G, H, E)
+        k_QGJE = qkv_QGX[..., H * E : (H + J) * E].reshape(Q, G, J, E)
+        v_QGJE = qkv_QGX[..., (H + J) * E :].reshape(Q, G, J, E)
+        q_QGHE = apply_rope(q_QGHE, cos_QGE, sin_QGE)
+        k_QGJE = apply_rope(k_QGJE, cos_QGE, sin_QGE)
+        kc_QJGEC = jax.lax.dynamic_update_slice(
+            kc_QJGEC, k_QGJE.transpose(0, 2, 1, 3)[..., None].astype(cd), (0, 0, 0, 0, t)
+        )
+        vc_QJGCE = jax.lax.dynamic_update_slice(
+            vc_QJGCE, v_QGJE.transpose(0, 2, 1, 3)[:, :, :, None].astype(cd), (0, 0, 0, t, 0)
+        )
+        new_kv.append((kc_QJGEC, vc_QJGCE))
+
+        q_QJGRE = q_QGHE.reshape(Q, G, J, R, E).transpose(0, 2, 1, 3, 4).astype(cd)
+        f32 = jnp.float32
+        sp_QJGRP = (
+            jnp.einsum("qjgre,qjpe->qjgrp", q_QJGRE, kp_QJPE, preferred_element_type=f32) * scale
+        )
+        sc_QJGRC = (
+            jnp.einsum("qjgre,qjgec->qjgrc", q_QJGRE, kc_QJGEC, preferred_element_type=f32) * scale
+        )
+        sp_QJGRP = jnp.where(prompt_mask_QJGRP, sp_QJGRP, _MASKED)
+        sc_QJGRC = jnp.where(slot_mask_C, sc_QJGRC, _MASKED)
+        max_QJGR1 = jnp.maximum(
+            jnp.max(sp_QJGRP, axis=-1, keepdims=True), jnp.max(sc_QJGRC, axis=-1, keepdims=True)
+        )
+        ep_QJGRP = jnp.exp(sp_QJGRP - max_QJGR1)
+        ec_QJGRC = jnp.exp(sc_QJGRC - max_QJGR1)
+        total_QJGR1 = jnp.sum(ep_QJGRP, axis=-1, keepdims=True) + jnp.sum(
+            ec_QJGRC, axis=-1, keepdims=True
+        )
+        o_QJGRE = jnp.einsum(
+            "qjgrp,qjpe->qjgre", ep_QJGRP.astype(cd), vp_QJPE, preferred_element_type=f32
+        ) + jnp.einsum(
+            "qjgrc,qjgce->qjgre", ec_QJGRC.astype(cd), vc_QJGCE, preferred_element_type=f32
+        )
+        o_QJGRE = (o_QJGRE / total_QJGR1).astype(dt)
+        o_QGX = o_QJGRE.transpose(0, 2, 1, 3, 4).reshape(Q, G, H * E)
+        y_QGD = jnp.einsum("qgx,xd->qgd", o_QGX, w.o_XD)
+        if w.o_bias_D is not None:
+            y_QGD = y_QGD + w.o_bias_D
+        x_QGD = x_QGD + y_QGD
+
+        m_QGD = layer.mlp_norm(x_QGD)
+        gate_up_QGF2 = jnp.einsum("qgd,df->qgf", m_QGD, w.gate_up_DF2)
+        F = w.down_FD.shape[0]
+        act_QGF = jax.nn.silu(gate_up_QGF2[..., :F]) * gate_up_QGF2[..., F:]
+        x_QGD = x_QGD + jnp.einsum("qgf,fd->qgd", act_QGF, w.down_FD)
+    h_ND = model.final_norm(x_QGD).reshape(Q * G, -1)
+    return _unembed(model, h_ND), new_kv
+
+
+def _empty_kv(Q, J, G, C, E, dtype, num_layers):
+    """Per layer: keys [Q, J, G, E, C] (slots last, for the score matmul), values [Q, J, G, C, E]."""
+    return [
+        (jnp.zeros((Q, J, G, E, C), dtype), jnp.zeros((Q, J, G, C, E), dtype))
+        for _ in range(num_layers)
+    ]
+
+
+def _grow_kv(kv, slots: int):
+    """The completion cache padded with empty slots to `slots`."""
+
+    def grow(x, axis):
+        pad = [(0, slots - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)]
+        return jnp.pad(x, pad)
+
+    return [(grow(k, 4), grow(v, 3)) for k, v in kv]
+
+
+def _segment_ends(C: int, first: int) -> list[int]:
+    """Completion-cache sizes of the decode segments: first, 2 first, 4 first, ..., then C.
+
+    Decode attention reads every slot of the current segment: with one segment of C slots it reads
+    twice the slots in use on average, with doubling segments about 4/3 (past the first), at the
+    price of one compiled loop body per segment. One segment when `first` is 0 or C < 2 first.
+    """
+    ends = []
+    size = first
+    while size > 0 and 2 * size <= C:
+        ends.append(size)
+        size *= 2
+    return [*ends, C]
+
+
+def _unembed(model, h_ND: jax.Array) -> jax.Array:
+    """Float32 logits [N, V], as `Transformer.__call__` computes them."""
+    w_DV = model.unembed_weight().astype(h_ND.dtype)
+    return jnp.einsum("nd,dv->nv", h_ND, w_DV, preferred_element_type=jnp.float32)
+
+
+def sequence_uniforms(seeds_Q: jax.Array, num_samples: int, num_tokens: int) -> jax.Array:
+    """The random numbers behind every sampled token: u [Q * G, C] in [0, 1).
+
+    Row q * G + j, column t drives token t of sample j of question q: threefry of the counter
+    j * C + t under `PRNGKey(seed_q)` (counter mode, as `jax.random.fold_in` computes it), so a
+    question's numbers depend on its seed alone, never on the other questions in the batch. (The
+    counter form compiles in a fraction of the time `jax.random.uniform` takes on CPU.)
+    """
+    keys_Q2 = jax.vmap(jax.random.PRNGKey)(seeds_Q)
+    counters_M = jnp.arange(num_samples * num_tokens, dtype=jnp.uint32)
+    fold = jax.vmap(jax.vmap(jax.random.fold_in, in_axes=(None, 0)), in_axes=(0, None))
+    bits_QM = fold(keys_Q2, counters_M)[..., 0]
+    # 23 random mantissa bits -> a float in [1, 2) -> [0, 1).
+    one_to_two_QM = jax.lax.bitcast_convert_type(
+        (bits_QM >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32
+    )
+    return (one_to_two_QM - 1.0).reshape(-1, num_tokens)
+
+
+def sample_with_uniforms(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt_QP: jax.Array,
+    prompt_valid_QP: jax.Array,
+    u_NC: jax.Array | None,
+    *,
+    num_samples: int,
+    sp: SamplingParams,
+) -> Samples:
+    """`sample` driven by explicit random numbers u [Q * G, C] (see `sequence_uniforms`).
+
+    Row q * G + j is sample j of question q. `u_NC` may be None for greedy decoding.
+    """
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    Q, P = prompt_QP.shape
+    G, C = num_samples, sp.max_new_tokens
+    N = Q * G
+    J, E = cfg.num_kv_heads, cfg.head_dim
+    cd = DTYPES[sp.cache_dtype]
+    if u_NC is None:
+        if sp.temperature != 0.0:
+            raise ValueError("u_NC: sampling with temperature > 0 needs random numbers")
+        u_NC = jnp.zeros((N, C), jnp.float32)
+    if u_NC.shape != (N, C):
+        raise ValueError(f"u_NC: shape {u_NC.shape}, expected {(N, C)} ({Q} prompts x {G} samples)")
+
+    # 1. Prefill: one pass over the Q prompts into a P-slot cache.
+    prompt_valid_QP = prompt_valid_QP.astype(jnp.bool_)
+    pos_QP = positions_from_valid(prompt_valid_QP)
+    h_QPD, cache = model.hidden(prompt_QP, pos_QP, prompt_valid_QP, cache=init_cache(cfg, Q, P, cd))
+    logits_QV = _unembed(model, h_QPD[:, -1])
+    prompt_kv = [
+        (cache.k_LBSJE[i].transpose(0, 2, 1, 3), cache.v_LBSJE[i].transpose(0, 2, 1, 3))
+        for i in range(cfg.num_layers)
+    ]
+    # Completion t sits at position (prompt length) + t; cos/sin for every position, once.
+    first_pos_Q = jnp.sum(prompt_valid_QP, axis=-1, dtype=jnp.int32)
+    cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], E, cfg.rope_theta))
+    weights = _layer_weights(model)
+
+    def emit(t, logits_NV, tokens_NC, logp_NC, done_N):
+        token_N, logp_N = _choose(logits_NV, jax.lax.dynamic_index_in_dim(u_NC, t, 1, False), sp)
+        token_N = jnp.where(done_N, sp.pad_id, token_N)
+        tokens_NC = jax.lax.dynamic_update_index_in_dim(tokens_NC, token_N, t, 1)
+        logp_NC = jax.lax.dynamic_update_index_in_dim(logp_NC, jnp.where(done_N, 0.0, logp_N), t, 1)
+        return token_N, tokens_NC, logp_NC, done_N | (token_N == sp.eos_id)
+
+    # 2. Decode: positions 0 .. C - 2 each sample a token and run it through the model. The
+    # completion cache grows by segments (see `_segment_ends`) so attention reads about the slots
+    # in use, not all C; each segment is one while loop over a fixed slot count.
+    def body(carry):
+        t, kv, logits_NV, tokens_NC, logp_NC, done_N = carry
+        token_N, tokens_NC, logp_NC, done_N = emit(t, logits_NV, tokens_NC, logp_NC, done_N)
+        pos_Q = first_pos_Q + t
+        logits_NV, kv = _decode_step(
+            model,
+            weights,
+            prompt_kv,
+            prompt_valid_QP,
+            kv,
+            token_N,
+            t,
+            jnp.take(cos_TE, pos_Q, axis=0),
+            jnp.take(sin_TE, pos_Q, axis=0),
+        )
+        return t + 1, kv, logits_NV, tokens_NC, logp_NC, done_N
+
+    ends = _segment_ends(C, sp.segment_len)
+    carry = (
+        jnp.int32(0),
+        _empty_kv(Q, J, G, ends[0], E, cd, cfg.num_layers),
+        jnp.repeat(logits_QV, G, axis=0),
+        jnp.full((N, C), sp.pad_id, jnp.int32),
+        jnp.zeros((N, C), jnp.float32),
+        jnp.zeros((N,), jnp.bool_),
+    )
+    for i, end in enumerate(ends if C > 1 else []):
+        if i > 0:
+            carry = (carry[0], _grow_kv(carry[1], end), *carry[2:])
+        last = min(end, C - 1)
+        carry = jax.lax.while_loop(lambda c, last=last: (c[0] < last) & ~jnp.all(c[5]), body, carry)
+    t, _, logits_NV, tokens_NC, logp_NC, done_N = carry
+    all_done = jnp.all(done_N)
+    # 3. The last position needs no forward pass (a no-op when every sequence already stopped).
+    _, tokens_NC, logp_NC, done_N = emit(t, logits_NV, tokens_NC, logp_NC, done_N)
+    steps = jnp.where(all_done, t, t + 1)
+    return Samples(tokens_NC, logp_NC, completion_valid(tokens_NC, sp.eos_id), done_N, steps)
 
 
 def sample(
@@ -91,66 +508,12 @@ def sample(
     sp: SamplingParams,
 ) -> Samples:
     """Draw `num_samples` completions for each of Q left-padded prompts (see the module docstring)."""
-    model = nnx.merge(graphdef, state)
-    Q, P = prompt_QP.shape
-    G, C = num_samples, sp.max_new_tokens
-    N = Q * G
-    cfg = model.cfg
-    dtype = jnp.dtype(sp.cache_dtype)
-
-    cache = init_cache(cfg, Q, P + C, dtype)
-    pos_QP = positions_from_valid(prompt_valid_QP)
-    h_QPD, cache = model.hidden(prompt_QP, pos_QP, prompt_valid_QP, cache=cache)
-    w_DV = model.unembed_weight()
-    logits_QV = jnp.einsum("qd,dv->qv", h_QPD[:, -1].astype(jnp.float32), w_DV.astype(jnp.float32))
-    cache = repeat_cache(cache, G)
-    logits_NV = jnp.repeat(logits_QV, G, axis=0)
-    next_pos_N = jnp.repeat(pos_QP[:, -1] + 1, G)
-
-    keys_Q = jax.vmap(jax.random.PRNGKey)(seeds_Q)
-    keys_N = jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(G)))(keys_Q)
-    keys_N = keys_N.reshape(N, *keys_Q.shape[1:])
-
-    def cond(carry):
-        t, _, _, _, _, done_N, _ = carry
-        return (t < C) & ~jnp.all(done_N)
-
-    def body(carry):
-        t, cache, logits_NV, tokens_NC, logp_NC, done_N, pos_N = carry
-        token_N, logp_N = _choose(logits_NV, keys_N, t, sp)
-        live_N = ~done_N
-        token_N = jnp.where(live_N, token_N, sp.pad_id)
-        tokens_NC = tokens_NC.at[:, t].set(token_N)
-        logp_NC = logp_NC.at[:, t].set(jnp.where(live_N, logp_N, 0.0))
-        done_N = done_N | (token_N == sp.eos_id)
-        h_N1D, cache = model.hidden(token_N[:, None], pos_N[:, None], live_N[:, None], cache=cache)
-        logits_NV = jnp.einsum(
-            "nd,dv->nv", h_N1D[:, 0].astype(jnp.float32), w_DV.astype(jnp.float32)
-        )
-        return t + 1, cache, logits_NV, tokens_NC, logp_NC, done_N, pos_N + 1
-
-    carry = (
-        jnp.int32(0),
-        cache,
-        logits_NV,
-        jnp.full((N, C), sp.pad_id, jnp.int32),
-        jnp.zeros((N, C), jnp.float32),
-        jnp.zeros((N,), bool),
-        next_pos_N,
+    u_NC = None
+    if sp.temperature != 0.0:
+        u_NC = sequence_uniforms(seeds_Q, num_samples, sp.max_new_tokens)
+    return sample_with_uniforms(
+        graphdef, state, prompt_QP, prompt_valid_QP, u_NC, num_samples=num_samples, sp=sp
     )
-    t, _, _, tokens_NC, logp_NC, done_N, _ = jax.lax.while_loop(cond, body, carry)
-    valid_NC = completion_valid(tokens_NC, sp.eos_id, t)
-    return Samples(tokens_NC, logp_NC, valid_NC, done_N)
-
-
-def completion_valid(tokens_NC: jax.Array, eos_id: int, length=None) -> jax.Array:
-    """True up to and including the first EOS (all True when there is none), within `length`."""
-    is_eos_NC = tokens_NC == eos_id
-    before_eos_NC = jnp.cumsum(is_eos_NC.astype(jnp.int32), axis=-1) - is_eos_NC.astype(jnp.int32)
-    valid_NC = before_eos_NC == 0
-    if length is not None:
-        valid_NC = valid_NC & (jnp.arange(tokens_NC.shape[1]) < length)[None, :]
-    return valid_NC
 
 
 @functools.cache
