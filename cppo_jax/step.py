@@ -4,6 +4,9 @@ N kept sequences, P prompt slots (left-padded), C completion slots (right-padded
 Both functions take the model as (graphdef, params) so params and optimizer state are plain pytrees that
 the mesh can shard and `jax.jit` can donate. Shapes are fixed by the config (Q, k, P, C), so each function
 compiles once per run; a non-finite loss or gradient skips the update in-graph and is reported.
+With a mesh (`compiled(..., mesh=...)`) params, optimizer state and gradients are sharded by the rules of
+`cppo_jax.sharding`, the batch by its leading dim over (data, fsdp), and activations are constrained
+while tracing; the math is the same code as on one device.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import optax
 from flax import nnx
 
 from cppo_jax import loss as loss_lib
+from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.sampler import positions_from_valid
 
@@ -69,7 +73,8 @@ def completion_logps(model, tokens_NT, valid_NT, spec: StepSpec) -> jax.Array:
     h_NCD = h_NTD[:, P - 1 :]
     return loss_lib.token_logps_from_hidden(
         h_NCD,
-        model.unembed_weight(),
+        # Gathered over fsdp (D whole), split by vocabulary: logits stay split by sequence.
+        sharding_lib.constrain(model.unembed_weight(), (None, "vocab")),
         tokens_NT[:, P:],
         temperature=spec.temperature,
         chunk_size=spec.logp_chunk,
@@ -136,8 +141,9 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec):
         raise ValueError(f"trainer.micro_batch={m} must divide the {N} kept sequences of a step")
     # Gradient accumulation: equal-size micro-batches, averaged (exact for seq-level means of equal
     # weight; token_mean is re-weighted by each micro-batch's share of the masked tokens).
-    split = lambda x: None if x is None else x.reshape(N // m, m, *x.shape[1:])  # noqa: E731
-    micro = Batch(*(split(x) for x in batch))
+    # Micro-batch j holds rows j, j + N/m, j + 2N/m, ...: with the rows split over devices in
+    # contiguous blocks, every micro-batch takes m/devices rows from each device, without moving any.
+    micro = Batch(*(_strided_split(x, m) for x in batch))
     tokens_total = jnp.maximum(batch.mask_NC.sum(), 1.0)
 
     def body(acc, mb: Batch):
@@ -158,13 +164,26 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec):
         ),
     )
     (loss, metrics), grads = zeros
+    mesh = sharding_lib.active_mesh()
+    if mesh is not None:  # the accumulator lives where the params do
+        grads = jax.lax.with_sharding_constraint(grads, sharding_lib.param_shardings(grads, mesh))
     (loss, metrics, grads), _ = jax.lax.scan(body, (loss, metrics, grads), micro)
     return loss, metrics, grads
 
 
-def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec):
+def _strided_split(x_N: jax.Array | None, m: int) -> jax.Array | None:
+    """[N, ...] -> [N/m, m, ...], micro-batch j = rows j, j + N/m, ...; the m rows keep the batch sharding."""
+    if x_N is None:
+        return None
+    N = x_N.shape[0]
+    x_XmN = x_N.reshape(m, N // m, *x_N.shape[1:]).swapaxes(0, 1)
+    return sharding_lib.constrain(x_XmN, (None, "batch") + (None,) * (x_N.ndim - 1))
+
+
+def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec, mesh=None):
     """One optimizer update; skipped (params and state unchanged) when loss or grads are not finite."""
-    loss, metrics, grads = _grads(params, graphdef, batch, spec)
+    with sharding_lib.use_mesh(mesh):
+        loss, metrics, grads = _grads(params, graphdef, batch, spec)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
@@ -178,17 +197,60 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec)
     return params, opt_state, metrics
 
 
-def logps_fn(params, tokens_NT, valid_NT, *, graphdef, spec: StepSpec):
+def logps_fn(params, tokens_NT, valid_NT, *, graphdef, spec: StepSpec, mesh=None):
     """Completion log-probs of a frozen model (reference or old policy)."""
-    model = nnx.merge(graphdef, params)
-    return completion_logps(model, tokens_NT, valid_NT, spec)
+    with sharding_lib.use_mesh(mesh):
+        model = nnx.merge(graphdef, params)
+        return completion_logps(model, tokens_NT, valid_NT, spec)
+
+
+def compiled(graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | None = None):
+    """(train_step, logps) jitted once per run, params and optimizer state donated.
+
+    With a `mesh`, both get declared shardings: `params` (the policy's params, or their abstract
+    shapes) fix the param and optimizer-state layouts by the rules, the batch (`rows` sequences,
+    default: any multiple of data * fsdp) is split by its leading dim, metrics are replicated.
+    Arguments must arrive in those layouts (`sharding.shard_params`, `sharding.init_opt_state`,
+    `sharding.batch_sharding`). Without a mesh, XLA places everything (one device).
+    """
+    if mesh is None:
+        return _compiled(graphdef, tx, spec, None, None, None, None)
+    if params is None:
+        raise ValueError("compiled(mesh=...) needs params (or their abstract shapes) to shard")
+    p_sh = sharding_lib.param_shardings(params, mesh)
+    o_sh = sharding_lib.opt_state_shardings(tx, params, mesh)
+    b_sh = sharding_lib.batch_sharding(mesh, rows)
+    return _compiled(graphdef, tx, spec, mesh, _Frozen.of(p_sh), _Frozen.of(o_sh), b_sh)
+
+
+class _Frozen(NamedTuple):
+    """A pytree of shardings as a hashable key (treedef, leaves)."""
+
+    treedef: object
+    leaves: tuple
+
+    @classmethod
+    def of(cls, tree) -> _Frozen:
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(treedef, tuple(leaves))
+
+    def tree(self):
+        return jax.tree.unflatten(self.treedef, self.leaves)
 
 
 @functools.cache
-def compiled(graphdef, tx, spec: StepSpec):
-    """(train_step, logps) jitted once per run, params and optimizer state donated."""
+def _compiled(graphdef, tx, spec, mesh, p_sh: _Frozen | None, o_sh: _Frozen | None, b_sh):
+    step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, spec=spec, mesh=mesh)
+    logps_fn_ = functools.partial(logps_fn, graphdef=graphdef, spec=spec, mesh=mesh)
+    if mesh is None:
+        return jax.jit(step_fn, donate_argnums=(0, 1)), jax.jit(logps_fn_)
+    params, opt_state = p_sh.tree(), o_sh.tree()
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step = jax.jit(
-        functools.partial(train_step, graphdef=graphdef, tx=tx, spec=spec), donate_argnums=(0, 1)
+        step_fn,
+        in_shardings=(params, opt_state, b_sh),
+        out_shardings=(params, opt_state, replicated),
+        donate_argnums=(0, 1),
     )
-    logps = jax.jit(functools.partial(logps_fn, graphdef=graphdef, spec=spec))
+    logps = jax.jit(logps_fn_, in_shardings=(params, b_sh, b_sh), out_shardings=b_sh)
     return step, logps

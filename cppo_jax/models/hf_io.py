@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from cppo_jax import sharding as sharding_lib
 from cppo_jax.models.transformer import Transformer, TransformerConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -150,8 +151,8 @@ def hf_tensors_to_model(
 
     Every tensor is checked (missing, wrong shape, unexpected) before any parameter is built.
     `sources` maps tensor names to the file they came from, for error messages (a missing
-    tensor is reported against `default_source`). With a `mesh`,
-    parameters are placed replicated on it (sharding rules come later).
+    tensor is reported against `default_source`). With a `mesh`, each parameter is placed on it
+    by its logical axis names and `cppo_jax.sharding.RULES`.
     """
     sources = sources or {}
     where = lambda name: sources.get(name, default_source)  # noqa: E731
@@ -169,15 +170,19 @@ def hf_tensors_to_model(
                 f"{where(e.hf_name)}: tensor {e.hf_name!r} has shape {got}, expected {e.hf_shape}"
             )
     dtype = cfg.weight_dtype
-    sharding = (
-        None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    )
-    values = {}
-    for e in table:
-        value = jnp.asarray(e.to_nnx(np.asarray(tensors[e.hf_name])), dtype=dtype)
-        values[e.path] = value if sharding is None else jax.device_put(value, sharding)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
+    shardings = {}
+    if mesh is not None:
+        placed = sharding_lib.param_shardings(abstract_state, mesh)
+        shardings = {path: var.get_value() for path, var in nnx.to_flat_state(placed)}
+    values = {}
+    for e in table:
+        value = e.to_nnx(np.asarray(tensors[e.hf_name]))
+        if mesh is None:
+            values[e.path] = jnp.asarray(value, dtype=dtype)
+        else:  # each device receives only its shard
+            values[e.path] = jax.device_put(value.astype(dtype), shardings[e.path])
     flat = [(path, var.replace(values[path])) for path, var in nnx.to_flat_state(abstract_state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -275,12 +280,15 @@ def load_hf(
     mesh: jax.sharding.Mesh | None = None,
     *,
     param_dtype: str = "float32",
+    remat: bool = False,
 ) -> Transformer:
     """Loads a local HF folder (single or sharded safetensors) as a `Transformer`.
 
-    `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters.
+    `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters, `remat`
+    recomputes each layer's activations in the backward pass; with a `mesh` the parameters are
+    sharded on it by the rules of `cppo_jax.sharding`.
     """
-    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype)
+    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
     tensors, sources = read_hf_tensors(path)
     index = Path(path) / INDEX_FILE
     default = index if index.is_file() else Path(path) / SINGLE_FILE

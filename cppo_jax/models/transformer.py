@@ -20,11 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from cppo_jax import sharding
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 # Large finite negative for masked scores: fully masked rows (padding queries) stay finite.
 _MASKED = -1e30
 _INIT_STD = 0.02
+# Logical names of activations (mapped onto the mesh by cppo_jax.sharding.RULES).
+_ACT_EMBED = ("batch", "length", "act_embed")
+_ACT_HEADS = ("batch", "length", "act_heads", "head_dim")
+_ACT_KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
+_ACT_MLP = ("batch", "length", "act_mlp")
+_ACT_VOCAB = ("batch", "length", "act_vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +191,12 @@ class TransformerConfig:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """The one place activations get logical sharding constraints (none yet: identity)."""
-    del names
-    return x
+    """The one place activations get logical sharding constraints (cppo_jax.sharding.RULES).
+
+    The identity unless a mesh is active while tracing (`sharding.use_mesh`, set by the jitted step
+    functions); a dim the rule's mesh axes do not divide stays replicated.
+    """
+    return sharding.constrain(x, names)
 
 
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
@@ -325,8 +336,9 @@ class Attention(nnx.Module):
             q_BTHE = q_BTHE + self.q_bias_HE[...].astype(dt)
             k_BTJE = k_BTJE + self.k_bias_JE[...].astype(dt)
             v_BTJE = v_BTJE + self.v_bias_JE[...].astype(dt)
-        q_BTHE = apply_rope(q_BTHE, cos_BTE, sin_BTE)
-        k_BTJE = apply_rope(k_BTJE, cos_BTE, sin_BTE)
+        q_BTHE = constrain(apply_rope(q_BTHE, cos_BTE, sin_BTE), _ACT_HEADS)
+        k_BTJE = constrain(apply_rope(k_BTJE, cos_BTE, sin_BTE), _ACT_KV_HEADS)
+        v_BTJE = constrain(v_BTJE, _ACT_KV_HEADS)
         if cache is None:
             k_BSJE, v_BSJE = k_BTJE, v_BTJE
         else:
@@ -351,6 +363,7 @@ class MLP(nnx.Module):
         dt = x_BTD.dtype
         gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_DF[...].astype(dt))
         up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_DF[...].astype(dt))
+        gate_BTF, up_BTF = constrain(gate_BTF, _ACT_MLP), constrain(up_BTF, _ACT_MLP)
         return jnp.einsum(
             "btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down_FD[...].astype(dt)
         )
@@ -365,8 +378,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer):
         y_BTD, cache = self.attn(self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer)
-        x_BTD = constrain(x_BTD + y_BTD, ("batch", None, "embed"))
-        x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), ("batch", None, "embed"))
+        x_BTD = constrain(x_BTD + y_BTD, _ACT_EMBED)
+        x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
         return x_BTD, cache
 
 
@@ -408,8 +421,10 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0, mode="clip")
-        x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), ("batch", None, "embed"))
+        # The table whole along D (gathered over fsdp), so each row's lookup stays on its device.
+        embed_VD = constrain(self.embed_VD[...], ("vocab", None))
+        x_BTD = jnp.take(embed_VD, tokens_BT, axis=0, mode="clip")
+        x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), _ACT_EMBED)
         valid_BT = valid_BT.astype(jnp.bool_)
         if cache is None:
             query_slot_T = jnp.arange(T)
@@ -437,7 +452,7 @@ class Transformer(nnx.Module):
         h_BTD, cache = self.hidden(tokens_BT, positions_BT, valid_BT, cache)
         w_DV = self.unembed_weight().astype(h_BTD.dtype)
         logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("batch", None, "vocab")), cache
+        return constrain(logits_BTV, _ACT_VOCAB), cache
 
 
 def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:

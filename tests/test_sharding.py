@@ -1,0 +1,408 @@
+"""Sharded results equal single-device results; the rules fall back to replication; the memory plan.
+
+The mesh tests run in a subprocess with 8 fake CPU devices (XLA_FLAGS must be set before JAX starts, and
+this pytest process has already started it with one device). The worker prints its measurements as JSON;
+the assertions are made here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cppo_jax import plan
+from cppo_jax import sharding as sharding_lib
+from cppo_jax.config import MeshConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
+TOL = 1e-5
+# The fake-device worker compiles 9 step functions; XLA's CPU backend optimisations only cost time here.
+WORKER_FLAGS = (
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules, mesh construction, errors (this process: one device)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rules_map_logical_names_and_fall_back_to_replication():
+    from jax.sharding import PartitionSpec as P
+
+    sizes = {"data": 2, "fsdp": 4, "tensor": 8}
+    spec = sharding_lib.logical_spec
+    assert spec(("embed", "q_heads", "head_dim"), (24, 8, 4), sizes) == P("fsdp", "tensor")
+    assert spec(("embed", "kv_heads", "head_dim"), (24, 2, 4), sizes) == P("fsdp")  # 2 % 8
+    assert spec(("vocab", "embed"), (61, 24), sizes) == P(None, "fsdp")  # a prime vocabulary
+    assert spec(("embed", "mlp"), (23, 40), sizes) == P(None, "tensor")
+    assert spec(("batch", None), (16, 5), sizes) == P(("data", "fsdp"))
+    assert spec(("batch",), (6,), sizes) == P("data")  # the longest prefix that divides
+    assert spec(("batch",), (7,), sizes) == P()
+    assert spec(("batch",), (16,), {"data": 1, "fsdp": 8, "tensor": 1}) == P("fsdp")
+    assert spec(("norm",), (24,), sizes) == P()
+    with pytest.raises(ValueError, match="'heads' has no rule"):
+        spec(("heads",), (8,), sizes)
+
+
+def test_make_mesh_resolves_the_rest_and_names_the_keys_on_a_mismatch():
+    import jax
+
+    mesh = sharding_lib.make_mesh(MeshConfig())
+    assert dict(mesh.shape) == {"data": len(jax.devices()), "fsdp": 1, "tensor": 1}
+    with pytest.raises(ValueError, match=r"mesh\.data=2 x mesh\.fsdp=1 x mesh\.tensor=1 = 2"):
+        sharding_lib.make_mesh(MeshConfig(data=2))
+    with pytest.raises(ValueError, match=r"mesh\.fsdp=3.*do not divide the 1 devices"):
+        sharding_lib.make_mesh(MeshConfig(data=-1, fsdp=3))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8 fake devices
+# ---------------------------------------------------------------------------------------------
+
+
+def _worker() -> dict:
+    """Runs in the subprocess: single-device reference, then every mesh of MESHES."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from cppo_jax import step as step_lib
+    from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.models.transformer import TransformerConfig, init_model
+    from cppo_jax.trainer import _gather_batch, _select
+
+    assert len(jax.devices()) == 8
+    # H = 8 divides every mesh axis; J = 2 does not divide tensor = 8, V = 61 divides nothing.
+    cfg = TransformerConfig(
+        arch="qwen2",
+        vocab_size=61,
+        hidden_size=24,
+        intermediate_size=40,
+        num_layers=1,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=4,
+    )
+    graphdef, params = nnx.split(init_model(cfg, 0))
+    host_params = jax.device_get(params)
+    Q, G, K, P, C = 8, 4, 2, 5, 6
+    M = Q * K
+    rng = np.random.default_rng(0)
+    prompt_QP = rng.integers(1, 61, (Q, P)).astype(np.int32)
+    prompt_QP[:, -1] = np.arange(Q)  # the last prompt token names the question
+    pvalid_QP = np.ones((Q, P), bool)
+    pvalid_QP[:, :2] = rng.random((Q, 2)) < 0.5
+    tokens_NC = rng.integers(0, 61, (Q * G, C)).astype(np.int32)
+    cvalid_NC = np.cumsum(rng.random((Q * G, C)) < 0.2, axis=1) == 0
+    cvalid_NC[:, 0] = True
+    finished_N = ~cvalid_NC[:, -1]
+    rewards_QG = rng.integers(0, 3, (Q, G)).astype(np.float32)
+    key = jax.random.PRNGKey(0)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, logp_chunk=C)
+    ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
+    tx = step_lib.make_optimizer(ocfg, 10)
+
+    def prune(mesh):
+        adv_QG, flat = _select(
+            jnp.asarray(rewards_QG),
+            key,
+            k=K,
+            metric="smallest",
+            scope="question",
+            scale="group",
+            eps=1e-4,
+            n_keep=M,
+            mesh=mesh,
+        )
+        args = (prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG, flat)
+        kw = dict(G=G, mask_truncated=True, mesh=mesh)
+        hlo = _gather_batch.lower(*args, **kw).compile().as_text()
+        return _gather_batch(*args, **kw), hlo
+
+    def run(mesh, micro=0):
+        sp = step_lib.StepSpec(**{**spec.__dict__, "micro_batch": micro})
+        if mesh is None:
+            params = jax.tree.map(jnp.asarray, host_params)
+        else:
+            params = sharding_lib.shard_params(host_params, mesh)
+        opt = sharding_lib.init_opt_state(tx, params, mesh)
+        train_step, logps = step_lib.compiled(graphdef, tx, sp, mesh=mesh, params=params, rows=M)
+        (tokens_MT, valid_MT, mask_MC, adv_M), hlo = prune(mesh)
+        lp = logps(params, tokens_MT, valid_MT)
+        batch = step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, lp - 0.01, lp + 0.02)
+        new_params, new_opt, metrics = train_step(params, opt, batch)
+        # After one AdamW step (no clipping) mu = (1 - b1) * the gradient.
+        grads = jax.tree.map(lambda mu: mu / (1 - ocfg.b1), new_opt[-1][0].mu)
+        values = {
+            "logps": lp,
+            "loss": metrics["loss"],
+            "grads": grads,
+            "params": new_params,
+            "metrics": metrics,
+            "batch": (tokens_MT, valid_MT, mask_MC, adv_M),
+        }
+        return values, (new_params, new_opt, batch, train_step), hlo
+
+    def max_err(a, b) -> float:
+        diffs = jax.tree.map(
+            lambda x, y: float(
+                np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
+            ),
+            a,
+            b,
+        )
+        return max(jax.tree.leaves(diffs))
+
+    base, _, _ = run(None)
+    base = jax.device_get(base)
+    out = {"meshes": {}}
+    states = {}
+    for shape in MESHES:
+        mesh = sharding_lib.make_mesh(MeshConfig(*shape))
+        micro = 8 if shape == (2, 4, 1) else 0  # micro-batching on a sharded batch, too
+        values, state, hlo = run(mesh, micro)
+        states[shape] = (mesh, state)
+        tokens_MT = values["batch"][0]
+        shards = [
+            (s.device.id, np.asarray(s.data)[:, P - 1].tolist())
+            for s in tokens_MT.addressable_shards
+        ]
+        p_sh = sharding_lib.param_shardings(state[0], mesh)
+        out["meshes"][str(shape)] = {
+            "err": {k: max_err(values[k], base[k]) for k in ("logps", "loss", "grads", "params")},
+            "err_batch": max_err(jax.device_get(values["batch"]), base["batch"]),
+            "grad_norm": float(values["metrics"]["grad_norm"]),
+            "kept_per_device": {dev: len(q) for dev, q in shards},
+            "questions_per_device": {dev: sorted(set(q)) for dev, q in shards},
+            "gather_collectives": [
+                op
+                for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce")
+                if op in hlo
+            ],
+            "specs": {
+                "q_DHE": str(p_sh["layers"][0]["attn"]["q_DHE"].get_value().spec),
+                "k_DJE": str(p_sh["layers"][0]["attn"]["k_DJE"].get_value().spec),
+                "embed_VD": str(p_sh["embed_VD"].get_value().spec),
+            },
+        }
+    out["base_grad_norm"] = float(base["metrics"]["grad_norm"])
+    try:
+        sharding_lib.check_questions(12, states[(2, 4, 1)][0])
+    except ValueError as e:
+        out["q_error"] = str(e)
+
+    # Stretch: a checkpoint written on (2, 2, 2) restores onto (8, 1, 1) and continues identically.
+    import tempfile
+
+    _, (params_a, opt_a, _, _) = states[(2, 2, 2)]
+    _, (params_b, opt_b, batch_b, step_b) = states[(8, 1, 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Checkpointer(Path(tmp) / "ckpt")
+        ckpt.save(1, {"params": params_a, "opt_state": opt_a}, {"step": 1})
+        restored, _ = ckpt.restore(None, {"params": params_b, "opt_state": opt_b})
+        ckpt.close()
+    same_layout = all(
+        x.sharding == y.sharding
+        for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves((params_b, opt_b)))
+    )
+    expect = {"params": params_b, "opt_state": opt_b}
+    err_restored = max_err(jax.device_get(restored), jax.device_get(expect))
+    got = step_b(restored["params"], restored["opt_state"], batch_b)
+    want = step_b(*jax.tree.map(jnp.copy, (params_b, opt_b)), batch_b)
+    out["restore"] = {
+        "layout": same_layout,
+        "err_restored": err_restored,
+        "err_next_step": max_err(got, want),
+        "global_norm": float(optax.global_norm(got[0])),
+    }
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    env = {**os.environ, "XLA_FLAGS": WORKER_FLAGS, "JAX_PLATFORMS": "cpu"}
+    code = (
+        "import json, sys; sys.path.insert(0, 'tests'); import test_sharding as t; "
+        "print('RESULT ' + json.dumps(t._worker()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_sharded_step_equals_single_device(mesh_results, shape):
+    r = mesh_results["meshes"][str(shape)]
+    print(shape, r["err"], r["specs"])
+    for name, err in r["err"].items():
+        assert err < TOL, (name, err)
+    assert r["err_batch"] < 1e-7
+    assert abs(r["grad_norm"] - mesh_results["base_grad_norm"]) < TOL
+
+
+def test_rules_place_params_with_fallback(mesh_results):
+    specs = {shape: mesh_results["meshes"][str(shape)]["specs"] for shape in MESHES}
+    assert specs[(2, 2, 2)] == {
+        "q_DHE": "P('fsdp', 'tensor')",
+        "k_DJE": "P('fsdp', 'tensor')",
+        "embed_VD": "P(None, 'fsdp')",  # vocab 61 does not divide: replicated
+    }
+    assert specs[(1, 1, 8)] == {
+        "q_DHE": "P(None, 'tensor')",
+        "k_DJE": "P()",  # 2 kv heads on 8 tensor devices: replicated
+        "embed_VD": "P()",
+    }
+    assert specs[(8, 1, 1)]["q_DHE"] == "P()"  # pure data parallelism
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_each_device_prunes_its_own_questions(mesh_results, shape):
+    r = mesh_results["meshes"][str(shape)]
+    data, fsdp, _ = shape
+    dp = data * fsdp
+    Q, K = 8, 2
+    counts = set(r["kept_per_device"].values())
+    assert counts == {Q * K // dp}, r["kept_per_device"]  # equal kept counts on every device
+    for questions in r["questions_per_device"].values():
+        assert len(questions) == Q // dp  # whole questions: all k kept of each are local
+    assert r["gather_collectives"] == [], "pruning moved data between devices"
+
+
+def test_questions_must_split_over_the_data_axes(mesh_results):
+    msg = mesh_results["q_error"]
+    assert "cppo.questions_per_step" in msg and "mesh.data=2" in msg and "mesh.fsdp=4" in msg
+
+
+def test_checkpoint_from_one_mesh_restores_onto_another(mesh_results):
+    r = mesh_results["restore"]
+    assert r["layout"], "restored arrays are not in the target mesh's layout"
+    assert r["err_restored"] < TOL and r["err_next_step"] < TOL, r
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory plan
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_for_the_paper_configs_on_8_x_80gb(tmp_path, capsys):
+    from test_launch import QWEN25_1P5B, QWEN25_7B
+
+    from cppo_jax.models.transformer import TransformerConfig
+    from cppo_jax.trainer import shapes_of
+
+    verdicts = {}
+    for name, hf, config in [
+        ("math7b", QWEN25_7B, "configs/math7b.py"),
+        ("gsm8k_1p5b", QWEN25_1P5B, "configs/gsm8k_1p5b.py"),
+    ]:
+        for shape in [(8, 1, 1), (1, 8, 1), (2, 2, 2)]:
+            overrides = ["model.path=/m"] + [
+                f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape)
+            ]
+            cfg = load_config(ROOT / config, overrides)
+            sh = shapes_of(cfg)
+            m = cfg.model
+            tcfg = TransformerConfig.from_hf_dict(
+                hf, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
+            )
+            mp = plan.memory_plan(
+                tcfg,
+                plan.resolve_mesh(cfg, 8),
+                rows=sh.M,
+                prompt_len=sh.P,
+                completion_len=sh.C,
+                beta=cfg.cppo.beta,
+                rollout_rows=sh.Q * sh.G,
+                device_bytes=80 * 10**9,
+            )
+            print(f"--- {name} (G={sh.G}, Q={sh.Q}, M={sh.M}) on 8 x 80 GB, mesh {shape}")
+            print("\n".join(plan.memory_lines(mp, m.param_dtype)))
+            verdicts[name, shape] = mp.fits
+    # Qwen2.5-7B at G = 16, fp32 params, AdamW and a reference: pure data parallelism holds a
+    # whole copy of everything on each GPU (too much); sharding params over fsdp fits.
+    assert verdicts["math7b", (8, 1, 1)] is False
+    assert verdicts["math7b", (1, 8, 1)] is True and verdicts["math7b", (2, 2, 2)] is True
+    assert verdicts["gsm8k_1p5b", (8, 1, 1)] is True
+
+
+def test_plan_report_prints_the_per_device_plan(tmp_path):
+    from test_launch import QWEN25_7B, _fake_model, _jsonl
+
+    model = _fake_model(tmp_path, "m", QWEN25_7B)
+    train = _jsonl(tmp_path / "t.jsonl", [{"problem": "1 + 1?", "solution": "$\\boxed{2}$"}] * 24)
+    overrides = [f"model.path={model}", f"data.train={train}", "mesh.data=1", "mesh.fsdp=-1"]
+    cfg = load_config(ROOT / "configs" / "math7b.py", overrides)
+    text = plan.plan_report(cfg, num_devices=8, device_memory_gb=80)
+    print(text)
+    assert "mesh: data=1 fsdp=8 tensor=1" in text
+    assert "memory per device (mesh data=1 fsdp=8 tensor=1" in text
+    assert "fits: yes" in text
+    bad = load_config(ROOT / "configs" / "math7b.py", [*overrides[:2], "mesh.data=16"])
+    with pytest.raises(ValueError, match=r"mesh\.data=16.*plan is for 8"):
+        plan.plan_report(bad, num_devices=8, device_memory_gb=80)
+
+
+def test_memory_estimate_matches_xla_for_a_tiny_model():
+    """The plan's per-device estimate vs XLA's buffer assignment of the real train step (CPU)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cppo_jax import step as step_lib
+    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.models.transformer import Transformer, TransformerConfig
+
+    N, P, C = 16, 16, 48
+    tcfg = TransformerConfig(
+        arch="qwen2",
+        vocab_size=509,
+        hidden_size=64,
+        intermediate_size=131,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0))))
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, logp_chunk=16)
+    tx = step_lib.make_optimizer(OptimConfig(), 10)
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    batch = step_lib.Batch(
+        S((N, P + C), jnp.int32),
+        S((N, P + C), jnp.bool_),
+        S((N, C), f32),
+        S((N,), f32),
+        S((N, C), f32),
+        S((N, C), f32),
+    )
+    train_step, _ = step_lib.compiled(graphdef, tx, spec)
+    compiled = train_step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
+    mem = compiled.memory_analysis()
+    measured = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
+    mp = plan.memory_plan(
+        tcfg, {}, rows=N, prompt_len=P, completion_len=C, beta=0.04, logp_chunk=16
+    )
+    estimate = mp.train_peak - mp.reference  # the reference params are not a train-step argument
+    print(f"train step: XLA {measured / 2**20:.2f} MiB, plan {estimate / 2**20:.2f} MiB")
+    assert 0.8 < estimate / measured < 1.25
+    assert mp.activations_remat < mp.activations_no_remat
