@@ -3,15 +3,50 @@
 A config whose `get_config()` returns a `Config` trains with CPPO; one that returns an `SFTConfig` runs
 the supervised warm start. When `model.warm_start` names an SFT config and `model.init_checkpoint` does
 not exist yet, the warm start runs first and writes it.
+
+Before anything is loaded, `check_required` refuses a config without a model (`model.path` or
+`model.init_checkpoint`) or with a `<required: ...>` placeholder left in it (configs/math7b.py's
+`data.train`). `trainer.dry_run=true` then stops after `cppo_jax.plan.plan_report`: the data is loaded and
+counted (and tokenized when the tokenizer folder exists), the shapes and step counts are derived and the
+model's size is read from its config.json; no weights are needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from cppo_jax.config import Config, ConfigError, load_config
+
+MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"
+REQUIRED_PREFIX = "<required"  # config values starting with this must be overridden
+
+
+def _placeholders(section, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, value) of every string value that is still a `<required: ...>` placeholder."""
+    found = []
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        key = prefix + field.name
+        if dataclasses.is_dataclass(value):
+            found += _placeholders(value, key + ".")
+        elif isinstance(value, str) and value.startswith(REQUIRED_PREFIX):
+            found.append((key, value))
+    return found
+
+
+def check_required(cfg: Config) -> None:
+    """Raise ConfigError unless a model is named and no `<required: ...>` placeholder is left."""
+    if not cfg.model.path and not cfg.model.init_checkpoint:
+        raise ConfigError(
+            f"{MODEL_REQUIRED}; set model.path=/path/to/model (a folder with config.json, "
+            f"*.safetensors and the tokenizer) or model.init_checkpoint=..."
+        )
+    for key, value in _placeholders(cfg):
+        detail = value[len(REQUIRED_PREFIX) :].strip(" :>")
+        raise ConfigError(f"config key '{key}' is required: {detail}")
 
 
 def _describe(cfg: Config) -> str:
@@ -41,12 +76,21 @@ def ensure_warm_start(cfg: Config, log=print) -> None:
 
 
 def run(cfg: Config, log=print) -> dict:
-    from cppo_jax.trainer import Trainer
-
+    if not cfg.trainer.dry_run:
+        check_required(cfg)
+    elif not cfg.model.path and not cfg.model.init_checkpoint:
+        check_required(cfg)  # the model message; placeholders are reported after the plan
     log(_describe(cfg))
     if cfg.trainer.dry_run:
-        log("dry run: config validated; nothing trained")
-        return {}
+        from cppo_jax.plan import plan_report
+
+        report = plan_report(cfg)
+        log(report)
+        check_required(cfg)  # a `<required: ...>` value left: refuse once the rest is shown
+        log("dry run: config, data and shapes validated; nothing trained")
+        return {"dry_run": True, "plan": report}
+    from cppo_jax.trainer import Trainer
+
     ensure_warm_start(cfg, log)
     trainer = Trainer(cfg)
     try:
@@ -96,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if isinstance(cfg, SFTConfig):
         run_sft(cfg)
-    else:
+        return 0
+    try:
         run(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

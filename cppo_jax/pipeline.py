@@ -3,8 +3,13 @@
 Each example becomes the chat-template prompt of (system prompt, question), left-truncated or rejected
 when longer than `data.max_prompt_len`, then left-padded to exactly that length so every compiled
 function sees one shape. The order of questions is a grain `MapDataset` indexed by step: shuffled by
-seed, repeated over epochs, batched to Q; the iterator position is simply the step number, so a resumed
-run draws exactly the batches the uninterrupted run would have drawn.
+seed (a fresh permutation each epoch), repeated over epochs, batched to the global Q; the iterator position
+is simply the step number, so a resumed run draws exactly the batches the uninterrupted run would have
+drawn. With several processes, each takes its own contiguous slice of every global batch.
+
+Validation: `split_validation` holds a seeded sample of the training questions out (never the test set);
+`holdout_validation` applies `data.val_size` to a config's training examples (the arith task draws its own
+validation split instead).
 """
 
 from __future__ import annotations
@@ -77,13 +82,94 @@ def encode_prompts(examples, tokenizer, task: str, max_len: int, long_prompts: s
     return PromptSet(list(examples), ids, valid, truncated)
 
 
-def question_order(n: int, batch: int, seed: int, shuffle: bool) -> grain.MapDataset:
-    """`ds[step]` is the array of `batch` question indices drawn at that step."""
+class _ProcessSlice:
+    """A grain map: the `[lo, hi)` slice of a global batch (a class, so the dataset stays picklable)."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, batch_Q: np.ndarray) -> np.ndarray:
+        return batch_Q[self.lo : self.hi]
+
+
+def question_order(
+    n: int,
+    batch: int,
+    seed: int,
+    shuffle: bool,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
+    """`ds[step]` is the array of question indices this process draws at `step`.
+
+    The global batch is `batch` (Q) questions: a seeded permutation of `range(n)`, re-drawn each epoch,
+    cut into consecutive groups of Q (a batch may straddle two epochs when n % Q != 0). Process `i` of
+    `process_count` takes the contiguous slice `[i * Q / count, (i + 1) * Q / count)` of every global
+    batch, so the processes' slices are disjoint and together form the global batch. Random access by
+    step makes the order checkpointable: a run resumed at step s reads `ds[s]`.
+    """
+    if n < 1:
+        raise ValueError(f"question_order: no questions to draw from (n={n})")
+    if batch < 1:
+        raise ValueError(f"question_order: batch (questions per step) must be >= 1, got {batch}")
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"question_order: process_index={process_index} is invalid for "
+            f"process_count={process_count} (need 0 <= process_index < process_count)"
+        )
+    if batch % process_count:
+        raise ValueError(
+            f"question_order: the global batch of {batch} questions per step does not split evenly "
+            f"over {process_count} processes; choose cppo.questions_per_step (and pruning/allocation) "
+            f"so that Q is a multiple of the process count"
+        )
     ds = grain.MapDataset.range(n)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    return ds.repeat(None).batch(batch, drop_remainder=True)
+    ds = ds.repeat(None).batch(batch, drop_remainder=True)
+    if process_count > 1:
+        per = batch // process_count
+        ds = ds.map(_ProcessSlice(process_index * per, (process_index + 1) * per))
+    return ds
 
 
 def steps_per_epoch(n: int, batch: int) -> int:
     return max(1, -(-n // batch))
+
+
+def split_validation(examples: list, val_size: int, seed: int) -> tuple[list, list]:
+    """`(train, val)`: a seeded sample of `val_size` examples held out of `examples`.
+
+    Both keep the original order; they are disjoint and together hold every example. The same
+    `(len(examples), val_size, seed)` always gives the same split. `val_size=0` holds nothing out.
+    """
+    n = len(examples)
+    if val_size < 0:
+        raise ValueError(f"data.val_size must be >= 0, got {val_size}")
+    if val_size == 0:
+        return list(examples), []
+    if val_size >= n:
+        raise ValueError(
+            f"data.val_size={val_size} leaves no training questions: the training split has {n}"
+        )
+    held = np.zeros(n, bool)
+    held[np.random.default_rng(seed).permutation(n)[:val_size]] = True
+    train = [ex for ex, h in zip(examples, held) if not h]
+    val = [ex for ex, h in zip(examples, held) if h]
+    return train, val
+
+
+def holdout_validation(cfg: DataConfig, train: list[dict]) -> tuple[list[dict], list[dict]]:
+    """`(train, val)` for in-training validation per `data.val_size` (nothing held out when 0).
+
+    The arith task draws `val_size` problems from its own validation split (disjoint from train and
+    test by construction), so its training set is unchanged; any other data holds a seeded sample of
+    `val_size` training questions out (`split_validation` with `data.seed`). The test split is never used.
+    """
+    if cfg.val_size == 0:
+        return list(train), []
+    if cfg.train == "arith":
+        from cppo_jax.tasks import arith
+
+        return list(train), arith.generate(cfg.val_size, seed=cfg.seed, split="validation")
+    return split_validation(train, cfg.val_size, cfg.seed)

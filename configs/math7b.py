@@ -1,0 +1,97 @@
+"""The paper's MATH run: CPPO on Qwen2.5-7B-Instruct (spec section 5).
+
+    python -m cppo_jax.launch --config configs/math7b.py \
+        model.path=/models/Qwen2.5-7B-Instruct data.train=/data/math/train.jsonl
+
+Two values are required and have no default, because nothing is downloaded:
+- `model.path`: a local Hugging Face folder;
+- `data.train`: a local .jsonl/.jsonl.gz/.parquet file (or a folder holding train.jsonl) of the MATH
+  training split, 7500 problems with `problem` and `solution` fields (the released code trains on
+  DigitalLearningGmbH/MATH-lighteval); the answer is the last \\boxed{} of each solution.
+
+Settings as in the paper: G = 16, mu = 2, beta = 0.04, eps = 0.2, temperature 1.0, AdamW at 1e-6 with
+cosine decay after a 10% warm-up, no weight decay, grad-norm clip 1.0, prompts of 512 and completions of
+1024 tokens, one epoch, rewards MATH accuracy + format with weights 1, 1 and the MATH system prompt (the
+answer ends with "Therefore, the final answer is: $\\boxed{ANSWER}$. I hope it is correct"). The test
+split during training is MATH-500 (greedy); `python -m cppo_jax.evaluate` adds AMC23 and AIME24
+(mean of 4 samples at T 0.6, top-p 0.95, 3072 tokens).
+
+Default: the paper's headline CPPO setting, p = 0.875 with dynamic allocation. The paper trains 16
+completions per GPU on 3 training GPUs, i.e. b = 3 questions per step for GRPO; with allocation CPPO draws
+Q = floor(3 / (1 - p)) = 24 questions and keeps k = 2 of 16 completions each (48 trained, as GRPO's 3 x 16).
+Overrides: `cppo.pruning_rate=0.0` (GRPO), `0.5 | 0.75 | 0.9375`; `cppo.allocation=false` (pruning alone).
+
+Rollouts use the embedded JAX sampler; on a GPU node with a vLLM server use
+`rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:8000` (see docs/vllm.md). In-training validation
+on problems held out of train (never the test set): `data.val_size=200 trainer.eval_every=100`.
+Check everything without weights first: add `trainer.dry_run=true`.
+"""
+
+from cppo_jax.config import (
+    Config,
+    CPPOConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+
+# A value `cppo_jax.launch` refuses to run with: it must be overridden on the command line.
+MATH_TRAIN_REQUIRED = (
+    "<required: a local .jsonl/.jsonl.gz/.parquet file of the MATH training split with fields "
+    "problem and solution (nothing is downloaded); set data.train=/path/to/math_train.jsonl>"
+)
+
+
+def get_config() -> Config:
+    return Config(
+        model=ModelConfig(path="", dtype="bfloat16", param_dtype="float32", remat=True),
+        data=DataConfig(
+            task="math",
+            train=MATH_TRAIN_REQUIRED,
+            test="math500",
+            split_train="train",
+            split_test="test",
+            max_prompt_len=512,
+            long_prompts="truncate",
+            seed=42,
+        ),
+        rollout=RolloutConfig(backend="embedded", max_new_tokens=1024, temperature=1.0, top_p=1.0),
+        cppo=CPPOConfig(
+            num_generations=16,
+            questions_per_step=3,
+            pruning_rate=0.875,
+            allocation=True,
+            metric="smallest",
+            scope="question",
+            mu=2,
+            beta=0.04,
+            eps_low=0.2,
+            eps_high=0.2,
+            loss_type="token_mean",
+        ),
+        reward=RewardConfig(
+            funcs=("math_accuracy", "math_format"),
+            weights=(1.0, 1.0),
+            timeout_s=10.0,
+            num_workers=8,
+        ),
+        optim=OptimConfig(
+            lr=1e-6, schedule="cosine", warmup_ratio=0.1, weight_decay=0.0, grad_clip=1.0
+        ),
+        trainer=TrainerConfig(
+            steps=0,  # one epoch
+            seed=42,
+            out_dir="runs",
+            run_name="math7b",
+            checkpoint_every=50,
+            keep_checkpoints=2,
+            log_every=10,
+            eval_every=0,
+            eval_size=0,
+        ),
+        logging=LoggingConfig(progress=True, samples_per_log=2),
+    )
