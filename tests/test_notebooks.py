@@ -1,0 +1,121 @@
+"""The notebooks run top to bottom, headless, in quick mode; the committed files hold no outputs.
+
+Each notebook runs in a fresh Jupyter kernel started from this interpreter (`sys.executable`, through a
+kernelspec written to a temporary folder, so no installed kernelspec can swap in another Python), with
+`CPPO_NOTEBOOK_QUICK=1` (a tiny random model, 2 steps), `TMPDIR` set to the test's temporary folder, and
+XLA's backend optimisation off (`--xla_backend_optimization_level=0`) to cut compile time; none of that
+changes what the cells compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+NAMES = ("quickstart.ipynb", "pruning_explained.ipynb")
+KERNEL = "cppo-test-python"
+CELL_TIMEOUT_S = 600
+
+
+def _kernel_manager(kernels_dir: Path, tmp: Path) -> KernelManager:
+    """A kernel manager whose only kernelspec runs ipykernel in this interpreter, in quick mode."""
+    spec_dir = kernels_dir / KERNEL
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "cppo_jax tests",
+        "language": "python",
+        "env": {"CPPO_NOTEBOOK_QUICK": "1", "TMPDIR": str(tmp), "XLA_FLAGS": xla_flags},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    ksm = KernelSpecManager(kernel_dirs=[str(kernels_dir)])
+    return KernelManager(kernel_name=KERNEL, kernel_spec_manager=ksm)
+
+
+def _execute(name: str, tmp_path: Path) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(tmp_path / "kernels", tmp_path),
+        timeout=CELL_TIMEOUT_S,
+        startup_timeout=180,
+        resources={"metadata": {"path": str(work)}},  # the kernel's working directory
+    )
+    client.execute()
+    return nb
+
+
+def _outputs(nb) -> list[dict]:
+    return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+
+
+def _text(nb) -> str:
+    parts = []
+    for out in _outputs(nb):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        for mime in ("text/plain", "text/markdown"):
+            parts.append(str(out.get("data", {}).get(mime, "")))
+    return "\n".join(parts)
+
+
+def _images(nb) -> int:
+    return sum("image/png" in out.get("data", {}) for out in _outputs(nb))
+
+
+def _check_ran(nb) -> None:
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code), "a cell did not run"
+    errors = [out for out in _outputs(nb) if out.output_type == "error"]
+    assert not errors, f"{errors[0].ename}: {errors[0].evalue}" if errors else ""
+    assert _outputs(nb), "the notebook produced no output"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_notebooks_have_no_outputs(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        assert cell.outputs == [], f"{name}: cell {i} is stored with outputs (strip them)"
+        assert cell.execution_count is None, f"{name}: cell {i} has an execution count"
+    assert "widgets" not in nb.metadata, f"{name}: widget state stored in the metadata"
+
+
+@pytest.mark.slow
+def test_quickstart_runs_in_quick_mode(tmp_path):
+    nb = _execute("quickstart.ipynb", tmp_path)
+    _check_ran(nb)
+    text = _text(nb)
+    assert "quick mode: True" in text
+    for needle in ("CPPO: G=4", "GRPO: Q=", "greedy test accuracy", "before:", "after:"):
+        assert needle in text, needle
+    assert "| questions per step |" in text  # the comparison table
+    assert _images(nb) >= 2  # the CPPO curves; the comparison with GRPO
+    # Quick mode wrote its runs under TMPDIR (the test's folder), not next to the notebook.
+    assert not (tmp_path / "cwd" / "runs").exists()
+    assert list(tmp_path.glob("cppo_quickstart_*/cppo/metrics.jsonl"))
+    assert list(tmp_path.glob("cppo_quickstart_*/grpo/metrics.jsonl"))
+
+
+def test_pruning_explained_runs(tmp_path):
+    nb = _execute("pruning_explained.ipynb", tmp_path)
+    _check_ran(nb)
+    text = _text(nb)
+    assert "p = 0.875  k =  2   kept:" in text
+    assert "| 1 | 0.875 | 2 | 8 | 16 | 16 | 128 |" in text  # the allocation table (b = 1)
+    assert _images(nb) >= 2
