@@ -115,6 +115,7 @@ class RolloutConfig:
     weights_dir: str = ""  # folder both trainer and server read; default: <run>/weights
     push_every: int = 1
     timeout_s: float = 600.0
+    probe_tol: float = 1e-3  # max |log-prob difference| between server and trainer after a push
     overlap: int = 0
 
     def __post_init__(self):
@@ -124,6 +125,13 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", self.top_k, ">= 0 (0 is off)")
         _check(self.push_every >= 1, "rollout.push_every", self.push_every, ">= 1")
+        _check(self.probe_tol > 0, "rollout.probe_tol", self.probe_tol, "> 0")
+        _check(
+            self.temperature <= 2 or self.backend != "vllm",
+            "rollout.temperature",
+            self.temperature,
+            "<= 2 with the vLLM backend",
+        )
         _check(self.overlap in (0, 1), "rollout.overlap", self.overlap, "0 or 1")
         if self.backend == "vllm":
             _check(

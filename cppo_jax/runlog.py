@@ -93,10 +93,13 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> None:
     ax1.set_ylabel("reward")
     ax1.grid(alpha=0.3)
     ax1.legend()
+    for split in sorted({e.get("split", "test") for e in evals}):
+        rows = [e for e in evals if e.get("split", "test") == split]
+        ax2.plot([e["step"] for e in rows], [e["accuracy"] for e in rows], marker="o", label=split)
     if evals:
-        ax2.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="o")
+        ax2.legend()
     ax2.set_xlabel("step")
-    ax2.set_ylabel("held-out accuracy")
+    ax2.set_ylabel("greedy accuracy")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

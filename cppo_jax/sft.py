@@ -22,7 +22,7 @@ from flax import nnx
 from cppo_jax import pipeline
 from cppo_jax import step as step_lib
 from cppo_jax.config import ArchConfig, ConfigError, DataConfig
-from cppo_jax.models import Tokenizer, TransformerConfig, init_model, save_hf
+from cppo_jax.models import Tokenizer, TransformerConfig, init_model, load_hf, save_hf
 from cppo_jax.tasks import arith
 from cppo_jax.tasks.tiny_tokenizer import build_tokenizer
 
@@ -30,6 +30,7 @@ from cppo_jax.tasks.tiny_tokenizer import build_tokenizer
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     out: str = "runs/tiny_sft"  # the HF folder written at the end
+    init_from: str = ""  # continue from this HF folder (weights and tokenizer) instead of random
     arch: ArchConfig = ArchConfig()
     data: DataConfig = DataConfig()
     completion_len: int = 48
@@ -66,10 +67,15 @@ def _completion_arrays(tokenizer: Tokenizer, examples, C: int):
 def run_sft(cfg: SFTConfig, log=print) -> Path:
     out = Path(cfg.out).resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        tok_dir = build_tokenizer(Path(tmp) / "tokenizer")
-        tokenizer = Tokenizer.from_dir(tok_dir)
-        mcfg = arch_to_model_config(cfg.arch, tokenizer.vocab_size)
-        model = init_model(mcfg, cfg.seed)
+        if cfg.init_from:
+            tok_dir = Path(cfg.init_from)
+            tokenizer = Tokenizer.from_dir(tok_dir)
+            model = load_hf(cfg.init_from)
+        else:
+            tok_dir = build_tokenizer(Path(tmp) / "tokenizer")
+            tokenizer = Tokenizer.from_dir(tok_dir)
+            mcfg = arch_to_model_config(cfg.arch, tokenizer.vocab_size)
+            model = init_model(mcfg, cfg.seed)
         graphdef, params = nnx.split(model)
 
         P, C = cfg.data.max_prompt_len, cfg.completion_len

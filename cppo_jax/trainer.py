@@ -25,14 +25,17 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax import cppo, pipeline
+from cppo_jax import profile as prof
+from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer
 from cppo_jax.config import Config, save_config
-from cppo_jax.models import Tokenizer, load_hf
+from cppo_jax.models import Tokenizer, load_hf, save_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rollout import make_backend
 from cppo_jax.runlog import RunLog, phase_table, plot_curves
 from cppo_jax.sampler import SamplingParams
+from cppo_jax.vllm_client import RolloutServerError
 
 _COMPILATIONS = [0]
 
@@ -58,31 +61,77 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "metric", "scope", "scale", "eps", "n_keep"))
-def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep):
-    """Advantages, then the flat indices (into Q*G) of the kept completions."""
+@functools.partial(
+    jax.jit, static_argnames=("k", "metric", "scope", "scale", "eps", "n_keep", "mesh")
+)
+def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep, mesh=None):
+    """Advantages, then the flat indices (into Q*G) of the kept completions.
+
+    Question scope: [Q, k], row q holding question q's kept completions, split over the data axes
+    with its question (each device prunes its own groups). Batch scope: [M], a global top-k.
+    """
     Q, G = rewards_QG.shape
-    adv_QG = cppo.group_advantages(rewards_QG, scale=scale, eps=eps)
-    if scope == "question":
-        idx_QK = cppo.keep_indices(adv_QG, k, metric=metric, rng=key)
-        flat_M = (idx_QK + jnp.arange(Q)[:, None] * G).reshape(-1)
-    else:
+    with sharding_lib.use_mesh(mesh):
+        rewards_QG = sharding_lib.constrain(rewards_QG, ("batch", None))
+        adv_QG = cppo.group_advantages(rewards_QG, scale=scale, eps=eps)
+        if scope == "question":
+            idx_QK = cppo.keep_indices(adv_QG, k, metric=metric, rng=key)
+            flat_QK = sharding_lib.constrain(idx_QK + jnp.arange(Q)[:, None] * G, ("batch", None))
+            return adv_QG, flat_QK
         flat_M = cppo.keep_indices_batch(adv_QG.reshape(-1), n_keep, metric=metric, rng=key)
     return adv_QG, flat_M
 
 
-@functools.partial(jax.jit, static_argnames=("G", "mask_truncated"))
+@functools.partial(jax.jit, static_argnames=("G", "mask_truncated", "mesh"))
 def _gather_batch(
-    prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG, flat_M, *, G, mask_truncated
+    prompt_QP,
+    pvalid_QP,
+    tokens_NC,
+    cvalid_NC,
+    finished_N,
+    adv_QG,
+    flat,
+    *,
+    G,
+    mask_truncated,
+    mesh=None,
 ):
-    """The kept sequences as one [M, P + C] training batch."""
-    q_M = flat_M // G
-    tokens_MT = jnp.concatenate([prompt_QP[q_M], tokens_NC[flat_M]], axis=1)
-    valid_MT = jnp.concatenate([pvalid_QP[q_M], cvalid_NC[flat_M]], axis=1)
-    mask_MC = cvalid_NC[flat_M].astype(jnp.float32)
-    if mask_truncated:
-        mask_MC = mask_MC * finished_N[flat_M][:, None].astype(jnp.float32)
-    return tokens_MT, valid_MT, mask_MC, adv_QG.reshape(-1)[flat_M]
+    """The kept sequences as one [M, P + C] training batch, split over the data axes by row.
+
+    `flat` from `_select`: [Q, k] (question scope) gathers inside each question's group, so with
+    the questions split over the data axes every device keeps k of each of its own questions and
+    nothing crosses devices; [M] (batch scope) is a global gather.
+    """
+    Q = prompt_QP.shape[0]
+    with sharding_lib.use_mesh(mesh):
+        by_row = lambda x: sharding_lib.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
+        prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG = map(
+            by_row, (prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG)
+        )
+        if flat.ndim == 2:
+            K = flat.shape[1]
+            idx_QK = flat - jnp.arange(Q)[:, None] * G
+
+            def pick(x_N):  # [Q*G, ...] -> [Q*K, ...], a gather batched over Q
+                x_QG = x_N.reshape(Q, G, *x_N.shape[1:])
+                idx = idx_QK.reshape(Q, K, *(1,) * (x_N.ndim - 1))
+                return jnp.take_along_axis(x_QG, idx, axis=1).reshape(Q * K, *x_N.shape[1:])
+
+            rows = lambda x_QP: jnp.repeat(x_QP, K, axis=0)  # noqa: E731
+        else:
+            pick = lambda x_N: x_N[flat]  # noqa: E731
+            rows = lambda x_QP: x_QP[flat // G]  # noqa: E731
+        tokens_MT = jnp.concatenate([rows(prompt_QP), pick(tokens_NC)], axis=1)
+        valid_MT = jnp.concatenate([rows(pvalid_QP), pick(cvalid_NC)], axis=1)
+        mask_MC = pick(cvalid_NC).astype(jnp.float32)
+        if mask_truncated:
+            mask_MC = mask_MC * pick(finished_N)[:, None].astype(jnp.float32)
+        adv_M = pick(adv_QG.reshape(-1))
+        out = (tokens_MT, valid_MT, mask_MC, adv_M)
+        if mesh is None:
+            return out
+        b_sh = sharding_lib.batch_sharding(mesh, tokens_MT.shape[0])
+        return tuple(jax.lax.with_sharding_constraint(x, b_sh) for x in out)
 
 
 @dataclasses.dataclass
@@ -113,13 +162,23 @@ class Trainer:
         self.shapes = shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
-        model = load_hf(path, dtype=cfg.model.dtype)
+        # The mesh: questions split whole over (data, fsdp); params sharded by the rules.
+        self.mesh = sharding_lib.make_mesh(cfg.mesh)
+        sharding_lib.check_questions(self.shapes.Q, self.mesh)
+        model = load_hf(
+            path,
+            dtype=cfg.model.dtype,
+            mesh=self.mesh,
+            param_dtype=cfg.model.param_dtype,
+            remat=cfg.model.remat,
+        )
         self.graphdef, params = nnx.split(model)
         self.params = params
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.cppo.beta > 0 else None
 
         # Data.
         train, train_stats = pipeline.load_examples(cfg.data, "train")
+        train, val = pipeline.holdout_validation(cfg.data, train)
         test, _ = pipeline.load_examples(cfg.data, "test")
         enc = functools.partial(
             pipeline.encode_prompts,
@@ -129,6 +188,8 @@ class Trainer:
             long_prompts=cfg.data.long_prompts,
         )
         self.train_set = enc(train)
+        self.val_set = enc(val) if val else None
+        self.best_val: float | None = None
         self.test_set = enc(test)
         if cfg.trainer.eval_size:
             self.test_set = self.test_set.take(np.arange(min(cfg.trainer.eval_size, len(test))))
@@ -155,7 +216,7 @@ class Trainer:
         )
         self.backend = make_backend(cfg.rollout, self.graphdef, self.sp, self.out_dir)
         self.tx = step_lib.make_optimizer(cfg.optim, self.num_steps * cfg.cppo.mu)
-        self.opt_state = self.tx.init(self.params)
+        self.opt_state = sharding_lib.init_opt_state(self.tx, self.params, self.mesh)
         self.spec = step_lib.StepSpec.make(
             cfg.cppo,
             self.shapes.P,
@@ -163,7 +224,14 @@ class Trainer:
             cfg.rollout.temperature,
             micro_batch=cfg.trainer.micro_batch,
         )
-        self.train_step, self.logps = step_lib.compiled(self.graphdef, self.tx, self.spec)
+        self.train_step, self.logps = step_lib.compiled(
+            self.graphdef,
+            self.tx,
+            self.spec,
+            mesh=self.mesh,
+            params=self.params,
+            rows=self.shapes.M,
+        )
 
         # Rewards, logs, checkpoints.
         funcs = list(zip(cfg.reward.funcs, cfg.reward.weights))
@@ -173,7 +241,10 @@ class Trainer:
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
         self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard)
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+        self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
+        self._hlo_dumped = False
         self.start_step = 0
+        self.params_step = 0  # the step the current params belong to
         self.nan_streak = 0
         self.evals: list[dict] = []
 
@@ -191,7 +262,7 @@ class Trainer:
             return
         state, meta = self.ckpt.restore(None, self.state())
         self.params, self.opt_state = state["params"], state["opt_state"]
-        self.start_step = int(meta["step"])
+        self.start_step = self.params_step = int(meta["step"])
         self.nan_streak = int(meta.get("nan_streak", 0))
         self.log.event("resumed", step=self.start_step)
 
@@ -220,18 +291,18 @@ class Trainer:
         )
 
         # 2. Rollout.
-        t = time.perf_counter()
-        samples = _block(self.backend.generate(self.params, prompt_QP, pvalid_QP, seeds_Q, sh.G))
-        times["rollout"] = time.perf_counter() - t
+        with prof.phase("rollout", times):
+            samples = _block(
+                self.backend.generate(self.params, prompt_QP, pvalid_QP, seeds_Q, sh.G)
+            )
         tokens_NC = np.asarray(samples.tokens_NC)
         valid_NC = np.asarray(samples.valid_NC)
 
         # 3. Rewards.
-        t = time.perf_counter()
-        texts = self._decode(tokens_NC, valid_NC)
-        solutions = [ex["solution"] for ex in batch.examples for _ in range(sh.G)]
-        total_N, per_fn, rstats = self.rewards.score(texts, solutions)
-        times["reward"] = time.perf_counter() - t
+        with prof.phase("reward", times):
+            texts = self._decode(tokens_NC, valid_NC)
+            solutions = [ex["solution"] for ex in batch.examples for _ in range(sh.G)]
+            total_N, per_fn, rstats = self.rewards.score(texts, solutions)
         rewards_QG = np.asarray(total_N, np.float64).reshape(sh.Q, sh.G)
         metrics = self._reward_metrics(rewards_QG, per_fn, rstats, valid_NC, samples)
         try:
@@ -251,6 +322,7 @@ class Trainer:
             scale=cfg.cppo.adv_scale,
             eps=cfg.cppo.adv_eps,
             n_keep=sh.M,
+            mesh=self.mesh,
         )
         tokens_MT, valid_MT, mask_MC, adv_M = _gather_batch(
             prompt_QP,
@@ -262,33 +334,39 @@ class Trainer:
             flat_M,
             G=sh.G,
             mask_truncated=cfg.cppo.mask_truncated,
+            mesh=self.mesh,
         )
 
         # 6. Reference and old-policy log-probs, kept completions only.
-        t = time.perf_counter()
-        ref = (
-            _block(self.logps(self.ref_params, tokens_MT, valid_MT)) if cfg.cppo.beta > 0 else None
-        )
-        times["ref_logps"] = time.perf_counter() - t
-        t = time.perf_counter()
-        old = _block(self.logps(self.params, tokens_MT, valid_MT)) if cfg.cppo.mu > 1 else None
-        times["old_logps"] = time.perf_counter() - t
+        ref = old = None
+        with prof.phase("ref_logps", times):
+            if cfg.cppo.beta > 0:
+                ref = _block(self.logps(self.ref_params, tokens_MT, valid_MT))
+        with prof.phase("old_logps", times):
+            if cfg.cppo.mu > 1:
+                old = _block(self.logps(self.params, tokens_MT, valid_MT))
 
         # 7. mu updates.
-        t = time.perf_counter()
         train_batch = step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, old, ref)
-        skipped = 0.0
-        for _ in range(cfg.cppo.mu):
-            self.params, self.opt_state, m = self.train_step(
-                self.params, self.opt_state, train_batch
+        if self.tracer.active and not self._hlo_dumped:  # before the donating call
+            like = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                (self.params, self.opt_state, train_batch),
             )
-            m = jax.device_get(m)
-            skipped = max(skipped, float(m["update_skipped"]))
-        times["update"] = time.perf_counter() - t
+            prof.dump_hlo(self.train_step, like, self.tracer.directory / "hlo", "train_step")
+            self._hlo_dumped = True
+        skipped = 0.0
+        with prof.phase("update", times):
+            for _ in range(cfg.cppo.mu):
+                self.params, self.opt_state, m = self.train_step(
+                    self.params, self.opt_state, train_batch
+                )
+                m = jax.device_get(m)
+                skipped = max(skipped, float(m["update_skipped"]))
+        self.params_step = step + 1
         if (step + 1) % cfg.rollout.push_every == 0:
-            t = time.perf_counter()
-            metrics.update(self.backend.sync_weights(self.params, step + 1))
-            times["weight_sync"] = time.perf_counter() - t
+            with prof.phase("weight_sync", times):
+                metrics.update(self.backend.sync_weights(self.params, step + 1))
         metrics.update({k: float(v) for k, v in m.items()})
         metrics.update(self._step_counts(mask_MC))
         if skipped:
@@ -358,22 +436,23 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
 
-    def evaluate(self, step: int, batch_size: int = 64) -> dict:
-        """Greedy accuracy on the held-out split; every question is scored."""
-        n = len(self.test_set)
+    def evaluate(self, step: int, batch_size: int = 64, split: str = "test") -> dict:
+        """Greedy accuracy on the test (or validation) split; every question is scored."""
+        prompts = self.val_set if split == "validation" else self.test_set
+        n = len(prompts)
         texts = []
         for lo in range(0, n, batch_size):
             idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
-            part = self.test_set.take(idx)
+            part = prompts.take(idx)
             out = self.backend.greedy(
                 self.params, jnp.asarray(part.ids_nP), jnp.asarray(part.valid_nP)
             )
             got = self._decode(np.asarray(out.tokens_NC), np.asarray(out.valid_NC))
             texts.extend(got[: min(batch_size, n - lo)])
-        solutions = [ex["solution"] for ex in self.test_set.examples]
+        solutions = [ex["solution"] for ex in prompts.examples]
         _, per_fn, _ = self.rewards.score(texts, solutions)
         acc = float(np.mean(np.asarray(per_fn[self.accuracy_fn]) > 0))
-        result = {"step": step, "accuracy": acc, "n": n}
+        result = {"step": step, "accuracy": acc, "n": n, "split": split}
         self.evals.append(result)
         self.log.event("eval", **result)
         return result
@@ -384,28 +463,64 @@ class Trainer:
         self.backend.sync_weights(self.params, self.start_step)
         cfg = self.cfg.trainer
         before = self.evaluate(self.start_step)
+        self._validate(self.start_step)
         for step in range(self.start_step, self.num_steps):
-            metrics = self.step(step)
+            with self.tracer.step(step + 1):
+                metrics = self._guarded_step(step)
             self.log.metrics(metrics)
             if progress is not None:
                 progress(metrics)
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < self.num_steps:
-                self.evaluate(done)
+                if self.val_set is not None:
+                    self._validate(done)
+                else:
+                    self.evaluate(done)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 self.save(done)
         if self.ckpt.latest_step() != self.num_steps:
             self.save(self.num_steps)
+        self._validate(self.num_steps)
         after = self.evaluate(self.num_steps)
         if self.cfg.logging.plot and self.log.history:
             plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
         table = phase_table(self.log.history)
+        (self.out_dir / "compiled_programs.md").write_text(prof.format_programs_report() + "\n")
         (self.out_dir / "summary.md").write_text(
             f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
         )
         return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
 
+    def _guarded_step(self, step: int) -> dict:
+        """`step`, saving a checkpoint before a rollout-server failure propagates."""
+        try:
+            return self.step(step)
+        except RolloutServerError as e:
+            done = max(step, self.params_step)
+            self.save(done)
+            self.log.event("rollout_server_error", step=done, error=str(e))
+            raise RolloutServerError(
+                f"{e} -- stopped; checkpoint of step {done} saved under {self.ckpt.directory} "
+                f"(resume with trainer.resume=true once the server is back)"
+            ) from e
+
+    def _validate(self, step: int) -> None:
+        """Validation accuracy; the best policy so far is kept as a Hugging Face folder `best/`."""
+        if self.val_set is None:
+            return
+        r = self.evaluate(step, split="validation")
+        if self.best_val is None or r["accuracy"] > self.best_val:
+            self.best_val = r["accuracy"]
+            save_hf(
+                nnx.merge(self.graphdef, self.params),
+                self.out_dir / "best",
+                extra_config={"cppo_step": step, "cppo_val_accuracy": r["accuracy"]},
+                tokenizer_dir=self.tokenizer.path,
+            )
+            self.log.event("best", step=step, accuracy=r["accuracy"])
+
     def close(self) -> None:
+        self.tracer.close()
         self.rewards.close()
         self.backend.close()
         self.log.close()

@@ -182,7 +182,7 @@ def test_register_decorator():
 # ----- RewardPool -----
 
 TIMEOUT_S = 1.5
-SLACK_S = 6.0  # kill, plus waiting for a replacement worker to start when both were killed
+SLACK_S = 15.0  # kill, plus a replacement worker starting on a loaded 2-core machine (a hang is unbounded)
 
 
 def hostile_reward(completion: str, solution: str) -> float:

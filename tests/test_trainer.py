@@ -1,0 +1,269 @@
+"""The trainer end to end on tiny models: outputs, compilations, shapes, crash-resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cppo_jax.checkpoint import Checkpointer
+from cppo_jax.config import (
+    Config,
+    CPPOConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+    apply_overrides,
+    to_dict,
+)
+from cppo_jax.trainer import NonFiniteError, Trainer, shapes_of
+
+REQUIRED_METRICS = [
+    "step",
+    "reward",
+    "reward_std",
+    "rewards/arith_accuracy/mean",
+    "rewards/arith_format/mean",
+    "frac_reward_zero_std",
+    "kl",
+    "loss",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "cppo/questions",
+    "cppo/kept",
+    "cppo/tokens_trained",
+    "timing_s/rollout",
+    "timing_s/reward",
+    "timing_s/ref_logps",
+    "timing_s/old_logps",
+    "timing_s/update",
+    "timing_s/step",
+    "jit/compilations",
+]
+
+
+def small_config(out_dir: Path, model_dir: Path, *overrides: str) -> Config:
+    cfg = Config(
+        model=ModelConfig(init_checkpoint=str(model_dir)),
+        data=DataConfig(task="arith", max_prompt_len=72, num_train=64, num_test=6),
+        rollout=RolloutConfig(max_new_tokens=12),
+        cppo=CPPOConfig(
+            num_generations=4, questions_per_step=2, pruning_rate=0.5, allocation=True, beta=0.04
+        ),
+        reward=RewardConfig(num_workers=1),
+        optim=OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0),
+        trainer=TrainerConfig(steps=3, out_dir=str(out_dir), run_name="run"),
+        logging=LoggingConfig(progress=False, tensorboard=False, plot=False),
+    )
+    return apply_overrides(cfg, list(overrides))
+
+
+def run_trainer(cfg: Config):
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return trainer, summary
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_outputs_metrics_and_compilations(tmp_path, arith_model_dir):
+    """A 10-step run writes every promised output; XLA compilations stop growing after step 3."""
+    cfg = small_config(
+        tmp_path,
+        arith_model_dir,
+        "trainer.steps=10",
+        "logging.tensorboard=true",
+        "logging.plot=true",
+        "data.val_size=5",
+        "trainer.eval_every=5",
+    )
+    trainer, summary = run_trainer(cfg)
+    run_dir = trainer.out_dir
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    for key in REQUIRED_METRICS:
+        assert key in rows[0], key
+    assert rows[0]["cppo/questions"] == 4 and rows[0]["cppo/kept"] == 8
+    compiles = [r["jit/compilations"] for r in rows]
+    assert compiles[2] == compiles[-1], compiles
+    for name in ("config.json", "samples.jsonl", "curves.png", "summary.md", "events.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").iterdir())
+    assert Checkpointer(run_dir / "checkpoints").latest_step() == 10
+    assert json.loads((run_dir / "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg)))
+    assert 0.0 <= summary["after"]["accuracy"] <= 1.0 and summary["after"]["n"] == 6
+    # Validation (never the test split) at steps 0, 5 and 10 chooses the best policy, kept as HF.
+    evals = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    val_steps = [e["step"] for e in evals if e["event"] == "eval" and e["split"] == "validation"]
+    assert val_steps == [0, 5, 10]
+    best = json.loads((run_dir / "best" / "config.json").read_text())
+    assert best["cppo_step"] in (0, 5, 10) and 0.0 <= best["cppo_val_accuracy"] <= 1.0
+
+
+def test_grpo_and_cppo_share_the_path_and_the_trained_shape(tmp_path, arith_model_dir):
+    """p = 0 and p > 0 run the same functions; with allocation CPPO trains GRPO's batch shape."""
+    shapes = {}
+    for name, p, alloc in (("grpo", "0.0", "false"), ("cppo", "0.5", "true")):
+        cfg = small_config(
+            tmp_path,
+            arith_model_dir,
+            f"cppo.pruning_rate={p}",
+            f"cppo.allocation={alloc}",
+            f"trainer.run_name={name}",
+            "trainer.steps=1",
+        )
+        trainer = Trainer(cfg)
+        seen = []
+        inner = trainer.train_step
+
+        def spy(params, opt_state, batch, inner=inner, seen=seen):
+            seen.append(jax.tree.map(lambda x: x.shape, batch))
+            return inner(params, opt_state, batch)
+
+        trainer.train_step = spy
+        metrics = trainer.step(0)
+        trainer.close()
+        shapes[name] = (seen[0], metrics["cppo/questions"])
+    assert shapes["grpo"][0] == shapes["cppo"][0]
+    assert shapes["grpo"][1] == 2 and shapes["cppo"][1] == 4
+    grpo = shapes_of(small_config(tmp_path, arith_model_dir, "cppo.pruning_rate=0.0"))
+    cppo_noalloc = shapes_of(small_config(tmp_path, arith_model_dir, "cppo.allocation=false"))
+    assert (grpo.Q, grpo.k, grpo.M) == (2, 4, 8)
+    assert (cppo_noalloc.Q, cppo_noalloc.k, cppo_noalloc.M) == (2, 2, 4)
+
+
+def test_nonfinite_loss_skips_updates_then_stops_with_state_saved(tmp_path, arith_model_dir):
+    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=6", "trainer.max_nan_streak=2")
+    trainer = Trainer(cfg)
+    before = jax.tree.map(np.asarray, trainer.params)
+    inner = trainer.train_step
+
+    def poisoned(params, opt_state, batch):
+        return inner(params, opt_state, batch._replace(adv_N=batch.adv_N * jnp.nan))
+
+    trainer.train_step = poisoned
+    with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
+        trainer.train()
+    trainer.close()
+    rows = read_metrics(trainer.out_dir) if (trainer.out_dir / "metrics.jsonl").exists() else []
+    events = [json.loads(x) for x in (trainer.out_dir / "events.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "nonfinite_update" for e in events) == 2
+    assert all(r["update_skipped"] == 1.0 for r in rows)
+    after = jax.tree.map(np.asarray, trainer.params)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+    ckpt = Checkpointer(trainer.out_dir / "checkpoints")
+    assert ckpt.latest_step() is not None
+    state, _ = ckpt.restore(None, {"params": trainer.params, "opt_state": trainer.opt_state})
+    restored = jax.tree.map(np.asarray, state["params"])
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, restored)))
+
+
+def test_bad_dataset_rows_are_counted_or_rejected_with_line_number(tmp_path, arith_model_dir):
+    rows = [
+        '{"question": "Tom has 3 pens. He buys 4 more. How many pens?", "answer": "3+4=7\\n#### 7"}',
+        "{not json",
+        '{"question": "no answer field"}',
+        '{"question": "Ann has 9 cards. She loses 2. How many?", "answer": "9-2=7\\n#### 7"}',
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(rows * 2) + "\n")
+    cfg = small_config(
+        tmp_path, arith_model_dir, "data.task=gsm8k", f"data.train={path}", "trainer.steps=1"
+    )
+    trainer = Trainer(cfg)
+    assert len(trainer.train_set) == 4
+    assert trainer.data_stats["bad_rows"] == 4
+    trainer.close()
+    strict = apply_overrides(cfg, ["data.bad_rows=error", "trainer.run_name=strict"])
+    with pytest.raises(ValueError, match="line 2"):
+        Trainer(strict)
+
+
+def _launch(config_file: Path, *overrides: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "cppo_jax.launch", "--config", str(config_file), *overrides]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+
+def _params_at(run_dir: Path, step: int, like) -> list[np.ndarray]:
+    state, meta = Checkpointer(run_dir / "checkpoints").restore(step, like)
+    assert meta["step"] == step
+    return [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+
+
+def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path, arith_model_dir):
+    """Killed after checkpoint 4 of 6, resumed: step 6 equals the uninterrupted run's, bit for bit."""
+    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=6", "trainer.checkpoint_every=2")
+    config_file = tmp_path / "cfg.py"
+    config_file.write_text(
+        "import json\nfrom cppo_jax.config import from_dict\n"
+        f"DATA = json.loads({json.dumps(json.dumps(to_dict(cfg)))})\n"
+        "def get_config():\n    return from_dict(DATA)\n"
+    )
+    whole = _launch(config_file, "trainer.run_name=whole")
+    out, _ = whole.communicate(timeout=600)
+    assert whole.returncode == 0, out.decode()[-3000:]
+
+    killed = _launch(config_file, "trainer.run_name=killed")
+    ckpt_dir = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        # A step folder gets its plain name only when complete (orbax renames it into place). Poll
+        # the folder itself: opening a CheckpointManager here would tidy the writer's temp folders.
+        done = sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
+        if done and done[-1] == 4:
+            break
+        assert killed.poll() is None, killed.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    # Only complete checkpoints are listed, and the latest one loads.
+    assert Checkpointer(ckpt_dir).all_steps()[-1] in (4, 6)
+    resumed = _launch(config_file, "trainer.run_name=killed", "trainer.resume=true")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out.decode()[-3000:]
+
+    trainer = Trainer(apply_overrides(cfg, ["trainer.run_name=probe"]))
+    like = trainer.state()
+    trainer.close()
+    a = _params_at(tmp_path / "whole", 6, like)
+    b = _params_at(tmp_path / "killed", 6, like)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    events = (tmp_path / "killed" / "events.jsonl").read_text()
+    assert '"resumed"' in events
+
+
+def test_profile_window_traces_every_phase_and_dumps_hlo(tmp_path, arith_model_dir):
+    from cppo_jax import profile
+
+    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=3", "trainer.profile_steps=[2,3]")
+    trainer, _ = run_trainer(cfg)
+    phases = ["rollout", "reward", "ref_logps", "old_logps", "update", "weight_sync"]
+    found = profile.trace_contains(trainer.out_dir / "profile", phases)
+    assert all(found.values()), found
+    hlo = list((trainer.out_dir / "profile" / "hlo").glob("train_step*"))
+    assert hlo and hlo[0].stat().st_size > 1000
+    assert "xla compilations" in (trainer.out_dir / "compiled_programs.md").read_text().lower()
