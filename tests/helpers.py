@@ -6,6 +6,7 @@ hidden 37, MLP 67); head_dim must be even for RoPE and Llama needs hidden % head
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
 from pathlib import Path
@@ -245,3 +246,21 @@ def make_tokenizer_dir(
     for extra in ("chat_template.jinja", "chat_template.json"):
         (out / extra).unlink(missing_ok=True)
     return out
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compilations inside the block: {"n": count}."""
+    import jax
+
+    box = {"n": 0}
+
+    def listener(name, _duration, **_kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            box["n"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield box
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from fractions import Fraction
 
@@ -20,6 +19,11 @@ try:
 except ImportError:  # tests/ became a package
     from tests import reference_numpy as ref
 
+try:
+    from helpers import count_compiles
+except ImportError:  # tests/ became a package
+    from tests.helpers import count_compiles
+
 GSM8K_REWARDS = (0.0, 1.0, 1.5, 2.0, 2.5, 3.0)
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -30,22 +34,6 @@ def _x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compilations inside the block: {"n": count}."""
-    box = {"n": 0}
-
-    def listener(name, _duration, **_kw):
-        if name == "/jax/core/compile/backend_compile_duration":
-            box["n"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield box
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 # --------------------------------------------------------------------------- strategies
