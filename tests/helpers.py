@@ -264,3 +264,52 @@ def count_compiles():
         yield box
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def sampled_reward(trainer, n: int, seed: int = 7) -> np.ndarray:
+    """Mean reward of `n` samples per training question under the trainer's current policy: [questions].
+
+    The same `seed` gives the same per-question sampling seeds, so two calls around training compare the
+    policies with common random numbers (the difference is far less noisy than either value).
+    """
+    import jax.numpy as jnp
+
+    questions = trainer.train_set.take(np.arange(len(trainer.train_set)))
+    seeds_Q = (np.arange(len(questions.examples), dtype=np.uint32) * 1_000 + seed).astype(np.uint32)
+    samples = trainer.backend.generate(
+        trainer.params,
+        jnp.asarray(questions.ids_nP),
+        jnp.asarray(questions.valid_nP),
+        jnp.asarray(seeds_Q),
+        n,
+    )
+    texts = trainer._decode(np.asarray(samples.tokens_NC), np.asarray(samples.valid_NC))
+    solutions = [ex["solution"] for ex in questions.examples for _ in range(n)]
+    total_N, _, _ = trainer.rewards.score(texts, solutions)
+    return np.asarray(total_N, np.float64).reshape(len(questions.examples), n).mean(axis=1)
+
+
+def reward_rise_config(out_dir: Path, *overrides: str):
+    """A short CPPO run on 8 fixed arith questions from the shipped warm start (each step sees all 8)."""
+    from cppo_jax.config import load_config
+
+    return load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py",
+        [
+            "data.num_train=8",
+            "data.num_test=8",
+            "cppo.questions_per_step=8",
+            "cppo.pruning_rate=0.75",  # k = 4 of G = 16 kept per question
+            "cppo.allocation=false",
+            "optim.lr=1e-4",
+            "trainer.steps=8",
+            f"trainer.out_dir={out_dir}",
+            "trainer.run_name=rise",
+            "trainer.checkpoint_every=0",
+            "reward.num_workers=1",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "logging.plot=false",
+            *overrides,
+        ],
+    )
