@@ -92,8 +92,9 @@ MEANINGS: dict[str, str] = {
     "rollout.vllm_api_key": "Sent as `Authorization: Bearer <key>` to the server's /v1 routes.",
     "rollout.push_every": "Push the policy's weights to the vLLM server every this many steps.",
     "rollout.timeout_s": "Read timeout of one request to the vLLM server, in seconds.",
-    "rollout.overlap": "1: generate the next step's completions while the current step trains "
-    "(vLLM backend only). Validated now; the trainer does not overlap yet (planned).",
+    "rollout.overlap": "1: generate the next step's completions (with the current weights) while the "
+    "current step trains; they are trained on one update later, with the sampling weights' log-probs "
+    "as the old policy. vLLM backend only.",
     # cppo
     "cppo.num_generations": "G: completions sampled per question.",
     "cppo.questions_per_step": "b: questions per step of plain GRPO; with allocation CPPO draws "

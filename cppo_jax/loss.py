@@ -207,7 +207,8 @@ def policy_loss(
     "dapo" (sum / tokens of the whole batch: num_tokens_in_batch when micro-batching, else this
     call's masked tokens). Empty masks give a zero loss, never a division by zero.
     Metrics (masked token means): loss, kl, clip_ratio/low_mean (ratio < 1 - eps_low, A < 0),
-    clip_ratio/high_mean (ratio > 1 + eps_high, A > 0), clip_ratio/region_mean (either).
+    clip_ratio/high_mean (ratio > 1 + eps_high, A > 0), clip_ratio/region_mean (either), ratio/mean and
+    ratio/abs_dev_mean (mean |ratio - 1|: how far the policy is from the one that sampled).
     """
     _check_loss_args(loss_type, beta, ref_logp_NT, max_completion_len)
     dtype = logp_NT.dtype
@@ -237,5 +238,7 @@ def policy_loss(
         "clip_ratio/low_mean": _masked_mean(low_NT, mask_NT),
         "clip_ratio/high_mean": _masked_mean(high_NT, mask_NT),
         "clip_ratio/region_mean": _masked_mean(jnp.maximum(low_NT, high_NT), mask_NT),
+        "ratio/mean": _masked_mean(ratio_NT, mask_NT),
+        "ratio/abs_dev_mean": _masked_mean(jnp.abs(ratio_NT - 1), mask_NT),
     }
     return loss, metrics

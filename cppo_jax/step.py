@@ -31,7 +31,7 @@ class Batch(NamedTuple):
     valid_NT: jax.Array  # bool: real prompt tokens, completion tokens up to and including EOS
     mask_NC: jax.Array  # float32: completion tokens that count in the loss
     adv_N: jax.Array  # float32
-    old_logp_NC: jax.Array | None  # mu > 1 only
+    old_logp_NC: jax.Array | None  # mu > 1 or rollout.overlap only
     ref_logp_NC: jax.Array | None  # beta > 0 only
 
 
@@ -109,7 +109,8 @@ def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransf
 def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
     model = nnx.merge(graphdef, params)
     logp_NC = completion_logps(model, batch.tokens_NT, batch.valid_NT, spec)
-    old_NC = batch.old_logp_NC if spec.mu > 1 else jax.lax.stop_gradient(logp_NC)
+    # The sampling policy's log-probs when given (mu > 1, or a stale rollout); else the ratio is 1.
+    old_NC = batch.old_logp_NC if batch.old_logp_NC is not None else jax.lax.stop_gradient(logp_NC)
     loss, metrics = loss_lib.policy_loss(
         logp_NC,
         old_NC,

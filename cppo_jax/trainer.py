@@ -9,10 +9,17 @@ One step (`Trainer.step`):
   6. Reference log-probs (beta > 0) and old-policy log-probs (mu > 1) on the kept completions only.
   7. mu policy updates on the kept completions.
 Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
+
+With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is requested from the server at the start of
+step n, with the weights the server holds then (step n's), and runs while step n scores, prunes and
+updates; the step waits for it before pushing its new weights. Step n+1 therefore trains on completions
+sampled one update earlier, and its old-policy log-probs are those of the sampling weights (a copy kept
+for the purpose), so the PPO ratio is exact. With overlap 0 nothing of this runs.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -153,6 +160,18 @@ def shapes_of(cfg: Config) -> Shapes:
     return Shapes(Q, G, k, M, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens)
 
 
+@dataclasses.dataclass
+class _Rollout:
+    """One step's questions and their sampled completions."""
+
+    step: int
+    batch: pipeline.PromptSet
+    prompt_QP: jax.Array
+    pvalid_QP: jax.Array
+    samples: object  # rollout.Samples
+    seconds: float  # wall time of the generation itself
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str | Path | None = None):
         self.cfg = cfg
@@ -247,6 +266,8 @@ class Trainer:
         self.params_step = 0  # the step the current params belong to
         self.nan_streak = 0
         self.evals: list[dict] = []
+        self._pending = None  # overlap: (step, future of its _Rollout, the params sampling it)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -282,19 +303,15 @@ class Trainer:
         t0 = time.perf_counter()
         times = {}
 
-        # 1. Questions.
-        idx_Q = np.asarray(self.order[step])
-        batch = self.train_set.take(idx_Q)
-        prompt_QP, pvalid_QP = jnp.asarray(batch.ids_nP), jnp.asarray(batch.valid_nP)
-        seeds_Q = jnp.asarray(
-            (cfg.trainer.seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31), jnp.uint32
-        )
-
-        # 2. Rollout.
-        with prof.phase("rollout", times):
-            samples = _block(
-                self.backend.generate(self.params, prompt_QP, pvalid_QP, seeds_Q, sh.G)
-            )
+        # 1-2. Questions and their rollout (with overlap: requested during the previous step).
+        if cfg.rollout.overlap:
+            with prof.phase("rollout", times):
+                rollout, sample_params = self._take_rollout(step)
+        else:
+            with prof.phase("rollout", times):
+                rollout, sample_params = self._rollout(self.params, step), None
+        batch, prompt_QP, pvalid_QP = rollout.batch, rollout.prompt_QP, rollout.pvalid_QP
+        samples = rollout.samples
         tokens_NC = np.asarray(samples.tokens_NC)
         valid_NC = np.asarray(samples.valid_NC)
 
@@ -305,6 +322,9 @@ class Trainer:
             total_N, per_fn, rstats = self.rewards.score(texts, solutions)
         rewards_QG = np.asarray(total_N, np.float64).reshape(sh.Q, sh.G)
         metrics = self._reward_metrics(rewards_QG, per_fn, rstats, valid_NC, samples)
+        if cfg.rollout.overlap:
+            metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
+            metrics["rollout/generate_s"] = rollout.seconds
         try:
             cppo.check_rewards(rewards_QG)
         except ValueError as e:
@@ -343,7 +363,10 @@ class Trainer:
             if cfg.cppo.beta > 0:
                 ref = _block(self.logps(self.ref_params, tokens_MT, valid_MT))
         with prof.phase("old_logps", times):
-            if cfg.cppo.mu > 1:
+            if cfg.rollout.overlap:  # the sampling policy's (one update behind after step 1)
+                sampled_by = self.params if sample_params is None else sample_params
+                old = _block(self.logps(sampled_by, tokens_MT, valid_MT))
+            elif cfg.cppo.mu > 1:
                 old = _block(self.logps(self.params, tokens_MT, valid_MT))
 
         # 7. mu updates.
@@ -364,6 +387,10 @@ class Trainer:
                 m = jax.device_get(m)
                 skipped = max(skipped, float(m["update_skipped"]))
         self.params_step = step + 1
+        if self._pending is not None:  # the server must be idle before new weights go in
+            t = time.perf_counter()
+            self._pending[1].result()
+            times["rollout"] += time.perf_counter() - t
         if (step + 1) % cfg.rollout.push_every == 0:
             with prof.phase("weight_sync", times):
                 metrics.update(self.backend.sync_weights(self.params, step + 1))
@@ -374,6 +401,38 @@ class Trainer:
             return self._skip(step, metrics, times, t0, reason="non-finite loss or gradient")
         self.nan_streak = 0
         return self._finish(step, metrics, times, t0, texts, batch)
+
+    def _rollout(self, params, step: int) -> _Rollout:
+        """Draw `step`'s questions and sample G completions each from `params`."""
+        sh, seed = self.shapes, self.cfg.trainer.seed
+        batch = self.train_set.take(np.asarray(self.order[step]))
+        prompt_QP, pvalid_QP = jnp.asarray(batch.ids_nP), jnp.asarray(batch.valid_nP)
+        seeds_Q = jnp.asarray(
+            (seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31), jnp.uint32
+        )
+        t = time.perf_counter()
+        samples = _block(self.backend.generate(params, prompt_QP, pvalid_QP, seeds_Q, sh.G))
+        return _Rollout(step, batch, prompt_QP, pvalid_QP, samples, time.perf_counter() - t)
+
+    def _take_rollout(self, step: int) -> tuple[_Rollout, object]:
+        """Overlap: this step's rollout (requested last step, else made now) and the params that
+        sampled it (None: the current ones); then request the next step's from the current params."""
+        if self._pending is not None and self._pending[0] == step:
+            _, future, sample_params = self._pending
+            rollout = future.result()
+        else:  # the first step of a run (or of a resumed one): nothing was requested yet
+            rollout, sample_params = self._rollout(self.params, step), None
+        self._pending = None
+        if step + 1 < self.num_steps:
+            snapshot = jax.tree.map(jnp.copy, self.params)  # the update donates self.params
+            future = self._producer().submit(self._rollout, snapshot, step + 1)
+            self._pending = (step + 1, future, snapshot)
+        return rollout, sample_params
+
+    def _producer(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "cppo-rollout")
+        return self._executor
 
     def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples) -> dict:
         lengths = valid_NC.sum(axis=1)
@@ -520,6 +579,9 @@ class Trainer:
             self.log.event("best", step=step, accuracy=r["accuracy"])
 
     def close(self) -> None:
+        if self._executor is not None:  # an in-flight rollout ends by itself (client timeouts)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._pending = None
         self.tracer.close()
         self.rewards.close()
         self.backend.close()

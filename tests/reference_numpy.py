@@ -121,13 +121,15 @@ def policy_loss(
     per_tok = per_token_loss(logp_NT, old_NT, ref_NT, adv_N, eps_low, eps_high, beta)
     loss = aggregate(per_tok, mask_NT, loss_type, max_completion_len)
     N, T = np.shape(logp_NT)
-    n_masked = low = high = kl = 0.0
+    n_masked = low = high = kl = ratio_sum = dev_sum = 0.0
     for i in range(N):
         a = float(adv_N[i])
         for t in range(T):
             m = float(mask_NT[i][t])
             ratio = math.exp(float(logp_NT[i][t]) - float(old_NT[i][t]))
             n_masked += m
+            ratio_sum += m * ratio
+            dev_sum += m * abs(ratio - 1.0)
             low += m * (ratio < 1.0 - eps_low and a < 0)
             high += m * (ratio > 1.0 + eps_high and a > 0)
             if beta != 0:
@@ -140,6 +142,8 @@ def policy_loss(
         "clip_ratio/low_mean": low / n_masked,
         "clip_ratio/high_mean": high / n_masked,
         "clip_ratio/region_mean": (low + high) / n_masked,
+        "ratio/mean": ratio_sum / n_masked,
+        "ratio/abs_dev_mean": dev_sum / n_masked,
     }
     return loss, metrics
 

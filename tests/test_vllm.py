@@ -8,7 +8,8 @@ environment through launch/vllm_server.sh (about 3-5 minutes, once per machine).
   the trainer's (1e-4, fp32) after several updates (one that changes only the tied embedding), stale weights
   caught (skipped reload; a different folder reloaded behind the client's back), a short CPPO run through
   `Trainer` that raises the mean sampled reward like the embedded run of test_trainer.py, and the server
-  killed mid-run (a clear, fast RolloutServerError);
+  killed mid-run (a clear, fast RolloutServerError); rollout.overlap = 1 through the server
+  (benchmarks/overlap.py --quick);
 - untied model (random, hidden 64): probe log-probs after updates (one that changes only lm_head).
 
 The launch scripts' --dry-run and the vLLM demo config are checked without a server.
@@ -337,6 +338,32 @@ class TestTiedServer:
             assert 0.0 < m["completions/mean_length"] <= trainer.shapes.C
         assert after.mean() > before.mean() + 0.2, (before, after)
         assert np.sum(after > before) >= 5, (before, after)
+
+    def test_overlap_through_the_server_and_its_benchmark(self, tied, tmp_path):
+        """benchmarks/overlap.py --quick against this server (synchronous CPPO, overlapped CPPO, GRPO).
+
+        Overlapped: each push waits for the in-flight rollout and passes its check, and the stale step
+        trains with the sampling weights' log-probs (ratio != 1). The table and plot come out."""
+        from tests.test_benchmarks_quick import load_script
+
+        server, _, _ = tied
+        runs = load_script("overlap").main(
+            ["--quick", "--vllm-url", server.url, "--out", str(tmp_path)]
+        )
+        assert [(r["method"], r["overlap"]) for r in runs] == [
+            ("CPPO", 0),
+            ("CPPO", 1),
+            ("GRPO", 0),
+        ]
+        assert runs[1]["staleness"] == [0.0, 1.0] and runs[0]["staleness"] == [0.0, 0.0]
+        assert all(d <= 1e-3 for r in runs for d in r["probe_diff"])  # every push confirmed
+        assert runs[1]["ratio_dev"][0] < 1e-5 < runs[1]["ratio_dev"][1]  # off-policy when stale
+        assert all(d < 1e-5 for d in runs[0]["ratio_dev"])  # synchronous, mu = 1: on-policy
+        assert all(r["step_s"] > 0 and r["gen_s"] > 0 and 0 <= r["acc_after"] <= 1 for r in runs)
+        assert runs[0]["k"] == 2 and runs[2]["k"] == 16 and runs[2]["Q"] == 1
+        report = (tmp_path / "overlap.md").read_text()
+        assert "| CPPO | 1 | 0 | 8 | 2 |" in report and "Against synchronous GRPO" in report
+        assert (tmp_path / "overlap.png").read_bytes()[:4] == b"\x89PNG"
 
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""

@@ -1,0 +1,159 @@
+"""rollout.overlap = 1: the next step's rollout runs while the current step trains, one update stale.
+
+The mechanics are checked here with the embedded sampler behind a recording wrapper standing in for the
+server (the real vLLM server runs the same path in tests/test_vllm.py): which weights sampled which step,
+that the old-policy log-probs are the sampling weights', that no weights are pushed while a generation is in
+flight, and that a failed generation stops the run with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from cppo_jax.config import ConfigError
+from cppo_jax.rollout import EmbeddedBackend
+from cppo_jax.trainer import Trainer
+from cppo_jax.vllm_client import RolloutServerError
+from tests.test_trainer import small_config
+
+
+class RecordingBackend:
+    """The embedded sampler, recording the weights each generation used; pushes check nothing is in
+    flight (a real server would mix weights into a running generation)."""
+
+    def __init__(self, inner: EmbeddedBackend, delay_s: float = 0.3):
+        self.inner = inner
+        self.delay_s = delay_s
+        self.sampled_with: list = []  # host copies of the params, one per generate call, in call order
+        self.pushed: list[int] = []
+        self.in_flight = 0
+        self.fail_call: int | None = (
+            None  # raise RolloutServerError on this generate call (0-based)
+        )
+        self.release = threading.Event()
+        self.release.set()
+        self._lock = threading.Lock()
+
+    def generate(self, params, prompt_QP, valid_QP, seeds_Q, n):
+        with self._lock:
+            self.in_flight += 1
+            call = len(self.sampled_with)
+            self.sampled_with.append(jax.tree.map(np.asarray, params))
+        try:
+            time.sleep(self.delay_s)  # long enough for the trainer's step to run meanwhile
+            self.release.wait()
+            if call == self.fail_call:
+                raise RolloutServerError("injected: the server went away mid-rollout")
+            return jax.block_until_ready(
+                self.inner.generate(params, prompt_QP, valid_QP, seeds_Q, n)
+            )
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def greedy(self, *args, **kw):
+        return self.inner.greedy(*args, **kw)
+
+    def sync_weights(self, params, step):
+        assert self.in_flight == 0, f"weights of step {step} pushed during a generation"
+        self.pushed.append(step)
+        return {}
+
+    def close(self):
+        pass
+
+
+def overlap_trainer(tmp_path, arith_model_dir, *overrides):
+    cfg = small_config(
+        tmp_path,
+        arith_model_dir,
+        "rollout.vllm_url=http://127.0.0.1:9",  # never contacted: the backend is replaced below
+        "rollout.backend=vllm",
+        "rollout.overlap=1",
+        "trainer.steps=4",
+        *overrides,
+    )
+    trainer = Trainer(cfg)
+    backend = RecordingBackend(EmbeddedBackend(trainer.graphdef, trainer.sp))
+    trainer.backend = backend
+    return trainer, backend
+
+
+def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_model_dir):
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
+    seen = []
+    inner = trainer.train_step
+
+    def spy(params, opt_state, batch):
+        seen.append(jax.tree.map(np.asarray, batch))
+        return inner(params, opt_state, batch)
+
+    trainer.train_step = spy
+    before_step = []  # host copies of the params at the start of each step
+    history = []
+    try:
+        for s in range(4):
+            before_step.append(jax.tree.map(np.asarray, trainer.params))
+            history.append(trainer.step(s))
+        after = jax.tree.map(np.asarray, trainer.params)
+    finally:
+        trainer.close()
+
+    assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m["rollout/generate_s"] >= backend.delay_s for m in history)
+    assert backend.pushed == [1, 2, 3, 4]  # every push after the in-flight generation ended
+    # Step 0 sampled with its own weights; step s >= 1 with the weights at the start of step s - 1.
+    assert len(backend.sampled_with) == 4
+    sampled_by = [before_step[0]] + before_step[:3]
+    for s, (got, want) in enumerate(zip(backend.sampled_with, sampled_by)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {s}")
+    # The weights did move, so the stale steps really are off-policy.
+    moved = [
+        max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+        for x, y in zip(before_step[1:] + [after], before_step)
+    ]
+    assert min(moved) > 0
+    # Old-policy log-probs: those of the weights that sampled the batch.
+    for s, batch in enumerate(seen):
+        want = np.asarray(trainer.logps(sampled_by[s], batch.tokens_NT, batch.valid_NT))
+        np.testing.assert_allclose(batch.old_logp_NC, want, atol=1e-6, err_msg=f"step {s}")
+    assert history[0]["ratio/abs_dev_mean"] < 1e-5  # on-policy: the ratio is 1
+    assert all(m["ratio/abs_dev_mean"] > 1e-6 for m in history[1:])
+    assert all(np.isfinite(m["loss"]) for m in history)
+
+
+def test_failed_background_rollout_stops_the_run_with_a_checkpoint(tmp_path, arith_model_dir):
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
+    backend.fail_call = 2  # the generation of step 2, requested during step 1
+    try:
+        trainer._guarded_step(0)
+        with pytest.raises(RolloutServerError, match="mid-rollout.*checkpoint of step 2 saved"):
+            trainer._guarded_step(1)
+        assert trainer.ckpt.latest_step() == 2
+        assert backend.pushed == [1]  # step 1's update is saved, never pushed
+    finally:
+        trainer.close()
+
+
+def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
+    try:
+        trainer.step(0)
+        backend.release.clear()  # the generation of step 2 hangs (a server that never answers)
+        trainer._take_rollout(1)
+        t0 = time.monotonic()
+    finally:
+        trainer.close()
+    assert time.monotonic() - t0 < 5.0
+    backend.release.set()
+
+
+def test_overlap_needs_a_server(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.overlap.*embedded.*nothing to overlap"):
+        small_config(tmp_path, tmp_path / "model", "rollout.overlap=1")
