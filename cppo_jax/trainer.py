@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import cppo, pipeline
+from cppo_jax import cppo, distributed, pipeline
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
@@ -158,7 +158,9 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(cfg.trainer.out_dir).resolve() / cfg.trainer.run_name
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out_dir / "config.json")
+        self.main = distributed.is_main()  # process 0 writes logs and exports
+        if self.main:
+            save_config(cfg, self.out_dir / "config.json")
         self.shapes = shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
@@ -239,7 +241,7 @@ class Trainer:
             funcs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
-        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard, write=self.main)
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
         self._hlo_dumped = False
@@ -283,27 +285,31 @@ class Trainer:
         times = {}
 
         # 1. Questions.
+        # Every process draws the whole global batch (ids are cheap) and builds one global array.
         idx_Q = np.asarray(self.order[step])
         batch = self.train_set.take(idx_Q)
-        prompt_QP, pvalid_QP = jnp.asarray(batch.ids_nP), jnp.asarray(batch.valid_nP)
-        seeds_Q = jnp.asarray(
-            (cfg.trainer.seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31), jnp.uint32
-        )
+        prompt_QP = distributed.rows(batch.ids_nP, self.mesh)
+        pvalid_QP = distributed.rows(batch.valid_nP, self.mesh)
+        seeds = (cfg.trainer.seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31)
+        seeds_Q = distributed.rows(seeds.astype(np.uint32), self.mesh)
 
         # 2. Rollout.
         with prof.phase("rollout", times):
             samples = _block(
                 self.backend.generate(self.params, prompt_QP, pvalid_QP, seeds_Q, sh.G)
             )
-        tokens_NC = np.asarray(samples.tokens_NC)
-        valid_NC = np.asarray(samples.valid_NC)
+        tokens_NC, valid_NC = distributed.to_host((samples.tokens_NC, samples.valid_NC))
 
-        # 3. Rewards.
+        # 3. Rewards: each process scores its own questions' completions; all get every reward.
         with prof.phase("reward", times):
-            texts = self._decode(tokens_NC, valid_NC)
-            solutions = [ex["solution"] for ex in batch.examples for _ in range(sh.G)]
+            own = distributed.local_slice(sh.Q)
+            rows = slice(own.start * sh.G, own.stop * sh.G)
+            texts = self._decode(tokens_NC[rows], valid_NC[rows])
+            solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
             total_N, per_fn, rstats = self.rewards.score(texts, solutions)
-        rewards_QG = np.asarray(total_N, np.float64).reshape(sh.Q, sh.G)
+            total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
+            per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
+        rewards_QG = total_N.reshape(sh.Q, sh.G)
         metrics = self._reward_metrics(rewards_QG, per_fn, rstats, valid_NC, samples)
         try:
             cppo.check_rewards(rewards_QG)
@@ -314,7 +320,7 @@ class Trainer:
         # 4-5. Advantages and pruning.
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
         adv_QG, flat_M = _select(
-            jnp.asarray(rewards_QG, jnp.float32),
+            distributed.global_array(rewards_QG.astype(np.float32), self.mesh),
             key,
             k=sh.k,
             metric=cfg.cppo.metric,
@@ -361,7 +367,7 @@ class Trainer:
                 self.params, self.opt_state, m = self.train_step(
                     self.params, self.opt_state, train_batch
                 )
-                m = jax.device_get(m)
+                m = distributed.to_host(m)
                 skipped = max(skipped, float(m["update_skipped"]))
         self.params_step = step + 1
         if (step + 1) % cfg.rollout.push_every == 0:
@@ -377,7 +383,7 @@ class Trainer:
 
     def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples) -> dict:
         lengths = valid_NC.sum(axis=1)
-        finished = np.asarray(samples.finished_N)
+        finished = distributed.to_host(samples.finished_N)
         m = {
             "reward": float(np.mean(rewards_QG)),
             "reward_std": float(np.std(rewards_QG, ddof=1)) if rewards_QG.size > 1 else 0.0,
@@ -399,7 +405,7 @@ class Trainer:
         return {
             "cppo/questions": float(self.shapes.Q),
             "cppo/kept": float(self.shapes.M),
-            "cppo/tokens_trained": float(jnp.sum(mask_MC)),
+            "cppo/tokens_trained": float(distributed.to_host(jnp.sum(mask_MC))),
         }
 
     def _finish(self, step, metrics, times, t0, texts, batch) -> dict:
@@ -413,7 +419,7 @@ class Trainer:
             and self.cfg.logging.samples_per_log
             and step % self.cfg.trainer.log_every == 0
         ):
-            n = min(self.cfg.logging.samples_per_log, len(batch.examples))
+            n = min(self.cfg.logging.samples_per_log, len(texts) // self.shapes.G)
             rows = [
                 {"question": batch.examples[i]["question"], "completion": texts[i * self.shapes.G]}
                 for i in range(n)
@@ -445,9 +451,11 @@ class Trainer:
             idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
             part = prompts.take(idx)
             out = self.backend.greedy(
-                self.params, jnp.asarray(part.ids_nP), jnp.asarray(part.valid_nP)
+                self.params,
+                distributed.rows(part.ids_nP, self.mesh),
+                distributed.rows(part.valid_nP, self.mesh),
             )
-            got = self._decode(np.asarray(out.tokens_NC), np.asarray(out.valid_NC))
+            got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
             texts.extend(got[: min(batch_size, n - lo)])
         solutions = [ex["solution"] for ex in prompts.examples]
         _, per_fn, _ = self.rewards.score(texts, solutions)
@@ -482,13 +490,15 @@ class Trainer:
             self.save(self.num_steps)
         self._validate(self.num_steps)
         after = self.evaluate(self.num_steps)
-        if self.cfg.logging.plot and self.log.history:
-            plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
         table = phase_table(self.log.history)
-        (self.out_dir / "compiled_programs.md").write_text(prof.format_programs_report() + "\n")
-        (self.out_dir / "summary.md").write_text(
-            f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
-        )
+        if self.main:
+            if self.cfg.logging.plot and self.log.history:
+                plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
+            programs = prof.format_programs_report()
+            (self.out_dir / "compiled_programs.md").write_text(programs + "\n")
+            (self.out_dir / "summary.md").write_text(
+                f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
+            )
         return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
 
     def _guarded_step(self, step: int) -> dict:
