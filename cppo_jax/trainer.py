@@ -216,7 +216,9 @@ class Trainer:
             pad_id=self.tokenizer.pad_id,
             cache_dtype=cfg.model.dtype,
         )
-        self.backend = make_backend(cfg.rollout, self.graphdef, self.sp, self.out_dir)
+        self.backend = make_backend(
+            cfg.rollout, self.graphdef, self.sp, self.out_dir, mesh=self.mesh
+        )
         self.tx = step_lib.make_optimizer(cfg.optim, self.num_steps * cfg.cppo.mu)
         self.opt_state = sharding_lib.init_opt_state(self.tx, self.params, self.mesh)
         self.spec = step_lib.StepSpec.make(

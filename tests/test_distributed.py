@@ -8,6 +8,7 @@ config for 3 steps on the same (data=2, fsdp=2) mesh of 4 devices: 2 processes x
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -118,6 +119,7 @@ def _train_worker(model_dir: str, out_dir: str, result: str) -> None:
         trainer.close()
     flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]
     host = distributed.to_host([leaf for _, leaf in flat])  # every process joins the gather
+    rollout = _rollout_server_check(trainer)
     info = {
         "plan": None if plan is None else plan.source,
         "processes": jax.process_count(),
@@ -126,11 +128,78 @@ def _train_worker(model_dir: str, out_dir: str, result: str) -> None:
         "rewards": [row["reward"] for row in trainer.log.history],
         "losses": [row["loss"] for row in trainer.log.history],
         "grad_norms": [row["grad_norm"] for row in trainer.log.history],
+        "rollout": rollout,
     }
     if distributed.is_main():
         names = [jax.tree_util.keystr(path) for path, _ in flat]
         np.savez(result + ".npz", **dict(zip(names, host)))
     Path(f"{result}.{jax.process_index()}.json").write_text(json.dumps(info))
+
+
+class _FakeServer:
+    """Stands in for the vLLM backend on process 0: completions computed from prompts and seeds."""
+
+    def __init__(self, columns: int):
+        self.columns = columns
+        self.pushed: list[tuple[int, float]] = []
+
+    def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples):
+        from cppo_jax.sampler import Samples
+
+        tokens = _fake_tokens(prompt_QP, seeds_Q, num_samples, self.columns)
+        N, C = tokens.shape
+        ones = np.ones((N, C), bool)
+        return Samples(tokens, np.zeros((N, C), np.float32), ones, ones[:, 0], np.int32(C))
+
+    def greedy(self, params, prompt_QP, prompt_valid_QP, max_new_tokens=None):
+        seeds = np.zeros(prompt_QP.shape[0], np.int64)
+        return self.generate(params, prompt_QP, prompt_valid_QP, seeds, 1)
+
+    def sync_weights(self, params, step):
+        import jax
+
+        from cppo_jax.vllm_client import RolloutServerError
+
+        if step == 99:
+            raise RolloutServerError("the server is down")
+        total = float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree.leaves(params)))
+        self.pushed.append((step, total))
+        return {"weight_sync/bytes": 1.0}
+
+    def close(self):
+        pass
+
+
+def _fake_tokens(prompt_QP, seeds_Q, G, C) -> np.ndarray:
+    base = prompt_QP.astype(np.int64).sum(axis=1) + 7 * np.asarray(seeds_Q, np.int64)
+    tokens = base[:, None, None] + np.arange(G)[None, :, None] + 3 * np.arange(C)[None, None, :]
+    return (tokens % 50).reshape(-1, C).astype(np.int32)
+
+
+def _rollout_server_check(trainer) -> dict:
+    """Process 0 alone talks to the (fake) server; every process gets its completions."""
+    from cppo_jax.vllm_client import RolloutServerError
+
+    fake = _FakeServer(columns=5)
+    backend = distributed.MainProcessBackend(
+        fake, dataclasses.replace(trainer.sp, max_new_tokens=5), trainer.mesh
+    )
+    out = {"sync": backend.sync_weights(trainer.params, 3)}
+    prompts = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
+    seeds = np.arange(4, dtype=np.uint32) + 11
+    mesh = trainer.mesh
+    args = [distributed.rows(x, mesh) for x in (prompts, np.ones((4, 6), bool), seeds)]
+    samples = backend.generate(trainer.params, *args, 2)
+    out["tokens"] = distributed.to_host(samples.tokens_NC).tolist()
+    out["tokens_spec"] = str(samples.tokens_NC.sharding.spec)
+    greedy = backend.greedy(trainer.params, *args[:2])
+    out["greedy"] = distributed.to_host(greedy.tokens_NC).tolist()
+    out["pushed"] = fake.pushed
+    try:
+        backend.sync_weights(trainer.params, 99)
+    except RolloutServerError as e:
+        out["failure"] = str(e)
+    return out
 
 
 def _free_port() -> int:
@@ -160,7 +229,7 @@ def _spawn(devices: int, args: list[str], extra_env: dict) -> subprocess.Popen:
     )
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float = 300) -> None:
+def _wait(procs: list[subprocess.Popen], timeout: float = 600) -> None:
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     except subprocess.TimeoutExpired:
@@ -221,6 +290,29 @@ def test_two_processes_train_like_one(two_process_runs):
     start = {jax.tree_util.keystr(path): np.asarray(x) for path, x in flat}
     assert sorted(start) == sorted(want.files)
     assert max(float(np.max(np.abs(start[k] - want[k]))) for k in want.files) > 1e-4
+
+
+@pytest.mark.slow
+def test_only_process_0_talks_to_the_rollout_server(two_process_runs):
+    tmp = two_process_runs
+    main, other = (json.loads((tmp / f"multi.{i}.json").read_text())["rollout"] for i in range(2))
+    prompts = np.arange(4 * 6).reshape(4, 6)
+    seeds = np.arange(4) + 11
+    want = _fake_tokens(prompts, seeds, 2, 5).tolist()
+    assert main["tokens"] == other["tokens"] == want  # process 1 got process 0's completions
+    assert main["tokens_spec"] == other["tokens_spec"] == "P(('data', 'fsdp'),)"
+    assert main["greedy"] == other["greedy"] == _fake_tokens(prompts, np.zeros(4), 1, 5).tolist()
+    # One push, from process 0, of the whole (gathered) params; the other process pushed nothing.
+    params = np.load(tmp / "multi.npz")
+    total = sum(float(np.abs(params[k].astype(np.float64)).sum()) for k in params.files)
+    assert len(main["pushed"]) == 1 and main["pushed"][0][0] == 3
+    assert main["pushed"][0][1] == pytest.approx(total, rel=1e-9)
+    assert (
+        other["pushed"] == [] and other["sync"] == {} and main["sync"] == {"weight_sync/bytes": 1.0}
+    )
+    # A server failure on process 0 stops both processes (no one waits forever in a collective).
+    assert main["failure"] == "the server is down"
+    assert "failed on process 0" in other["failure"]
 
 
 @pytest.mark.slow
