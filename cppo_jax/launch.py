@@ -66,8 +66,15 @@ def ensure_warm_start(cfg: Config, log=print) -> None:
     target = cfg.model.init_checkpoint
     if not target or Path(target).exists() or not cfg.model.warm_start:
         return
+    from cppo_jax import distributed
     from cppo_jax.sft import SFTConfig, run_sft
 
+    if distributed.process_count() > 1:  # N processes would each train and write it
+        raise ConfigError(
+            f"model.init_checkpoint={target} does not exist and {distributed.process_count()} processes "
+            f"would each run the warm start: run it once first, in one process: python -m "
+            f"cppo_jax.launch --config {cfg.model.warm_start} out={target}"
+        )
     sft_cfg = load_config(cfg.model.warm_start, [f"out={target}"], expected=SFTConfig)
     log(
         f"no warm-start checkpoint at {target}: running the supervised warm start ({cfg.model.warm_start})"

@@ -92,6 +92,20 @@ def test_launch_refuses_incomplete_flags(capsys):
     assert "CPPO_PROCESS_ID=5 is invalid for CPPO_NUM_PROCESSES=2" in capsys.readouterr().err
 
 
+def test_warm_start_is_not_run_by_every_process(tmp_path, monkeypatch):
+    from cppo_jax import launch
+    from cppo_jax.config import ConfigError, load_config
+
+    target = tmp_path / "warm"
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.py", [f"model.init_checkpoint={target}"])
+    monkeypatch.setattr(distributed, "process_count", lambda: 2)
+    with pytest.raises(
+        ConfigError, match=r"2 processes would each run the warm start.*tiny_sft\.py"
+    ):
+        launch.ensure_warm_start(cfg)
+    assert not target.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Two processes on localhost
 # ---------------------------------------------------------------------------------------------
