@@ -10,6 +10,8 @@ Each must be within 20% of the plan's figure for the same config.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 from conftest import build_arith_model_dir
@@ -90,3 +92,17 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path):
         assert 0.8 <= want / got <= 1.2, (name, got, want)
     # The step's temporaries are not a rounding error here: activations matter to the comparison.
     assert mem.temp_size_in_bytes > 0.2 * step_peak
+
+
+def test_plan_command_prints_the_plan_for_a_machine_we_do_not_have(capsys):
+    """`python -m cppo_jax.plan` (quoted in docs/scale_out.md): 7B on 8 x 80 GB, sharded over fsdp."""
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "math7b.py")
+    args = ["--config", config, "--devices", "8", "--device-memory-gb", "80"]
+    assert plan.main([*args, "mesh.data=1", "mesh.fsdp=8"]) == 0
+    text = capsys.readouterr().out
+    assert "mesh: data=1 fsdp=8 tensor=1 (config 1/8/1) over 8 planned device(s)" in text
+    assert "7,615,616,512 parameters" in text and "fits: yes" in text
+    assert plan.main([*args, "mesh.data=8"]) == 0
+    assert "fits: no" in capsys.readouterr().out  # pure data parallelism: a whole copy per GPU
+    assert plan.main([*args, "mesh.data=16"]) == 2
+    assert "plan is for 8" in capsys.readouterr().err
