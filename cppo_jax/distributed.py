@@ -17,8 +17,9 @@ Nothing matched: a single process, nothing is initialized.
 Every process runs the same program on its own devices (SPMD). Each draws the whole global batch of
 question ids (cheap) and scores the rewards of its own contiguous slice of questions (the slice
 `pipeline.question_order(process_index=i, process_count=n)` gives); the rewards are then gathered so
-every process holds the same global values. Only process 0 writes logs, checkpoint metadata and Hugging
-Face exports, and talks to a vLLM server. Collectives between CPU processes use gloo.
+every process holds the same global values. Only process 0 writes logs and Hugging Face exports and
+talks to a vLLM server (`MainProcessBackend`); checkpoints are written by all processes together (orbax).
+Collectives between CPU processes use gloo.
 """
 
 from __future__ import annotations
