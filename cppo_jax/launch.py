@@ -66,8 +66,15 @@ def ensure_warm_start(cfg: Config, log=print) -> None:
     target = cfg.model.init_checkpoint
     if not target or Path(target).exists() or not cfg.model.warm_start:
         return
+    from cppo_jax import distributed
     from cppo_jax.sft import SFTConfig, run_sft
 
+    if distributed.process_count() > 1:  # N processes would each train and write it
+        raise ConfigError(
+            f"model.init_checkpoint={target} does not exist and {distributed.process_count()} processes "
+            f"would each run the warm start: run it once first, in one process: python -m "
+            f"cppo_jax.launch --config {cfg.model.warm_start} out={target}"
+        )
     sft_cfg = load_config(cfg.model.warm_start, [f"out={target}"], expected=SFTConfig)
     log(
         f"no warm-start checkpoint at {target}: running the supervised warm start ({cfg.model.warm_start})"
@@ -94,7 +101,9 @@ def run(cfg: Config, log=print) -> dict:
     ensure_warm_start(cfg, log)
     trainer = Trainer(cfg)
     try:
-        bar = _progress(trainer.num_steps - trainer.start_step, cfg.logging.progress)
+        bar = _progress(
+            trainer.num_steps - trainer.start_step, cfg.logging.progress and trainer.main
+        )
         summary = trainer.train(progress=bar)
     finally:
         trainer.close()
@@ -126,11 +135,29 @@ def _progress(total: int, enabled: bool):
     return update
 
 
+def _quiet(*_args, **_kw) -> None:
+    """The log of processes other than 0: they print nothing."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cppo_jax.launch", description=__doc__)
     parser.add_argument("--config", required=True, help="a configs/*.py file defining get_config()")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    parser.add_argument("--coordinator", help="multi-process: process 0's HOST:PORT")
+    parser.add_argument("--num-processes", type=int, help="multi-process: how many processes")
+    parser.add_argument("--process-id", type=int, help="multi-process: this process, 0..N-1")
     args = parser.parse_args(argv)
+    from cppo_jax import distributed
+
+    try:  # before anything touches a device (see cppo_jax/distributed.py for the sources)
+        distributed.initialize(
+            coordinator=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from cppo_jax.sft import SFTConfig, run_sft
 
     try:
@@ -142,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         run_sft(cfg)
         return 0
     try:
-        run(cfg)
+        run(cfg, log=print if distributed.is_main() else _quiet)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

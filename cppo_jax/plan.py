@@ -553,3 +553,31 @@ def plan_report(
     )
     _memory_section(cfg, sh, _model_plan(cfg), lines, num_devices, device_memory_gb)
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cppo_jax.plan --config C [--devices 8 --device-memory-gb 80] key=value ...`."""
+    import argparse
+    import sys
+
+    from cppo_jax.config import load_config
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cppo_jax.plan", description=plan_report.__doc__
+    )
+    parser.add_argument("--config", required=True, help="a configs/*.py file defining get_config()")
+    parser.add_argument("--devices", type=int, help="plan for this many devices (default: these)")
+    parser.add_argument("--device-memory-gb", type=float, help="memory of one planned device, GB")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        print(plan_report(cfg, args.devices, args.device_memory_gb))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

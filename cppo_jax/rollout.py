@@ -63,10 +63,20 @@ class EmbeddedBackend:
         pass
 
 
-def make_backend(cfg: RolloutConfig, graphdef, sp: SamplingParams, run_dir: Path) -> RolloutBackend:
-    """The configured backend: embedded (default) or an external vLLM server."""
+def make_backend(
+    cfg: RolloutConfig, graphdef, sp: SamplingParams, run_dir: Path, mesh=None
+) -> RolloutBackend:
+    """The configured backend: embedded (default) or an external vLLM server.
+
+    With several processes only process 0 talks to the server (`distributed.MainProcessBackend`
+    shares its completions with the others, laid out on `mesh`).
+    """
     if cfg.backend == "embedded":
         return EmbeddedBackend(graphdef, sp)
+    from cppo_jax import distributed
     from cppo_jax.vllm_backend import VLLMBackend
 
-    return VLLMBackend(cfg, graphdef, sp, run_dir)
+    if jax.process_count() == 1:
+        return VLLMBackend(cfg, graphdef, sp, run_dir)
+    inner = VLLMBackend(cfg, graphdef, sp, run_dir) if distributed.is_main() else None
+    return distributed.MainProcessBackend(inner, sp, mesh)

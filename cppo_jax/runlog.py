@@ -20,19 +20,31 @@ def _plain(value: Any) -> Any:
     return value if math.isfinite(value) else str(value)
 
 
+class _Discard:
+    def write(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class RunLog:
-    def __init__(self, out_dir: Path, tensorboard: bool = True):
+    def __init__(self, out_dir: Path, tensorboard: bool = True, write: bool = True):
+        """`write=False` (processes other than 0): keeps `history`, writes nothing."""
         self.out_dir = Path(out_dir)
+        self._tb = None
+        self.history: list[dict] = []
+        if not write:
+            self._metrics = self._samples = self._events = _Discard()
+            return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
         self._samples = open(self.out_dir / "samples.jsonl", "a", buffering=1)
         self._events = open(self.out_dir / "events.jsonl", "a", buffering=1)
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-        self.history: list[dict] = []
 
     def metrics(self, row: dict) -> None:
         row = {k: _plain(v) for k, v in row.items()}

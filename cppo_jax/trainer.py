@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import cppo, pipeline
+from cppo_jax import cppo, distributed, pipeline
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.config import Config, save_config
+from cppo_jax.config import Config, ConfigError, save_config
 from cppo_jax.models import Tokenizer, load_hf, save_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rollout import make_backend
@@ -177,7 +177,9 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(cfg.trainer.out_dir).resolve() / cfg.trainer.run_name
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out_dir / "config.json")
+        self.main = distributed.is_main()  # process 0 writes logs and exports
+        if self.main:
+            save_config(cfg, self.out_dir / "config.json")
         self.shapes = shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
@@ -233,7 +235,15 @@ class Trainer:
             pad_id=self.tokenizer.pad_id,
             cache_dtype=cfg.model.dtype,
         )
-        self.backend = make_backend(cfg.rollout, self.graphdef, self.sp, self.out_dir)
+        if cfg.rollout.overlap and jax.process_count() > 1:
+            # The background rollout would run process 0's broadcasts beside the step's collectives.
+            raise ConfigError(
+                f"config key 'rollout.overlap' = 1 is not supported with {jax.process_count()} "
+                "trainer processes yet; use rollout.overlap=0"
+            )
+        self.backend = make_backend(
+            cfg.rollout, self.graphdef, self.sp, self.out_dir, mesh=self.mesh
+        )
         self.tx = step_lib.make_optimizer(cfg.optim, self.num_steps * cfg.cppo.mu)
         self.opt_state = sharding_lib.init_opt_state(self.tx, self.params, self.mesh)
         self.spec = step_lib.StepSpec.make(
@@ -258,7 +268,7 @@ class Trainer:
             funcs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
-        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard, write=self.main)
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
         self._hlo_dumped = False
@@ -312,15 +322,18 @@ class Trainer:
                 rollout, sample_params = self._rollout(self.params, step), None
         batch, prompt_QP, pvalid_QP = rollout.batch, rollout.prompt_QP, rollout.pvalid_QP
         samples = rollout.samples
-        tokens_NC = np.asarray(samples.tokens_NC)
-        valid_NC = np.asarray(samples.valid_NC)
+        tokens_NC, valid_NC = distributed.to_host((samples.tokens_NC, samples.valid_NC))
 
-        # 3. Rewards.
+        # 3. Rewards: each process scores its own questions' completions; all get every reward.
         with prof.phase("reward", times):
-            texts = self._decode(tokens_NC, valid_NC)
-            solutions = [ex["solution"] for ex in batch.examples for _ in range(sh.G)]
+            own = distributed.local_slice(sh.Q)
+            rows = slice(own.start * sh.G, own.stop * sh.G)
+            texts = self._decode(tokens_NC[rows], valid_NC[rows])
+            solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
             total_N, per_fn, rstats = self.rewards.score(texts, solutions)
-        rewards_QG = np.asarray(total_N, np.float64).reshape(sh.Q, sh.G)
+            total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
+            per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
+        rewards_QG = total_N.reshape(sh.Q, sh.G)
         metrics = self._reward_metrics(rewards_QG, per_fn, rstats, valid_NC, samples)
         if cfg.rollout.overlap:
             metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
@@ -334,7 +347,7 @@ class Trainer:
         # 4-5. Advantages and pruning.
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
         adv_QG, flat_M = _select(
-            jnp.asarray(rewards_QG, jnp.float32),
+            distributed.global_array(rewards_QG.astype(np.float32), self.mesh),
             key,
             k=sh.k,
             metric=cfg.cppo.metric,
@@ -384,7 +397,7 @@ class Trainer:
                 self.params, self.opt_state, m = self.train_step(
                     self.params, self.opt_state, train_batch
                 )
-                m = jax.device_get(m)
+                m = distributed.to_host(m)
                 skipped = max(skipped, float(m["update_skipped"]))
         self.params_step = step + 1
         if self._pending is not None:  # the server must be idle before new weights go in
@@ -405,11 +418,12 @@ class Trainer:
     def _rollout(self, params, step: int) -> _Rollout:
         """Draw `step`'s questions and sample G completions each from `params`."""
         sh, seed = self.shapes, self.cfg.trainer.seed
+        # Every process draws the whole global batch (ids are cheap) and builds one global array.
         batch = self.train_set.take(np.asarray(self.order[step]))
-        prompt_QP, pvalid_QP = jnp.asarray(batch.ids_nP), jnp.asarray(batch.valid_nP)
-        seeds_Q = jnp.asarray(
-            (seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31), jnp.uint32
-        )
+        prompt_QP = distributed.rows(batch.ids_nP, self.mesh)
+        pvalid_QP = distributed.rows(batch.valid_nP, self.mesh)
+        seeds = (seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31)
+        seeds_Q = distributed.rows(seeds.astype(np.uint32), self.mesh)
         t = time.perf_counter()
         samples = _block(self.backend.generate(params, prompt_QP, pvalid_QP, seeds_Q, sh.G))
         return _Rollout(step, batch, prompt_QP, pvalid_QP, samples, time.perf_counter() - t)
@@ -436,7 +450,7 @@ class Trainer:
 
     def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples) -> dict:
         lengths = valid_NC.sum(axis=1)
-        finished = np.asarray(samples.finished_N)
+        finished = distributed.to_host(samples.finished_N)
         m = {
             "reward": float(np.mean(rewards_QG)),
             "reward_std": float(np.std(rewards_QG, ddof=1)) if rewards_QG.size > 1 else 0.0,
@@ -458,7 +472,7 @@ class Trainer:
         return {
             "cppo/questions": float(self.shapes.Q),
             "cppo/kept": float(self.shapes.M),
-            "cppo/tokens_trained": float(jnp.sum(mask_MC)),
+            "cppo/tokens_trained": float(distributed.to_host(jnp.sum(mask_MC))),
         }
 
     def _finish(self, step, metrics, times, t0, texts, batch) -> dict:
@@ -472,7 +486,7 @@ class Trainer:
             and self.cfg.logging.samples_per_log
             and step % self.cfg.trainer.log_every == 0
         ):
-            n = min(self.cfg.logging.samples_per_log, len(batch.examples))
+            n = min(self.cfg.logging.samples_per_log, len(texts) // self.shapes.G)
             rows = [
                 {"question": batch.examples[i]["question"], "completion": texts[i * self.shapes.G]}
                 for i in range(n)
@@ -504,9 +518,11 @@ class Trainer:
             idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
             part = prompts.take(idx)
             out = self.backend.greedy(
-                self.params, jnp.asarray(part.ids_nP), jnp.asarray(part.valid_nP)
+                self.params,
+                distributed.rows(part.ids_nP, self.mesh),
+                distributed.rows(part.valid_nP, self.mesh),
             )
-            got = self._decode(np.asarray(out.tokens_NC), np.asarray(out.valid_NC))
+            got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
             texts.extend(got[: min(batch_size, n - lo)])
         solutions = [ex["solution"] for ex in prompts.examples]
         _, per_fn, _ = self.rewards.score(texts, solutions)
@@ -541,13 +557,15 @@ class Trainer:
             self.save(self.num_steps)
         self._validate(self.num_steps)
         after = self.evaluate(self.num_steps)
-        if self.cfg.logging.plot and self.log.history:
-            plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
         table = phase_table(self.log.history)
-        (self.out_dir / "compiled_programs.md").write_text(prof.format_programs_report() + "\n")
-        (self.out_dir / "summary.md").write_text(
-            f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
-        )
+        if self.main:
+            if self.cfg.logging.plot and self.log.history:
+                plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
+            programs = prof.format_programs_report()
+            (self.out_dir / "compiled_programs.md").write_text(programs + "\n")
+            (self.out_dir / "summary.md").write_text(
+                f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
+            )
         return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
 
     def _guarded_step(self, step: int) -> dict:

@@ -125,15 +125,23 @@ def _ignored(name: str, cfg: TransformerConfig) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def _host(x) -> np.ndarray:
+    """The whole value of `x`; an array spread over several processes is gathered (a collective)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     """All parameters as HF-named numpy arrays (torch layouts) in the param dtype.
 
-    Tied models also get `lm_head.weight`, a copy of the embedding (vLLM needs it on reload).
+    Tied models also get `lm_head.weight`, a copy of the embedding (vLLM needs it on reload). With
+    several processes every process must call this (parameters are gathered across them).
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {
-        e.hf_name: e.to_hf(np.asarray(params[e.path].get_value())) for e in name_table(model.cfg)
-    }
+    tensors = {e.hf_name: e.to_hf(_host(params[e.path].get_value())) for e in name_table(model.cfg)}
     if model.cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     return tensors
@@ -307,13 +315,18 @@ def save_hf(
 
     The folder is built beside `path` and renamed into place; an existing `path` is replaced
     only once the new folder is complete. Tokenizer files from `tokenizer_dir` are copied along.
+    With several processes every process calls this: the parameters are gathered from all of them
+    and process 0 alone writes.
     """
     path = Path(path)
+    tensors = state_to_hf_tensors(model)
+    if jax.process_index() != 0:
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         os.chmod(tmp, 0o755)
-        save_file(state_to_hf_tensors(model), str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         config = model.cfg.to_hf_dict(**(extra_config or {}))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer_dir is not None:

@@ -1,0 +1,327 @@
+"""Several processes, one run: `jax.distributed` from the environment, and moving data across processes.
+
+A multi-host run starts one process per host (or per GPU); `initialize()` connects them before anything
+touches a device, after which `jax.devices()` lists every process's devices and the mesh spans them all.
+Where the coordinator comes from, first match wins:
+
+  1. explicit: `launch --coordinator HOST:PORT --num-processes N --process-id I` (or the same as
+     CPPO_COORDINATOR, CPPO_NUM_PROCESSES, CPPO_PROCESS_ID, and CPPO_LOCAL_DEVICE_IDS=0,1,...);
+  2. CPPO_DISTRIBUTED=auto: `jax.distributed.initialize()` without arguments, JAX finding the cluster
+     itself (a TPU pod's metadata: what launch/tpu_pod.sh sets); CPPO_DISTRIBUTED=off: one process;
+  3. JAX's own variables: JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and JAX_PROCESS_ID;
+  4. SLURM with more than one task (SLURM_NTASKS > 1): JAX reads the node list and task id itself;
+  5. a TPU pod slice with several workers (TPU_WORKER_HOSTNAMES lists more than one): JAX asks the
+     TPU metadata itself.
+Nothing matched: a single process, nothing is initialized.
+
+Every process runs the same program on its own devices (SPMD). Each draws the whole global batch of
+question ids (cheap) and scores the rewards of its own contiguous slice of questions (the slice
+`pipeline.question_order(process_index=i, process_count=n)` gives); the rewards are then gathered so
+every process holds the same global values. Only process 0 writes logs and Hugging Face exports and
+talks to a vLLM server (`MainProcessBackend`); checkpoints are written by all processes together (orbax).
+Collectives between CPU processes use gloo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+class DistributedError(ValueError):
+    """The distributed settings are incomplete or inconsistent; the message names the variable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How `initialize` would call `jax.distributed.initialize` (None: let JAX detect it)."""
+
+    source: str  # "explicit", "auto", "jax", "slurm", "tpu"
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+    def kwargs(self) -> dict:
+        out = {}
+        if self.coordinator is not None:
+            out["coordinator_address"] = self.coordinator
+        if self.num_processes is not None:
+            out["num_processes"] = self.num_processes
+        if self.process_id is not None:
+            out["process_id"] = self.process_id
+        if self.local_device_ids is not None:
+            out["local_device_ids"] = list(self.local_device_ids)
+        return out
+
+
+def _int(value: str | int, name: str, minimum: int) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise DistributedError(f"{name}={value!r} is not an integer") from None
+    if n < minimum:
+        raise DistributedError(f"{name}={n} is invalid: allowed >= {minimum}")
+    return n
+
+
+def detect(
+    env: Mapping[str, str] | None = None,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> Plan | None:
+    """The multi-process plan from explicit arguments or `env` (default os.environ); None: one process."""
+    env = os.environ if env is None else env
+    coordinator = coordinator or env.get("CPPO_COORDINATOR") or None
+    if num_processes is None and env.get("CPPO_NUM_PROCESSES"):
+        num_processes = env["CPPO_NUM_PROCESSES"]
+    if process_id is None and env.get("CPPO_PROCESS_ID"):
+        process_id = env["CPPO_PROCESS_ID"]
+    if coordinator or num_processes is not None or process_id is not None:
+        missing = [
+            name
+            for name, value in (
+                ("--coordinator / CPPO_COORDINATOR", coordinator),
+                ("--num-processes / CPPO_NUM_PROCESSES", num_processes),
+                ("--process-id / CPPO_PROCESS_ID", process_id),
+            )
+            if value is None
+        ]
+        if missing:
+            raise DistributedError(
+                f"a multi-process run needs the coordinator, the process count and this process's id; "
+                f"missing: {', '.join(missing)}"
+            )
+        if ":" not in coordinator:
+            raise DistributedError(
+                f"CPPO_COORDINATOR={coordinator!r} is invalid: allowed HOST:PORT (process 0's host)"
+            )
+        n = _int(num_processes, "CPPO_NUM_PROCESSES", 1)
+        i = _int(process_id, "CPPO_PROCESS_ID", 0)
+        if i >= n:
+            raise DistributedError(
+                f"CPPO_PROCESS_ID={i} is invalid for CPPO_NUM_PROCESSES={n}: allowed 0..{n - 1}"
+            )
+        local = env.get("CPPO_LOCAL_DEVICE_IDS")
+        ids = (
+            tuple(_int(x, "CPPO_LOCAL_DEVICE_IDS", 0) for x in local.split(",")) if local else None
+        )
+        return Plan("explicit", coordinator, n, i, ids)
+    mode = env.get("CPPO_DISTRIBUTED", "")
+    if mode not in ("", "auto", "off"):
+        raise DistributedError(f"CPPO_DISTRIBUTED={mode!r} is invalid: allowed auto, off or unset")
+    if mode == "off":
+        return None
+    if mode == "auto":
+        return Plan("auto")  # JAX detects the cluster itself (TPU metadata, SLURM, MPI, ...)
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return Plan("jax")  # jax.distributed.initialize reads JAX_* itself
+    if env.get("SLURM_JOB_ID") and _int(env.get("SLURM_NTASKS", "1"), "SLURM_NTASKS", 1) > 1:
+        return Plan("slurm")
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if len(hosts) > 1:
+        return Plan("tpu")
+    return None
+
+
+def initialize(
+    env: Mapping[str, str] | None = None,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> Plan | None:
+    """Connect this process to the others (see the module docstring); call before touching devices."""
+    plan = detect(env, coordinator, num_processes, process_id)
+    if plan is None:
+        return None
+    import jax
+
+    # CPU devices of several processes talk through gloo (the default, none, cannot cross processes).
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**plan.kwargs())
+    return plan
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def is_main() -> bool:
+    """Process 0: the one that writes logs and exports and talks to a rollout server."""
+    return process_index() == 0
+
+
+def local_slice(rows: int) -> slice:
+    """This process's contiguous share of `rows` (rows must divide by the process count)."""
+    n, i = process_count(), process_index()
+    if rows % n:
+        raise DistributedError(f"{rows} rows do not split over {n} processes")
+    per = rows // n
+    return slice(i * per, (i + 1) * per)
+
+
+def to_host(tree):
+    """Numpy copies of `tree`'s arrays, whole, on every process (gathered when they span processes).
+
+    With several processes every process must call this for the same arrays (it is a collective).
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.is_fully_replicated:
+                return np.asarray(x.addressable_data(0))
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+    """Every process's `local` rows concatenated in process order (a collective)."""
+    if process_count() == 1:
+        return np.asarray(local)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def global_array(host: np.ndarray, mesh, names: Sequence[str | None] | None = None):
+    """`host` (the same whole value on every process) as one array laid out on `mesh` by `names`.
+
+    `names` are logical axis names (`cppo_jax.sharding.RULES`), e.g. ("batch", None) splits rows over
+    the data axes; None replicates. Each process supplies only the pieces its own devices hold.
+    """
+    import jax
+
+    from cppo_jax import sharding as sharding_lib
+
+    host = np.asarray(host)
+    if mesh is None:
+        return jax.numpy.asarray(host)
+    names = (None,) * host.ndim if names is None else tuple(names)
+    sharding = sharding_lib.named(mesh, names, host.shape)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def rows(host: np.ndarray, mesh):
+    """`host` split by its leading dim over the mesh's data axes (replicated if they do not divide)."""
+    host = np.asarray(host)
+    return global_array(host, mesh, ("batch",) + (None,) * (host.ndim - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# A rollout server that only process 0 talks to
+# ---------------------------------------------------------------------------------------------
+
+
+class MainProcessBackend:
+    """A rollout backend (the vLLM one) used by process 0 alone, its results shared with every process.
+
+    Every process calls every method (they are collectives): the prompts and params are gathered to the
+    host, process 0 asks `inner` (None on the other processes), and the completions are broadcast and
+    laid out on `mesh` as global arrays. A failure on process 0 is broadcast too, so every process
+    raises `RolloutServerError` instead of waiting for a collective that never comes.
+    """
+
+    def __init__(self, inner, sp, mesh):
+        self.inner = inner if is_main() else None
+        self.sp = sp
+        self.mesh = mesh
+        self._host_params = None  # the host copy of the params last pushed, and whose they were
+        self._synced_of = None
+
+    def _host(self, params):
+        import weakref
+
+        if self._synced_of is not None and self._synced_of() is params:
+            return self._host_params
+        host = to_host(params)
+        try:
+            ref = weakref.ref(params)
+        except TypeError:
+            ref = None
+        self._host_params, self._synced_of = host, ref
+        return host
+
+    def _on_main(self, fn, template=None):
+        """`fn()` on process 0; with a `template` (its result's shapes) the result goes to every
+        process, without one only process 0 gets it (None elsewhere)."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        from cppo_jax.vllm_client import RolloutServerError
+
+        result, error = template, None
+        if self.inner is not None:
+            try:
+                result = fn()
+            except Exception as e:  # re-raised below, once the others were told
+                error = e
+        flag = np.asarray([0 if error is None else 1], np.int32)
+        shared = None if template is None else jax.tree.map(np.asarray, result)
+        if error is not None:
+            shared = template
+        shared, failed = multihost_utils.broadcast_one_to_all((shared, flag), is_source=is_main())
+        if error is not None:
+            raise error
+        if int(failed[0]):
+            raise RolloutServerError(
+                "the rollout server failed on process 0 (its log has the cause); stopping here too"
+            )
+        return result if template is None else shared
+
+    def _samples(self, fn, n_rows: int, columns: int):
+        from cppo_jax.sampler import Samples
+
+        template = Samples(
+            np.zeros((n_rows, columns), np.int32),
+            np.zeros((n_rows, columns), np.float32),
+            np.zeros((n_rows, columns), bool),
+            np.zeros((n_rows,), bool),
+            np.zeros((), np.int32),
+        )
+        host = self._on_main(lambda: Samples(*(np.asarray(x) for x in fn())), template)
+        return Samples(*(rows(x, self.mesh) for x in host[:4]), host[4])
+
+    def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples: int):
+        prompts, valid, seeds = to_host((prompt_QP, prompt_valid_QP, seeds_Q))
+        host = self._host(params)
+        return self._samples(
+            lambda: self.inner.generate(host, prompts, valid, seeds, num_samples),
+            prompts.shape[0] * num_samples,
+            self.sp.max_new_tokens,
+        )
+
+    def greedy(self, params, prompt_QP, prompt_valid_QP, max_new_tokens: int | None = None):
+        prompts, valid = to_host((prompt_QP, prompt_valid_QP))
+        host = self._host(params)
+        return self._samples(
+            lambda: self.inner.greedy(host, prompts, valid, max_new_tokens),
+            prompts.shape[0],
+            max_new_tokens or self.sp.max_new_tokens,
+        )
+
+    def sync_weights(self, params, step: int) -> dict:
+        self._synced_of = None
+        host = self._host(params)  # every process joins the gather
+        metrics = self._on_main(lambda: self.inner.sync_weights(host, step))
+        return metrics or {}
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()

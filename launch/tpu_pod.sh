@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# A TPU pod slice: the same launch on every TPU VM worker, at once, through gcloud.
+#
+#   launch/tpu_pod.sh --tpu NAME --zone ZONE [--project PROJECT] [--repo-dir DIR] --config CONFIG
+#                     [--dry-run] [-- key.path=value ...]
+#
+# Runs `gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all --command "..."`, the command being
+# `cd DIR && CPPO_DISTRIBUTED=auto .venv/bin/python -m cppo_jax.launch --config CONFIG overrides...` on each
+# worker. CPPO_DISTRIBUTED=auto makes cppo_jax.distributed call jax.distributed.initialize() without
+# arguments: on a TPU VM JAX reads the coordinator, the worker count and this worker's id from the TPU
+# metadata. DIR (default ~/cppo_jax) must hold this repository and its .venv on every worker, e.g. copied
+# with `gcloud compute tpus tpu-vm scp --recurse --worker=all`. Only process 0 (worker 0) writes logs and
+# exports; out_dir should be a bucket or a disk every worker can write checkpoints to.
+# --dry-run prints the command without running anything.
+set -euo pipefail
+
+DRY_RUN=0
+TPU=""
+ZONE=""
+PROJECT=""
+REPO_DIR="~/cppo_jax"
+CONFIG=""
+OVERRIDES=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) DRY_RUN=1; shift ;;
+        --tpu) TPU="$2"; shift 2 ;;
+        --zone) ZONE="$2"; shift 2 ;;
+        --project) PROJECT="$2"; shift 2 ;;
+        --repo-dir) REPO_DIR="$2"; shift 2 ;;
+        --config) CONFIG="$2"; shift 2 ;;
+        --) shift; OVERRIDES=("$@"); break ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        *) echo "$0: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+done
+if [[ -z "$TPU" || -z "$ZONE" || -z "$CONFIG" ]]; then
+    echo "usage: $0 --tpu NAME --zone ZONE [--project P] [--repo-dir DIR] --config CONFIG [--dry-run] [-- overrides]" >&2
+    exit 2
+fi
+
+REMOTE="cd $REPO_DIR && CPPO_DISTRIBUTED=auto .venv/bin/python -m cppo_jax.launch --config $(printf '%q' "$CONFIG")"
+for o in "${OVERRIDES[@]}"; do REMOTE+=" $(printf '%q' "$o")"; done
+GCLOUD=(gcloud compute tpus tpu-vm ssh "$TPU" --zone "$ZONE")
+if [[ -n "$PROJECT" ]]; then GCLOUD+=(--project "$PROJECT"); fi
+GCLOUD+=(--worker=all --command "$REMOTE")
+
+printf '+'; printf ' %q' "${GCLOUD[@]}"; echo
+if [[ $DRY_RUN -eq 1 ]]; then
+    exit 0
+fi
+"${GCLOUD[@]}"
