@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,3 +104,5 @@ def test_vs_trl_quick(tmp_path):
     assert report.count("| met |") + report.count("| **missed** |") == 2
     png = (tmp_path / "vs_trl.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    raw = json.loads((tmp_path / "vs_trl.json").read_text())
+    assert len(raw["results"]["rows"]["trl"]) == size["steps"]
