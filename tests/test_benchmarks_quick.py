@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +77,33 @@ def test_generation_vllm_requests(tmp_path):
         assert body["model"] == "tiny-qwen" and body["n"] == 4 and body["max_tokens"] == 16
         assert body["ignore_eos"] is True and body["temperature"] == 1.0
     assert sorted(map(tuple, (b["prompt"] for b in seen[1:]))) == sorted(map(tuple, prompts))
+
+
+def test_vs_trl_quick(tmp_path):
+    """TRL's GRPOTrainer and cppo_jax (GRPO, CPPO) on a tiny model: both sides' rows, positive times.
+
+    Builds TRL's environment (~/.cache/cppo_jax/venv-trl-<version>) on first use: about 4-5 minutes once.
+    """
+    vs_trl = load_script("vs_trl")
+    res = vs_trl.main(["--quick", "--out", str(tmp_path)])
+    size = vs_trl.QUICK
+    for side in ("trl", "grpo", "cppo"):
+        assert len(res["rows"][side]) == size["steps"], side
+        for phase in ("rollout", "training", "step"):
+            assert res[side][phase] > 0, (side, phase)
+        for row in res["rows"][side]:  # the phases lie inside the step
+            assert row["step"] >= row["rollout"] + row["reward"] + row["training"], (side, row)
+    k = int(size["group"] * (1 - size["pruning_rate"]))
+    assert res["cppo_kept"] == size["questions"] * k
+    assert [r["kept"] for r in res["rows"]["grpo"]] == [size["questions"] * size["group"]] * size[
+        "steps"
+    ]
+    report = (tmp_path / "vs_trl.md").read_text()
+    assert "| TRL GRPOTrainer, GRPO (torch " in report
+    assert "| cppo_jax, GRPO (p = 0) |" in report and "| cppo_jax, CPPO (p = 0.5) |" in report
+    assert "TRL 1.13.0" in report and "os.cpu_count()" in report and "JAX " in report
+    assert report.count("| met |") + report.count("| **missed** |") == 2
+    png = (tmp_path / "vs_trl.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    raw = json.loads((tmp_path / "vs_trl.json").read_text())
+    assert len(raw["results"]["rows"]["trl"]) == size["steps"]
