@@ -1,0 +1,41 @@
+"""Helpers for the reliability tests: runs of the tiny trainer in a subprocess, read back from disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cppo_jax.config import Config, to_dict
+
+
+def write_config_file(path: Path, cfg: Config) -> Path:
+    """A config file whose get_config() returns `cfg` (so `python -m cppo_jax.launch` can run it)."""
+    path.write_text(
+        "import json\nfrom cppo_jax.config import from_dict\n"
+        f"DATA = json.loads({json.dumps(json.dumps(to_dict(cfg)))})\n"
+        "def get_config():\n    return from_dict(DATA)\n"
+    )
+    return path
+
+
+def launch(config_file: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "cppo_jax.launch", "--config", str(config_file), *overrides]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def metrics_steps(run_dir: Path) -> list[int]:
+    """The `step` of every complete row of metrics.jsonl (empty while there is none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [int(json.loads(x)["step"]) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def digit_steps(ckpt_dir: Path) -> list[int]:
+    """Step folders orbax has renamed into place. Polled instead of opening a CheckpointManager,
+    which would tidy the writer's temporary folders."""
+    return sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
