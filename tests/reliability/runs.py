@@ -39,3 +39,30 @@ def digit_steps(ckpt_dir: Path) -> list[int]:
     """Step folders orbax has renamed into place. Polled instead of opening a CheckpointManager,
     which would tidy the writer's temporary folders."""
     return sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
+
+
+def rewind(trainer, run_dir: Path, params, opt_state) -> None:
+    """Point an existing Trainer at a fresh run folder and starting state, so that several fault cases
+    share one Trainer (and its compiled functions) yet each writes and checks its own outputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.runlog import RunLog
+
+    trainer.log.close()
+    trainer.ckpt.close()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer.out_dir = run_dir
+    trainer.log = RunLog(run_dir, tensorboard=False)
+    trainer.ckpt = Checkpointer(run_dir / "checkpoints", keep=trainer.cfg.trainer.keep_checkpoints)
+    # Copies: the train step donates its inputs.
+    trainer.params = jax.tree.map(jnp.copy, params)
+    trainer.opt_state = jax.tree.map(jnp.copy, opt_state)
+    trainer.start_step = trainer.params_step = trainer.nan_streak = 0
+    trainer.evals = []
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
