@@ -258,6 +258,7 @@ class Trainer:
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
         self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard)
+        self.log.event("data", train=len(self.train_set), **self.data_stats)  # skipped, cut prompts
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
         self._hlo_dumped = False

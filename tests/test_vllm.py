@@ -344,6 +344,7 @@ class TestTiedServer:
 
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""
+        from cppo_jax.checkpoint import Checkpointer
         from cppo_jax.trainer import Trainer
         from cppo_jax.vllm_client import RolloutServerError
 
@@ -365,6 +366,11 @@ class TestTiedServer:
         print(f"\nserver killed: RolloutServerError after {elapsed:.1f} s: {info.value}")
         assert server.url in str(info.value) and "running" in str(info.value)
         assert elapsed < 30
+        # The finished step was checkpointed before the error propagated, and it loads.
+        ckpt_dir = trainer.out_dir / "checkpoints"
+        assert f"checkpoint of step 1 saved under {ckpt_dir}" in str(info.value)
+        _, meta = Checkpointer(ckpt_dir).restore(None, trainer.state())
+        assert meta["step"] == 1
 
 
 # ----------------------------------------------------------------------------------------------
