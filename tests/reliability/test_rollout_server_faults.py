@@ -123,6 +123,7 @@ def _assert_stopped_with_checkpoint(trainer, run_dir, err, step: int):
         ("malformed", ResponseError, "malformed JSON"),
         ("hang", RolloutServerError, r"did not answer within the read timeout of 1(\.0)? s"),
     ],
+    ids=["5xx", "few_choices", "malformed_json", "hang"],
 )
 def test_bad_answers_stop_the_run_with_a_checkpoint(setup, fault, error, match):
     fake, trainer = setup[0], setup[1]

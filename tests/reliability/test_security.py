@@ -144,3 +144,17 @@ def test_package_source_has_no_unpickling_calls():
             if pattern.search(line.split("#")[0]):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert hits == []
+
+
+def test_vllm_server_is_loopback_by_default_with_an_api_key_option_and_documented_private():
+    import inspect
+
+    from cppo_jax.vllm_server import VLLMServer
+
+    script = (ROOT / "launch" / "vllm_server.sh").read_text()
+    assert 'HOST="${VLLM_HOST:-127.0.0.1}"' in script
+    assert '--api-key "$VLLM_API_KEY"' in script
+    assert inspect.signature(VLLMServer.__init__).parameters["host"].default == "127.0.0.1"
+    docs = (ROOT / "docs" / "vllm.md").read_text()
+    assert "not guarded by `--api-key`" in docs and "private" in docs
+    assert "rollout.vllm_api_key" in docs

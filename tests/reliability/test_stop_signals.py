@@ -47,6 +47,10 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {"event": "stopped", "step": s, "signal": "SIGTERM"} in events
     assert Checkpointer(run_dir / "checkpoints").all_steps() == [s]  # checkpoint_every=0: only this
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cfg.py",
+        "run",
+    ]  # outputs: the run folder
 
     resumed = launch(config_file, "trainer.resume=true")
     out, _ = resumed.communicate(timeout=600)
@@ -70,6 +74,7 @@ def test_sigint_in_process_saves_the_finished_step(tmp_path, arith_model_dir):
     finally:
         trainer.close()
     assert info.value.exit_code == 130 and info.value.step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # every output in the run folder
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
     state, meta = Checkpointer(trainer.out_dir / "checkpoints").restore(None, trainer.state())
     assert meta["step"] == 2
