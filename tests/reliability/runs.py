@@ -22,7 +22,14 @@ def write_config_file(path: Path, cfg: Config) -> Path:
 
 
 def launch(config_file: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    """`python -m cppo_jax.launch --config config_file overrides...`, output piped. Runs from one config
+    folder share a persistent XLA compilation cache there (a resumed run then skips most compiling)."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(config_file.parent / "xla_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
     cmd = [sys.executable, "-m", "cppo_jax.launch", "--config", str(config_file), *overrides]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -41,15 +48,23 @@ def digit_steps(ckpt_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
 
 
-def rewind(trainer, run_dir: Path, params, opt_state) -> None:
+def rewind(trainer, run_dir: Path, params, opt_state, *overrides: str) -> None:
     """Point an existing Trainer at a fresh run folder and starting state, so that several fault cases
-    share one Trainer (and its compiled functions) yet each writes and checks its own outputs."""
+    share one Trainer (and its compiled functions) yet each writes and checks its own outputs.
+
+    `overrides` change `trainer.*` keys that shape nothing compiled (steps, checkpoint_every,
+    max_nan_streak, ...), applied to the config the Trainer was built with."""
     import jax
     import jax.numpy as jnp
 
     from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.config import apply_overrides
     from cppo_jax.runlog import RunLog
 
+    if not hasattr(trainer, "_built_cfg"):
+        trainer._built_cfg = trainer.cfg
+    trainer.cfg = apply_overrides(trainer._built_cfg, list(overrides))
+    trainer.num_steps = trainer.cfg.trainer.steps
     trainer.log.close()
     trainer.ckpt.close()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import ConfigError
 from cppo_jax.trainer import Trainer
 from tests.reliability.ckpt_writer import expected_state
-from tests.reliability.runs import digit_steps, metrics_steps
+from tests.reliability.runs import digit_steps, metrics_steps, rewind
 from tests.test_trainer import small_config
 
 HERE = Path(__file__).resolve().parent
@@ -108,11 +108,9 @@ def _file_size_limit(nbytes: int):
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
-def test_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(
-    tmp_path, arith_model_dir
-):
-    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=4", "trainer.checkpoint_every=1")
-    trainer = Trainer(cfg)
+def test_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(shared_trainer, tmp_path):
+    trainer, init = shared_trainer
+    rewind(trainer, tmp_path / "run", *init, "trainer.steps=4", "trainer.checkpoint_every=1")
     inner = trainer.ckpt.save
 
     def save(step, state, meta):
@@ -123,11 +121,8 @@ def test_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(
 
     trainer.ckpt.save = save
     ckpt_dir = trainer.out_dir / "checkpoints"
-    try:
-        with pytest.raises(CheckpointError) as info:
-            trainer.train()
-    finally:
-        trainer.close()
+    with pytest.raises(CheckpointError) as info:
+        trainer.train()
     msg = str(info.value)
     assert f"writing checkpoint 2 under {ckpt_dir} failed" in msg and "File too large" in msg
     assert "earlier checkpoints are untouched: [1]" in msg

@@ -1,4 +1,4 @@
-"""Non-finite numbers and hostile model output, through `Trainer.train` on one shared tiny Trainer.
+"""Non-finite numbers and hostile model output, through `Trainer.train` (the shared tiny Trainer).
 
 Promises (docs/reliability.md): a NaN or inf reward is detected, its step's update skipped (params
 unchanged) and logged; the streak counter resets on a good step, and `trainer.max_nan_streak` bad steps
@@ -18,30 +18,19 @@ import pytest
 
 from cppo_jax.checkpoint import Checkpointer
 from cppo_jax.sampler import Samples
-from cppo_jax.trainer import NonFiniteError, Trainer
+from cppo_jax.trainer import NonFiniteError
 from tests.reliability.runs import metrics_steps, read_events, rewind
-from tests.test_trainer import small_config
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory, arith_model_dir):
-    tmp = tmp_path_factory.mktemp("numerics")
-    cfg = small_config(
-        tmp, arith_model_dir, "trainer.steps=5", "trainer.max_nan_streak=2", "cppo.beta=0.0"
-    )
-    trainer = Trainer(cfg)
-    init = jax.tree.map(lambda x: x.copy(), (trainer.params, trainer.opt_state))
-    yield trainer, init, tmp
-    trainer.close()
 
 
 def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(shared, monkeypatch):
-    trainer, init, tmp = shared
-    run_dir = tmp / "rewards"
+def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(
+    shared_trainer, tmp_path, monkeypatch
+):
+    trainer, init = shared_trainer
+    run_dir = tmp_path / "run"
     rewind(trainer, run_dir, *init)
     score = trainer.rewards.score
     poison = {2: np.nan, 4: np.inf, 5: -np.inf}  # 1-based steps; step 3 is good in between
@@ -80,12 +69,14 @@ def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(shared,
         np.testing.assert_array_equal(a, b)
 
 
-def test_special_token_and_max_length_completions_score_and_log(shared, monkeypatch):
+def test_special_token_and_max_length_completions_score_and_log(
+    shared_trainer, tmp_path, monkeypatch
+):
     """Rollouts replaced by hostile completions: only special tokens (im_start/im_end/pad ids), or a
     run of one token to max_new_tokens without EOS. The steps train, score 0 and log the text."""
-    trainer, init, tmp = shared
-    run_dir = tmp / "hostile"
-    rewind(trainer, run_dir, *init)
+    trainer, init = shared_trainer
+    run_dir = tmp_path / "run"
+    rewind(trainer, run_dir, *init, "trainer.steps=2")
     tok, sh = trainer.tokenizer, trainer.shapes
     N, C = sh.Q * sh.G, sh.C
     start_id = tok.hf.convert_tokens_to_ids("<|im_start|>")
@@ -116,11 +107,7 @@ def test_special_token_and_max_length_completions_score_and_log(shared, monkeypa
             hostile if prompt_QP.shape[0] == sh.Q else generate(params, prompt_QP, *a)
         ),
     )
-    trainer.num_steps = 2
-    try:
-        trainer.train()
-    finally:
-        trainer.num_steps = trainer.cfg.trainer.steps
+    trainer.train()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics_steps(run_dir) == [1, 2]
     for r in rows:

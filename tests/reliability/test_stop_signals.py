@@ -20,8 +20,7 @@ import pytest
 
 from cppo_jax.checkpoint import Checkpointer
 from cppo_jax.stopping import SignalStopError
-from cppo_jax.trainer import Trainer
-from tests.reliability.runs import launch, metrics_steps, write_config_file
+from tests.reliability.runs import launch, metrics_steps, rewind, write_config_file
 from tests.test_trainer import small_config
 
 
@@ -47,10 +46,8 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {"event": "stopped", "step": s, "signal": "SIGTERM"} in events
     assert Checkpointer(run_dir / "checkpoints").all_steps() == [s]  # checkpoint_every=0: only this
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "cfg.py",
-        "run",
-    ]  # outputs: the run folder
+    # Nothing written beside the run folder (the config file and the test's XLA cache are the test's).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.py", "run", "xla_cache"]
 
     resumed = launch(config_file, "trainer.resume=true")
     out, _ = resumed.communicate(timeout=600)
@@ -59,20 +56,17 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     assert Checkpointer(run_dir / "checkpoints").latest_step() == 8
 
 
-def test_sigint_in_process_saves_the_finished_step(tmp_path, arith_model_dir):
+def test_sigint_in_process_saves_the_finished_step(shared_trainer, tmp_path):
     """SIGINT (Ctrl-C) during step 2: step 2 completes, its state is checkpointed, `SignalStopError` says so."""
-    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=3")
-    trainer = Trainer(cfg)
+    trainer, init = shared_trainer
+    rewind(trainer, tmp_path / "run", *init, "trainer.steps=3")
 
     def progress(metrics):
         if metrics["step"] == 2:
             signal.raise_signal(signal.SIGINT)
 
-    try:
-        with pytest.raises(SignalStopError, match="stopped by SIGINT after step 2") as info:
-            trainer.train(progress=progress)
-    finally:
-        trainer.close()
+    with pytest.raises(SignalStopError, match="stopped by SIGINT after step 2") as info:
+        trainer.train(progress=progress)
     assert info.value.exit_code == 130 and info.value.step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # every output in the run folder
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
