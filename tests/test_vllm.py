@@ -282,7 +282,8 @@ class TestTiedServer:
         backend.greedy(fresh, prompt_QP, valid_QP, 4)
         assert backend.pushes == pushes + 1
         slots = sorted(p.name for p in (tmp_path / "weights").iterdir())
-        assert slots == ["slot0", "slot1"]  # two alternating slots, no leftovers
+        # Two alternating slots and the marker of a folder cppo_jax created; no leftovers.
+        assert slots == [".cppo_weight_pushes", "slot0", "slot1"]
         backend.close()
         assert not (tmp_path / "weights").exists()  # close() removes the transient slots
 
