@@ -98,10 +98,20 @@ def _run_with_fault_after_step_1(setup, name, fault, monkey=None):
     try:
         with pytest.raises(RolloutServerError) as info:
             trainer.train(progress=progress)
+        _drain(trainer)
     finally:
         fake.fault = None
         mp.setattr(VLLMBackend, "verify", lambda self, params, step=None: 0.0)
     return run_dir, info.value
+
+
+def _drain(trainer) -> None:
+    """Wait for the other questions' requests still in flight when the first one failed (the error does
+    not wait for them), so that they do not spill into the next case's counts."""
+    client = trainer.backend.client
+    if client._pool is not None:
+        client._pool.shutdown(wait=True)
+        client._pool = None
 
 
 def _assert_stopped_with_checkpoint(trainer, run_dir, err, step: int):
