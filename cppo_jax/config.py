@@ -112,7 +112,9 @@ class RolloutConfig:
     top_k: int = 0  # 0: off
     vllm_url: str = ""
     vllm_api_key: str = ""
-    weights_dir: str = ""  # folder both trainer and server read; default: <run>/weights
+    weights_dir: str = (
+        ""  # push folder both read; relative: inside the run folder; default: <run>/weights
+    )
     push_every: int = 1
     timeout_s: float = 600.0
     probe_tol: float = 1e-3  # max |log-prob difference| between server and trainer after a push

@@ -168,11 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(cfg, SFTConfig):
         run_sft(cfg)
         return 0
+    from cppo_jax.checkpoint import CheckpointError
+    from cppo_jax.stopping import SignalStopError
+    from cppo_jax.trainer import NonFiniteError
+    from cppo_jax.vllm_client import RolloutServerError
+
     try:
         run(cfg, log=print if distributed.is_main() else _quiet)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SignalStopError as e:  # SIGTERM/SIGINT: checkpoint saved; 128 + signal, like the shell
+        print(str(e), file=sys.stderr)
+        return e.exit_code
+    except (CheckpointError, NonFiniteError, RolloutServerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

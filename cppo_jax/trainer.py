@@ -35,13 +35,14 @@ from cppo_jax import cppo, distributed, pipeline
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
-from cppo_jax.checkpoint import Checkpointer
+from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import Config, ConfigError, save_config
 from cppo_jax.models import Tokenizer, load_hf, save_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rollout import make_backend
 from cppo_jax.runlog import RunLog, phase_table, plot_curves
 from cppo_jax.sampler import SamplingParams
+from cppo_jax.stopping import SignalStopError, StopSignals
 from cppo_jax.vllm_client import RolloutServerError
 
 _COMPILATIONS = [0]
@@ -58,6 +59,16 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 def compilations() -> int:
     """XLA compilations in this process so far."""
     return _COMPILATIONS[0]
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab: int, model_path: str) -> None:
+    """Refuse a tokenizer with ids the model has no embedding for (the model may have more rows)."""
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the model {model_path} "
+            f"has vocab_size {model_vocab}: they do not belong together (check model.tokenizer and "
+            f"model.path / model.init_checkpoint)"
+        )
 
 
 class NonFiniteError(RuntimeError):
@@ -176,7 +187,13 @@ class Trainer:
     def __init__(self, cfg: Config, model_path: str | Path | None = None):
         self.cfg = cfg
         self.out_dir = Path(cfg.trainer.out_dir).resolve() / cfg.trainer.run_name
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"config key 'trainer.out_dir' = {cfg.trainer.out_dir!r}: cannot create the run "
+                f"folder {self.out_dir}: {type(e).__name__}: {e.strerror or e}"
+            ) from e
         self.main = distributed.is_main()  # process 0 writes logs and exports
         if self.main:
             save_config(cfg, self.out_dir / "config.json")
@@ -193,6 +210,7 @@ class Trainer:
             param_dtype=cfg.model.param_dtype,
             remat=cfg.model.remat,
         )
+        check_vocab(self.tokenizer, model.cfg.vocab_size, path)
         self.graphdef, params = nnx.split(model)
         self.params = params
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.cppo.beta > 0 else None
@@ -269,6 +287,7 @@ class Trainer:
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
         self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard, write=self.main)
+        self.log.event("data", train=len(self.train_set), **self.data_stats)  # skipped, cut prompts
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
         self._hlo_dumped = False
@@ -285,8 +304,14 @@ class Trainer:
         return {"params": self.params, "opt_state": self.opt_state}
 
     def save(self, step: int) -> None:
+        """Checkpoint `step`; a failed write (full disk, unwritable folder) is logged and raised
+        (`CheckpointError`), which stops the run: it never trains on without a way back."""
         meta = {"step": step, "seed": self.cfg.trainer.seed, "nan_streak": self.nan_streak}
-        self.ckpt.save(step, self.state(), meta)
+        try:
+            self.ckpt.save(step, self.state(), meta)
+        except CheckpointError as e:
+            self.log.event("checkpoint_failed", step=step, error=str(e))
+            raise
 
     def maybe_resume(self) -> None:
         if not self.cfg.trainer.resume or self.ckpt.latest_step() is None:
@@ -537,24 +562,27 @@ class Trainer:
         self.maybe_resume()
         self.backend.sync_weights(self.params, self.start_step)
         cfg = self.cfg.trainer
-        before = self.evaluate(self.start_step)
-        self._validate(self.start_step)
-        for step in range(self.start_step, self.num_steps):
-            with self.tracer.step(step + 1):
-                metrics = self._guarded_step(step)
-            self.log.metrics(metrics)
-            if progress is not None:
-                progress(metrics)
-            done = step + 1
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < self.num_steps:
-                if self.val_set is not None:
-                    self._validate(done)
-                else:
-                    self.evaluate(done)
-            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                self.save(done)
-        if self.ckpt.latest_step() != self.num_steps:
-            self.save(self.num_steps)
+        with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
+            before = self.evaluate(self.start_step)
+            self._validate(self.start_step)
+            for step in range(self.start_step, self.num_steps):
+                self._stop_if_asked(stop, step)
+                with self.tracer.step(step + 1):
+                    metrics = self._guarded_step(step)
+                self.log.metrics(metrics)
+                if progress is not None:
+                    progress(metrics)
+                done = step + 1
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < self.num_steps:
+                    if self.val_set is not None:
+                        self._validate(done)
+                    else:
+                        self.evaluate(done)
+                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                    self.save(done)
+            if self.ckpt.latest_step() != self.num_steps:
+                self.save(self.num_steps)
+            self._stop_if_asked(stop, self.num_steps)
         self._validate(self.num_steps)
         after = self.evaluate(self.num_steps)
         table = phase_table(self.log.history)
@@ -567,6 +595,20 @@ class Trainer:
                 f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
             )
         return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
+
+    def _stop_if_asked(self, stop: StopSignals, step: int) -> None:
+        """After SIGTERM/SIGINT (see `cppo_jax.stopping`): checkpoint `step` and raise `SignalStopError`."""
+        if stop.requested is None:
+            return
+        if self.ckpt.latest_step() != step:
+            self.save(step)
+        self.log.event("stopped", step=step, signal=stop.name)
+        raise SignalStopError(
+            stop.requested,
+            step,
+            f"stopped by {stop.name} after step {step}; checkpoint of step {step} saved under "
+            f"{self.ckpt.directory} (resume with trainer.resume=true)",
+        )
 
     def _guarded_step(self, step: int) -> dict:
         """`step`, saving a checkpoint before a rollout-server failure propagates."""

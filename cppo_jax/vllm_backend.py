@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax.config import RolloutConfig
+from cppo_jax.config import ConfigError, RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
 from cppo_jax.sampler import Samples, SamplingParams
 from cppo_jax.vllm_client import (
@@ -149,7 +149,7 @@ class VLLMBackend:
         self.client = client or VLLMClient(
             cfg.vllm_url, api_key=cfg.vllm_api_key, timeout_s=cfg.timeout_s
         )
-        self.weights_dir = Path(cfg.weights_dir or Path(run_dir) / "weights").resolve()
+        self.weights_dir = push_folder(cfg.weights_dir, run_dir)
         tol = probe_tol if probe_tol is not None else getattr(cfg, "probe_tol", DEFAULT_PROBE_TOL)
         self.probe_tol = float(tol)
         self._probe_ids = probe_ids
@@ -216,6 +216,7 @@ class VLLMBackend:
 
     def write_weights(self, params) -> tuple[Path, int]:
         """The policy as an HF checkpoint in the next of two slots (atomic); returns (folder, bytes)."""
+        claim_push_folder(self.weights_dir)
         slot = self.weights_dir / f"slot{self.pushes % 2}"
         model = nnx.merge(self.graphdef, params)
         save_hf(model, slot)
@@ -297,10 +298,54 @@ class VLLMBackend:
         """Close the client and delete the two push slots (transient copies of the policy; the
         trainer's checkpoints hold its state). The server keeps running."""
         self.client.close()
+        if not (self.weights_dir / PUSH_MARKER).is_file():
+            return  # never claimed: nothing of ours to remove
         for i in range(2):
             shutil.rmtree(self.weights_dir / f"slot{i}", ignore_errors=True)
         with contextlib.suppress(OSError):
+            (self.weights_dir / PUSH_MARKER).unlink()
             self.weights_dir.rmdir()  # only when empty
+
+
+PUSH_MARKER = ".cppo_weight_pushes"  # written into a push folder this package created
+
+
+def push_folder(weights_dir: str, run_dir: str | Path) -> Path:
+    """The weight-push folder: `rollout.weights_dir` resolved against the run folder.
+
+    Empty: `<run_dir>/weights`. A relative value must stay inside the run folder once `..` and symbolic
+    links are resolved (no path traversal from a config value). An absolute value is the operator's explicit
+    choice of another file system (launch/gpu_node.sh uses /dev/shm); `claim_push_folder` then makes sure
+    it is a folder of its own.
+    """
+    run = Path(run_dir).resolve()
+    if not weights_dir:
+        return run / "weights"
+    if Path(weights_dir).is_absolute():
+        return Path(weights_dir).resolve()
+    folder = (run / weights_dir).resolve()
+    if folder == run or not folder.is_relative_to(run):
+        raise ConfigError(
+            f"config key 'rollout.weights_dir' = {weights_dir!r} is invalid: it resolves to {folder}, "
+            f"outside the run folder {run}; allowed a sub-folder of the run folder, or an absolute path "
+            f"for a dedicated folder elsewhere"
+        )
+    return folder
+
+
+def claim_push_folder(folder: Path) -> None:
+    """Create the push folder, or accept it when it is empty or was created by this package; refuse a
+    folder holding other files, whose `slot0`/`slot1` would be replaced and removed."""
+    marker = folder / PUSH_MARKER
+    if marker.is_file():
+        return
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError(
+            f"config key 'rollout.weights_dir': {folder} is not an empty folder; weight pushes need "
+            f"a folder of their own (a new path, or one a previous run created)"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text("weight-push slots written by cppo_jax; removed when the trainer closes\n")
 
 
 def _strip_padding(prompt_QP, prompt_valid_QP) -> list[list[int]]:

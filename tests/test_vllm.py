@@ -273,7 +273,8 @@ class TestTiedServer:
         backend.greedy(fresh, prompt_QP, valid_QP, 4)
         assert backend.pushes == pushes + 1
         slots = sorted(p.name for p in (tmp_path / "weights").iterdir())
-        assert slots == ["slot0", "slot1"]  # two alternating slots, no leftovers
+        # Two alternating slots and the marker of a folder cppo_jax created; no leftovers.
+        assert slots == [".cppo_weight_pushes", "slot0", "slot1"]
         backend.close()
         assert not (tmp_path / "weights").exists()  # close() removes the transient slots
 
@@ -367,6 +368,7 @@ class TestTiedServer:
 
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""
+        from cppo_jax.checkpoint import Checkpointer
         from cppo_jax.trainer import Trainer
         from cppo_jax.vllm_client import RolloutServerError
 
@@ -388,6 +390,11 @@ class TestTiedServer:
         print(f"\nserver killed: RolloutServerError after {elapsed:.1f} s: {info.value}")
         assert server.url in str(info.value) and "running" in str(info.value)
         assert elapsed < 30
+        # The finished step was checkpointed before the error propagated, and it loads.
+        ckpt_dir = trainer.out_dir / "checkpoints"
+        assert f"checkpoint of step 1 saved under {ckpt_dir}" in str(info.value)
+        _, meta = Checkpointer(ckpt_dir).restore(None, trainer.state())
+        assert meta["step"] == 1
 
 
 # ----------------------------------------------------------------------------------------------
