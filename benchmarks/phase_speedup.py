@@ -1,0 +1,451 @@
+"""Phase speedup: where a GRPO / CPPO step spends its time, p from 0 to 0.9375, allocation off then on.
+
+A fixed Qwen2 model of about 20M parameters (hidden 512, 6 layers, 8 query / 2 key-value heads of 64,
+MLP 1792, the arith tokenizer's 462-token vocabulary, tied embeddings) with random weights, saved as a
+Hugging Face folder and trained by the real `Trainer` on arith prompts (padded to 72 slots): G = 16,
+b questions per step, completions of a fixed C new tokens (random weights almost never sample EOS, and
+every shape is static: rollout decodes C positions and training runs on P + C slots whatever the
+contents), the paper's mu = 2 and beta = 0.04, so every step has all five phases: rollout, reward,
+reference log-probs, old-policy log-probs and mu updates.
+
+Each configuration runs in its own process (so its peak resident memory is its own): `--warmup` steps
+that compile, then `--steps` measured steps whose medians are reported (the trainer's `timing_s/*`).
+The training phase is reference + old-policy + update. Its speedup over GRPO is compared with the ideal
+G/k; with allocation the training batch stays b * G sequences, so the per-question speedup is the one
+that can approach G/k.
+
+    python benchmarks/phase_speedup.py                    # the full sweep, ~20 min on 2 shared cores
+    python benchmarks/phase_speedup.py --quick --out /tmp/p  # tiny sizes: a smoke test
+
+Writes `phase_speedup.md` (tables, the machine, notes) and `phase_speedup.png` to `--out` (default:
+benchmarks/results; with --quick a temporary folder unless --out is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from the checkout this file is in, not an installed copy
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _common  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+TOKENIZER = ROOT / "cppo_jax" / "assets" / "tiny_arith"
+PRUNING_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
+TARGET_P, TARGET_SPEEDUP = 0.875, 6.0
+PHASES = ("rollout", "reward", "ref_logps", "old_logps", "update")
+TRAINING = ("ref_logps", "old_logps", "update")
+SAVED_ARGS = ("quick", "p", "b", "G", "C", "mu", "beta", "warmup", "steps", "in_process")
+
+
+def model_config(quick: bool):
+    from cppo_jax.models import TransformerConfig
+    from cppo_jax.models.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(TOKENIZER).vocab_size
+    if quick:
+        return TransformerConfig(
+            arch="qwen2",
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+        )
+    return TransformerConfig(
+        arch="qwen2",
+        vocab_size=vocab,
+        hidden_size=512,
+        intermediate_size=1792,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+
+
+def build_model(out: Path, quick: bool) -> tuple[Path, int]:
+    """A random model with the arith tokenizer as a Hugging Face folder; returns (folder, params)."""
+    import jax
+    from flax import nnx
+
+    from cppo_jax.models import init_model, save_hf
+
+    model = init_model(model_config(quick), seed=0)
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return save_hf(model, out, tokenizer_dir=TOKENIZER), int(params)
+
+
+def bench_config(spec: dict):
+    """The trainer config of one measured configuration (`spec` from `main`)."""
+    from cppo_jax.config import (
+        Config,
+        CPPOConfig,
+        DataConfig,
+        LoggingConfig,
+        ModelConfig,
+        OptimConfig,
+        RewardConfig,
+        RolloutConfig,
+        TrainerConfig,
+    )
+
+    steps = spec["warmup"] + spec["steps"]
+    return Config(
+        model=ModelConfig(init_checkpoint=spec["model_dir"]),
+        data=DataConfig(
+            task="arith", max_prompt_len=72, num_train=max(64, 32 * steps * spec["b"]), num_test=8
+        ),
+        rollout=RolloutConfig(max_new_tokens=spec["C"], temperature=1.0),
+        cppo=CPPOConfig(
+            num_generations=spec["G"],
+            questions_per_step=spec["b"],
+            pruning_rate=spec["p"],
+            allocation=spec["allocation"],
+            mu=spec["mu"],
+            beta=spec["beta"],
+        ),
+        reward=RewardConfig(num_workers=1),
+        optim=OptimConfig(lr=1e-6, schedule="constant", warmup_ratio=0.0),
+        trainer=TrainerConfig(steps=steps, out_dir=spec["out_dir"], run_name=spec["name"]),
+        logging=LoggingConfig(progress=False, tensorboard=False, samples_per_log=0, plot=False),
+    )
+
+
+def run_one(spec: dict) -> dict:
+    """Build the trainer, run warm-up then measured steps; medians per phase and peak memory."""
+    import resource
+
+    from cppo_jax.trainer import Trainer
+
+    trainer = Trainer(bench_config(spec))
+    rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    history = []
+    try:
+        for step in range(spec["warmup"] + spec["steps"]):
+            history.append(trainer.step(step))
+    finally:
+        trainer.close()
+    measured = history[spec["warmup"] :]
+    sh = trainer.shapes
+    med = {ph: statistics.median(m.get(f"timing_s/{ph}", 0.0) for m in measured) for ph in PHASES}
+    med["step"] = statistics.median(m["timing_s/step"] for m in measured)
+    return {
+        "p": spec["p"],
+        "allocation": spec["allocation"],
+        "Q": sh.Q,
+        "G": sh.G,
+        "k": sh.k,
+        "M": sh.M,
+        "kept_per_question": [int(m["cppo/kept"]) // sh.Q for m in measured],
+        "times": med,
+        "step_times": [m["timing_s/step"] for m in measured],
+        "mean_length": statistics.mean(m["completions/mean_length"] for m in measured),
+        "max_length": max(m["completions/max_length"] for m in measured),
+        "compiles_while_measured": measured[-1]["jit/compilations"]
+        - history[spec["warmup"] - 1]["jit/compilations"]
+        if spec["warmup"]
+        else float("nan"),
+        "rss_built_mib": rss_built,
+        "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def training_s(r: dict) -> float:
+    return sum(r["times"][ph] for ph in TRAINING)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Speedups of the training phase against GRPO (the p = 0 row), per step and per question."""
+    grpo = next(r for r in rows if r["p"] == 0.0)
+    for r in rows:
+        r["training_s"] = training_s(r)
+        r["speedup_step"] = training_s(grpo) / r["training_s"]
+        r["speedup_question"] = (training_s(grpo) / grpo["Q"]) / (r["training_s"] / r["Q"])
+        r["ideal"] = r["G"] / r["k"]
+        r["rollout_share"] = r["times"]["rollout"] / r["times"]["step"]
+
+
+def _verdict(r: dict) -> str:
+    if r["allocation"] or r["p"] != TARGET_P:
+        return ""
+    met = r["speedup_step"] >= TARGET_SPEEDUP
+    return f" **target >= {TARGET_SPEEDUP:.0f}x: {'met' if met else 'MISSED'}**"
+
+
+def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
+    flag = " --quick" if args.quick else ""
+    grpo = next(r for r in rows if r["p"] == 0.0)
+    target = next(
+        (r for r in rows if r["p"] == TARGET_P and not r["allocation"]),
+        None,
+    )
+    lines = [
+        "# Phase speedup: GRPO vs CPPO, per phase",
+        "",
+        f"Measured {info['date']} by `python benchmarks/phase_speedup.py{flag}` in {info['wall_min']:.1f} min.",
+        "",
+        _common.machine_line(info),
+        f"- Model: qwen2, hidden {info['model'].hidden_size}, {info['model'].num_layers} layers, "
+        f"{info['model'].num_heads} heads ({info['model'].num_kv_heads} key/value) of "
+        f"{info['model'].head_dim}, MLP {info['model'].intermediate_size}, vocabulary "
+        f"{info['model'].vocab_size}, tied embeddings, **{info['params'] / 1e6:.1f}M parameters**, "
+        "float32, random weights.",
+        f"- Work per step: b = {args.b} question(s) (Q = floor(b / (1 - p)) with allocation), "
+        f"G = {args.G}, arith prompts padded to 72 slots, C = {args.C} new tokens (temperature 1; mean "
+        f"completion length {statistics.mean(r['mean_length'] for r in rows):.1f} of {args.C}: random "
+        "weights rarely sample EOS, and every shape is static), mu = "
+        f"{args.mu} updates, beta = {args.beta} (so reference and old-policy log-probs are computed), "
+        "AdamW on the real `Trainer`.",
+        f"- Each configuration is a fresh process: {args.warmup} warm-up step(s) (compilation), then "
+        f"the **median of {args.steps} measured steps**. XLA compilations during measured steps: "
+        f"{sorted({int(r['compiles_while_measured']) for r in rows})} (0 = none). Peak memory is the "
+        "process's peak resident set (`getrusage(RUSAGE_SELF).ru_maxrss`): JAX runtime, policy, "
+        "reference copy, AdamW state and step buffers; 'after build' is the same figure before the "
+        "first step.",
+        "- Training phase = reference + old-policy log-probs + the mu updates. Speedup per step = "
+        "GRPO's training seconds / this row's; per question = the same per question trained (with "
+        "allocation the step trains Q * k ~ b * G sequences, as GRPO does, for Q times the questions). "
+        "Ideal = G / k.",
+        "",
+        "## Seconds per step (medians) and the training-phase speedup",
+        "",
+        "| allocation | p | Q | k | kept M | rollout s | reward s | reference s | old-policy s | "
+        "update s | training s | step s | training speedup / step | training speedup / question | "
+        "ideal G/k | peak RSS MiB (after build) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: | ---: |",
+    ]
+    for r in rows:
+        t = r["times"]
+        lines.append(
+            f"| {'on' if r['allocation'] else 'off'} | {r['p']:g} | {r['Q']} | {r['k']} | {r['M']} | "
+            f"{t['rollout']:.2f} | {t['reward']:.3f} | {t['ref_logps']:.2f} | {t['old_logps']:.2f} | "
+            f"{t['update']:.2f} | {r['training_s']:.2f} | {t['step']:.2f} | "
+            f"{r['speedup_step']:.2f}x{_verdict(r)} | {r['speedup_question']:.2f}x | "
+            f"{r['ideal']:g}x | {r['rss_peak_mib']:,.0f} ({r['rss_built_mib']:,.0f}) |"
+        )
+    lines += [
+        "",
+        "## Share of generation in a step (mu = 2, beta = 0.04)",
+        "",
+        "| step | allocation | p | Q | k | rollout s | step s | generation share of the step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    share_rows = [("GRPO", grpo)] + [
+        (f"CPPO p = {TARGET_P:g}", r) for r in rows if r["p"] == TARGET_P
+    ]
+    for name, r in share_rows:
+        lines.append(
+            f"| {name} | {'on' if r['allocation'] else 'off'} | {r['p']:g} | {r['Q']} | {r['k']} | "
+            f"{r['times']['rollout']:.2f} | {r['times']['step']:.2f} | {r['rollout_share']:.0%} |"
+        )
+    share_met = grpo["rollout_share"] < 0.5
+    lines += [
+        "",
+        f"Target (issue #12): generation below half of the GRPO step: "
+        f"**{'met' if share_met else 'MISSED'}** ({grpo['rollout_share']:.0%}).",
+    ]
+    if target is not None:
+        met = target["speedup_step"] >= TARGET_SPEEDUP
+        lines += [
+            "",
+            "## Headline",
+            "",
+            f"- At p = {TARGET_P:g} without allocation the training phase runs "
+            f"**{target['speedup_step']:.2f}x** faster than GRPO's (ideal {target['ideal']:g}x; target "
+            f">= {TARGET_SPEEDUP:.0f}x: {'met' if met else 'MISSED'}); the whole step "
+            f"{grpo['times']['step'] / target['times']['step']:.2f}x.",
+            f"- Generation is {grpo['rollout_share']:.0%} of a GRPO step and "
+            f"{target['rollout_share']:.0%} of a CPPO p = {TARGET_P:g} step (allocation off).",
+        ]
+    if args.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in args.notes]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(path: Path, rows: list[dict], info: dict, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    labels, bottoms = [], []
+    colors = dict(zip(PHASES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
+    names = {"ref_logps": "reference", "old_logps": "old-policy"}
+    for i, r in enumerate(rows):
+        labels.append(f"{r['p']:g}\n{'alloc' if r['allocation'] else 'no alloc'}")
+        bottom = 0.0
+        for ph in PHASES:
+            ax1.bar(
+                i,
+                r["times"][ph],
+                bottom=bottom,
+                color=colors[ph],
+                label=names.get(ph, ph) if i == 0 else None,
+            )
+            bottom += r["times"][ph]
+        bottoms.append(bottom)
+    ax1.set_xticks(range(len(rows)))
+    ax1.set_xticklabels(labels, fontsize=7)
+    ax1.set_xlabel("p (allocation)")
+    ax1.set_ylabel("seconds per step (median)")
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="y", alpha=0.3)
+    ax1.set_title("Phases of one step", fontsize=10)
+
+    for alloc, style in ((False, "o-"), (True, "s--")):
+        sel = [r for r in rows if r["allocation"] == alloc or r["p"] == 0.0]
+        sel = sorted({r["p"]: r for r in sel}.values(), key=lambda r: r["p"])
+        key = "speedup_step" if not alloc else "speedup_question"
+        label = "measured, no allocation" if not alloc else "measured per question, allocation"
+        ax2.plot([r["p"] for r in sel], [r[key] for r in sel], style, label=label)
+    ideal = sorted({r["p"]: r["ideal"] for r in rows}.items())
+    ax2.plot(*zip(*ideal), "k:", label="ideal G/k")
+    ax2.axhline(TARGET_SPEEDUP, color="grey", lw=0.8, ls="-.", label=f"target {TARGET_SPEEDUP:g}x")
+    ax2.set_yscale("log", base=2)
+    ax2.set_xlabel("pruning rate p")
+    ax2.set_ylabel("training-phase speedup vs GRPO")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    ax2.set_title(
+        f"{info['params'] / 1e6:.1f}M params, G = {args.G}, C = {args.C}, mu = {args.mu}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measure(args, raw: Path) -> tuple[list[dict], dict]:
+    """Every configuration, one process each; raw results saved to `raw` as they come."""
+    start = time.perf_counter()
+    info = _common.machine()
+    info["date"] = datetime.date.today().isoformat()
+    info["load_before"] = _common.load_average()
+    info["model"] = model_config(args.quick)
+    work = Path(tempfile.mkdtemp(prefix="phase_speedup_work_"))
+    model_dir, info["params"] = build_model(work / "model", args.quick)
+    print(f"model: {info['params']:,} parameters", flush=True)
+
+    rows = []
+    configs = [(p, False) for p in args.p] + [(p, True) for p in args.p if p > 0]
+    for p, alloc in configs:
+        spec = {
+            "p": p,
+            "allocation": alloc,
+            "b": args.b,
+            "G": args.G,
+            "C": args.C,
+            "mu": args.mu,
+            "beta": args.beta,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "model_dir": str(model_dir),
+            "out_dir": str(work / "runs"),
+            "name": f"p{p:g}_{'alloc' if alloc else 'noalloc'}",
+        }
+        if args.in_process:
+            r = run_one(spec)
+        else:
+            r = _common.run_child(Path(__file__).resolve(), spec, spec["name"])
+        rows.append(r)
+        saved = {k: v for k, v in info.items() if k != "model"}
+        saved["args"] = {k: getattr(args, k) for k in SAVED_ARGS}
+        raw.write_text(json.dumps({"rows": rows, "info": saved}, indent=1) + "\n")
+        t = r["times"]
+        print(
+            f"p={p:<6g} alloc={alloc!s:5} Q={r['Q']:3d} k={r['k']:2d}: "
+            + " ".join(f"{ph}={t[ph]:.2f}" for ph in PHASES)
+            + f" step={t['step']:.2f}s rss={r['rss_peak_mib']:.0f}MiB",
+            flush=True,
+        )
+    info["load_after"] = _common.load_average()
+    info["wall_min"] = (time.perf_counter() - start) / 60
+    return rows, info
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model, p in {0, 0.5}: a smoke test"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="folder for phase_speedup.md/.png")
+    parser.add_argument("--p", type=float, nargs="*", default=None, help="pruning rates")
+    parser.add_argument("--b", type=int, default=None, help="questions per GRPO step")
+    parser.add_argument("--G", type=int, default=16)
+    parser.add_argument("--C", type=int, default=None, help="completion tokens")
+    parser.add_argument("--mu", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--warmup", type=int, default=1, help="steps that compile, not counted")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per configuration")
+    parser.add_argument(
+        "--note", dest="notes", action="append", default=[], help="a line for the notes"
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="all configurations in this process (faster; peak memory then covers them all)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the .md/.png from the raw phase_speedup.json in --out (no measuring)",
+    )
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one configuration
+    args = parser.parse_args(argv)
+    if args.one:
+        _common.emit(run_one(json.loads(args.one)))
+        return []
+    args.p = args.p or ([0.0, 0.5] if args.quick else list(PRUNING_RATES))
+    if 0.0 not in args.p:
+        args.p = [0.0] + args.p
+    args.b = args.b or 1
+    args.C = args.C or (8 if args.quick else 16)
+    args.steps = args.steps or 2
+    if args.quick:
+        args.G, args.warmup, args.in_process = 4, 1, True
+    out = args.out or (Path(tempfile.mkdtemp(prefix="phase_speedup_")) if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw = out / "phase_speedup.json"
+    if args.report_only:
+        saved = json.loads(raw.read_text())
+        rows, info = saved["rows"], saved["info"]
+        for k, v in info.pop("args").items():
+            setattr(args, k, v)
+        info["model"] = model_config(args.quick)
+        info.setdefault("load_after", "n/a")
+        info.setdefault("wall_min", float("nan"))
+    else:
+        rows, info = measure(args, raw)
+    add_ratios(rows)
+    write_markdown(out / "phase_speedup.md", rows, info, args)
+    write_plot(out / "phase_speedup.png", rows, info, args)
+    print(f"wrote {out / 'phase_speedup.md'} and {out / 'phase_speedup.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
