@@ -24,6 +24,7 @@ benchmarks/results; with --quick a temporary folder unless --out is given).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import statistics
@@ -44,7 +45,7 @@ PRUNING_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
 TARGET_P, TARGET_SPEEDUP = 0.875, 6.0
 PHASES = ("rollout", "reward", "ref_logps", "old_logps", "update")
 TRAINING = ("ref_logps", "old_logps", "update")
-SAVED_ARGS = ("quick", "p", "b", "G", "C", "mu", "beta", "warmup", "steps", "in_process")
+SAVED_ARGS = ("quick", "p", "b", "G", "C", "mu", "beta", "warmup", "steps", "in_process", "jobs")
 
 
 def model_config(quick: bool):
@@ -203,7 +204,8 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
     lines = [
         "# Phase speedup: GRPO vs CPPO, per phase",
         "",
-        f"Measured {info['date']} by `python benchmarks/phase_speedup.py{flag}` in {info['wall_min']:.1f} min.",
+        f"Measured {info['date']} by `python benchmarks/phase_speedup.py{flag}`"
+        + (f" in {info['wall_min']:.1f} min." if info["wall_min"] == info["wall_min"] else "."),
         "",
         _common.machine_line(info),
         f"- Model: qwen2, hidden {info['model'].hidden_size}, {info['model'].num_layers} layers, "
@@ -349,10 +351,10 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
     model_dir, info["params"] = build_model(work / "model", args.quick)
     print(f"model: {info['params']:,} parameters", flush=True)
 
-    rows = []
-    configs = [(p, False) for p in args.p] + [(p, True) for p in args.p if p > 0]
-    for p, alloc in configs:
-        spec = {
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.allocation]
+    configs = [(p, a) for a in modes for p in args.p if p > 0 or not a]
+    specs = [
+        {
             "p": p,
             "allocation": alloc,
             "b": args.b,
@@ -366,21 +368,29 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
             "out_dir": str(work / "runs"),
             "name": f"p{p:g}_{'alloc' if alloc else 'noalloc'}",
         }
+        for p, alloc in configs
+    ]
+
+    def one(spec: dict) -> dict:
         if args.in_process:
-            r = run_one(spec)
-        else:
-            r = _common.run_child(Path(__file__).resolve(), spec, spec["name"])
-        rows.append(r)
-        saved = {k: v for k, v in info.items() if k != "model"}
-        saved["args"] = {k: getattr(args, k) for k in SAVED_ARGS}
-        raw.write_text(json.dumps({"rows": rows, "info": saved}, indent=1) + "\n")
-        t = r["times"]
-        print(
-            f"p={p:<6g} alloc={alloc!s:5} Q={r['Q']:3d} k={r['k']:2d}: "
-            + " ".join(f"{ph}={t[ph]:.2f}" for ph in PHASES)
-            + f" step={t['step']:.2f}s rss={r['rss_peak_mib']:.0f}MiB",
-            flush=True,
-        )
+            return run_one(spec)
+        return _common.run_child(Path(__file__).resolve(), spec, spec["name"])
+
+    rows = []
+    jobs = 1 if args.in_process else args.jobs
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for r in pool.map(one, specs):
+            rows.append(r)
+            saved = {k: v for k, v in info.items() if k != "model"}
+            saved["args"] = {k: getattr(args, k) for k in SAVED_ARGS}
+            raw.write_text(json.dumps({"rows": rows, "info": saved}, indent=1) + "\n")
+            t = r["times"]
+            print(
+                f"p={r['p']:<6g} alloc={r['allocation']!s:5} Q={r['Q']:3d} k={r['k']:2d}: "
+                + " ".join(f"{ph}={t[ph]:.2f}" for ph in PHASES)
+                + f" step={t['step']:.2f}s rss={r['rss_peak_mib']:.0f}MiB",
+                flush=True,
+            )
     info["load_after"] = _common.load_average()
     info["wall_min"] = (time.perf_counter() - start) / 60
     return rows, info
@@ -409,6 +419,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="all configurations in this process (faster; peak memory then covers them all)",
     )
     parser.add_argument(
+        "--allocation", choices=("off", "on", "both"), default="both", help="which sweeps to run"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="configurations (processes) at a time")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="with --report-only: more raw JSON files whose configurations join the table",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="rewrite the .md/.png from the raw phase_speedup.json in --out (no measuring)",
@@ -419,7 +440,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         _common.emit(run_one(json.loads(args.one)))
         return []
     args.p = args.p or ([0.0, 0.5] if args.quick else list(PRUNING_RATES))
-    if 0.0 not in args.p:
+    if 0.0 not in args.p and args.allocation != "on":
         args.p = [0.0] + args.p
     args.b = args.b or 1
     args.C = args.C or (8 if args.quick else 16)
@@ -438,8 +459,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         info["model"] = model_config(args.quick)
         info.setdefault("load_after", "n/a")
         info.setdefault("wall_min", float("nan"))
+        for extra in args.merge:  # e.g. a sweep measured by a second invocation at the same time
+            more = json.loads(Path(extra).read_text())
+            seen = {(r["p"], r["allocation"]) for r in rows}
+            rows += [r for r in more["rows"] if (r["p"], r["allocation"]) not in seen]
+            info["wall_min"] = max(info["wall_min"], more["info"].get("wall_min", 0.0))
+        rows.sort(key=lambda r: (r["allocation"], r["p"]))
     else:
         rows, info = measure(args, raw)
+        saved = {k: v for k, v in info.items() if k != "model"}
+        saved["args"] = {k: getattr(args, k) for k in SAVED_ARGS}
+        raw.write_text(json.dumps({"rows": rows, "info": saved}, indent=1) + "\n")
+    if not any(r["p"] == 0.0 for r in rows):
+        print(f"no GRPO (p = 0) row: raw results in {raw}; report with --report-only --merge")
+        return rows
     add_ratios(rows)
     write_markdown(out / "phase_speedup.md", rows, info, args)
     write_plot(out / "phase_speedup.png", rows, info, args)

@@ -131,12 +131,12 @@ def test_paper_table_quick(tmp_path):
         ("CPPO", 0.5, 4, 2, 2),
     ]
     assert all(r["questions"] == 8 for r in rows)
-    assert all(0.0 <= r["accuracy"] <= 1.0 and r["train_s"] > 0 for r in rows)
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["train_s"] > 0 < r["train_cpu_s"] for r in rows)
     assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
     report = (tmp_path / "paper_table.md").read_text()
     table = _table_rows(report, "| method | G | p | k |")
     assert [row[:4] for row in table] == [["GRPO", "4", "0", "4"], ["CPPO", "4", "0.5", "2"]]
-    assert "accuracy" in report and "training time s" in report and "speedup" in report
+    assert "accuracy" in report and "training time s" in report and "speedup (CPU)" in report
     assert "os.cpu_count()" in report and "shared with other jobs" in report
     raw = __import__("json").loads((tmp_path / "paper_table.json").read_text())
     assert all(run["kept_per_question"] == [run["k"]] for run in raw["runs"])
