@@ -92,6 +92,16 @@ def build_model(out: Path, quick: bool) -> tuple[Path, int]:
     return save_hf(model, out, tokenizer_dir=TOKENIZER), int(params)
 
 
+def count_params(quick: bool) -> int:
+    import jax
+    from flax import nnx
+
+    from cppo_jax.models.transformer import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(model_config(quick), rngs=nnx.Rngs(0)))
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
+
+
 def bench_config(spec: dict):
     """The trainer config of one measured configuration (`spec` from `main`)."""
     from cppo_jax.config import (
@@ -348,7 +358,10 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
     info["load_before"] = _common.load_average()
     info["model"] = model_config(args.quick)
     work = Path(tempfile.mkdtemp(prefix="phase_speedup_work_"))
-    model_dir, info["params"] = build_model(work / "model", args.quick)
+    if args.model_dir:  # built by an earlier invocation (the same seed gives the same weights)
+        model_dir, info["params"] = args.model_dir, count_params(args.quick)
+    else:
+        model_dir, info["params"] = build_model(work / "model", args.quick)
     print(f"model: {info['params']:,} parameters", flush=True)
 
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.allocation]
@@ -379,7 +392,9 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
     rows = []
     jobs = 1 if args.in_process else args.jobs
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for r in pool.map(one, specs):
+        futures = [pool.submit(one, spec) for spec in specs]
+        for future in concurrent.futures.as_completed(futures):
+            r = future.result()
             rows.append(r)
             saved = {k: v for k, v in info.items() if k != "model"}
             saved["args"] = {k: getattr(args, k) for k in SAVED_ARGS}
@@ -423,6 +438,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--jobs", type=int, default=1, help="configurations (processes) at a time")
     parser.add_argument(
+        "--model-dir", default="", help="reuse this model folder (from build_model)"
+    )
+    parser.add_argument(
         "--merge",
         type=Path,
         nargs="*",
@@ -440,7 +458,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         _common.emit(run_one(json.loads(args.one)))
         return []
     args.p = args.p or ([0.0, 0.5] if args.quick else list(PRUNING_RATES))
-    if 0.0 not in args.p and args.allocation != "on":
+    if 0.0 not in args.p and args.allocation == "both":
         args.p = [0.0] + args.p
     args.b = args.b or 1
     args.C = args.C or (8 if args.quick else 16)
