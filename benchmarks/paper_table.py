@@ -298,7 +298,9 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
     runs = []
     jobs = 1 if args.in_process else args.jobs
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for r in pool.map(one, specs):
+        futures = [pool.submit(one, spec) for spec in specs]
+        for future in concurrent.futures.as_completed(futures):
+            r = future.result()
             runs.append(r)
             saved = dict(info, args={k: getattr(args, k) for k in SAVED_ARGS})
             raw.write_text(json.dumps({"runs": runs, "info": saved}, indent=1) + "\n")
@@ -365,6 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         info.setdefault("wall_min", float("nan"))
     else:
         runs, info = measure(args, raw)
+    runs.sort(key=lambda r: (r["seed"], r["p"]))
     rows = summarize(runs)
     write_markdown(out / "paper_table.md", rows, runs, info, args)
     write_plot(out / "paper_table.png", runs, info)

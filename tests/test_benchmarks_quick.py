@@ -102,7 +102,9 @@ def test_phase_speedup_quick(tmp_path):
         assert all(kept == r["k"] for kept in r["kept_per_question"])  # k kept of each question
         assert r["compiles_while_measured"] == 0  # the warm-up step compiled everything
         assert r["max_length"] == 8  # fixed completion length: C decoded positions
-        assert all(r["times"][ph] > 0 for ph in ("rollout", "ref_logps", "old_logps", "update"))
+        for clock in ("times", "cpu"):  # wall and CPU seconds, each phase measured
+            assert all(r[clock][ph] > 0 for ph in ("rollout", "ref_logps", "old_logps", "update"))
+            assert r[clock]["step"] >= r[clock]["update"]
         assert 0 < r["rollout_share"] < 1 and r["rss_peak_mib"] >= r["rss_built_mib"] > 0
         assert r["ideal"] == 4 / r["k"]
     assert rows[0]["speedup_step"] == 1.0 and rows[0]["speedup_question"] == 1.0
@@ -116,6 +118,7 @@ def test_phase_speedup_quick(tmp_path):
         ["on", "0.5", "2", "2", "4"],
     ]
     assert "training speedup / step" in report and "ideal G/k" in report and "peak RSS" in report
+    assert "## CPU seconds per step" in report and "## Wall seconds per step" in report
     share = _table_rows(report, "| step | allocation | p | Q | k | rollout s | step s |")
     assert share[0][0] == "GRPO" and share[0][-1].endswith("%")
     assert "os.cpu_count()" in report and "JAX " in report and "shared with other jobs" in report
