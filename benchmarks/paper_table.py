@@ -234,9 +234,9 @@ def write_plot(path: Path, runs: list[dict], info: dict) -> None:
         zip(sorted({r["p"] for r in runs}), plt.rcParams["axes.prop_cycle"].by_key()["color"])
     )
     for r in runs:
-        # Wall clock of training, compilation removed from the first step (as in the table).
-        t = list(itertools.accumulate(r["step_s"]))
-        t = [x - r["compile_s"] for x in t]
+        # CPU seconds of training, compilation removed from the first step (as in the table).
+        compile_cpu = max(0.0, r["cpu_s"][0] - statistics.median(r["cpu_s"][1:] or r["cpu_s"]))
+        t = [x - compile_cpu for x in itertools.accumulate(r["cpu_s"])]
         width = max(1, len(t) // 8)
         name = "GRPO" if r["p"] == 0 else f"CPPO p={r['p']:g}"
         label = f"{name} (seed {r['seed']})"
@@ -244,9 +244,9 @@ def write_plot(path: Path, runs: list[dict], info: dict) -> None:
         ax1.plot(t, _smooth(r["reward"], width), "-", color=c, label=label, marker=".")
         ax2.plot(t, _smooth(r["accuracy"], width), "-", color=c, label=label, marker=".")
         ax2.plot([t[-1]], [r["after"]], "*", color=c, markersize=12)
-    ax1.set_xlabel("training seconds (compilation removed)")
+    ax1.set_xlabel("training CPU seconds (compilation removed)")
     ax1.set_ylabel("mean reward of the step's completions")
-    ax2.set_xlabel("training seconds (compilation removed)")
+    ax2.set_xlabel("training CPU seconds (compilation removed)")
     ax2.set_ylabel("accuracy of the step's completions")
     ax1.set_title("Training reward (running mean over ~1/8 of the run)", fontsize=10)
     ax2.set_title("Training accuracy; star: held-out greedy accuracy after the pass", fontsize=10)

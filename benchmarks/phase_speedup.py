@@ -45,7 +45,20 @@ PRUNING_RATES = (0.0, 0.5, 0.75, 0.875, 0.9375)
 TARGET_P, TARGET_SPEEDUP = 0.875, 6.0
 PHASES = ("rollout", "reward", "ref_logps", "old_logps", "update")
 TRAINING = ("ref_logps", "old_logps", "update")
-SAVED_ARGS = ("quick", "p", "b", "G", "C", "mu", "beta", "warmup", "steps", "in_process", "jobs")
+SAVED_ARGS = (
+    "quick",
+    "p",
+    "b",
+    "G",
+    "C",
+    "mu",
+    "beta",
+    "warmup",
+    "steps",
+    "in_process",
+    "jobs",
+    "allocation",
+)
 
 
 def model_config(quick: bool):
@@ -282,6 +295,10 @@ def _phase_table(rows: list[dict], clock: str, unit: str) -> list[str]:
 
 def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
     flag = " --quick" if args.quick else ""
+    if args.allocation != "both":
+        flag += f" --allocation {args.allocation}"
+    if args.jobs != 1:
+        flag += f" --jobs {args.jobs}"
     grpo = next(r for r in rows if r["p"] == 0.0)
     target = next((r for r in rows if r["p"] == TARGET_P and not r["allocation"]), None)
     has_cpu = all("cpu" in r for r in rows)
@@ -410,6 +427,8 @@ def write_plot(path: Path, rows: list[dict], info: dict, args) -> None:
     ax1.set_title("Phases of one step", fontsize=10)
 
     for alloc, style in ((False, "o-"), (True, "s--")):
+        if not any(r["allocation"] == alloc for r in rows if r["p"] > 0):
+            continue
         sel = [r for r in rows if r["allocation"] == alloc or r["p"] == 0.0]
         sel = sorted({r["p"]: r for r in sel}.values(), key=lambda r: r["p"])
         key = "speedup_step" if not alloc else "speedup_question"
