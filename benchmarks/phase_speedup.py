@@ -14,8 +14,15 @@ The training phase is reference + old-policy + update. Its speedup over GRPO is 
 G/k; with allocation the training batch stays b * G sequences, so the per-question speedup is the one
 that can approach G/k.
 
-    python benchmarks/phase_speedup.py                    # the full sweep, ~20 min on 2 shared cores
+Every phase is timed twice: wall seconds (the trainer's `timing_s/*`) and CPU seconds of the process
+around the phase's device calls, the figure to compare on a machine shared with other work.
+
+    python benchmarks/phase_speedup.py                    # the full sweep, one configuration at a time
+    python benchmarks/phase_speedup.py --allocation off --jobs 5   # p sweep without allocation, 5 at once
     python benchmarks/phase_speedup.py --quick --out /tmp/p  # tiny sizes: a smoke test
+
+The committed results came from `--allocation off --jobs 5`, then `--allocation on --p 0.5 0.875
+--jobs 2 --model-dir <the same model> --out <dir>`, joined by `--report-only --merge <dir>/...json`.
 
 Writes `phase_speedup.md` (tables, the machine, notes) and `phase_speedup.png` to `--out` (default:
 benchmarks/results; with --quick a temporary folder unless --out is given).
@@ -433,6 +440,8 @@ def write_plot(path: Path, rows: list[dict], info: dict, args) -> None:
         sel = sorted({r["p"]: r for r in sel}.values(), key=lambda r: r["p"])
         key = "speedup_step" if not alloc else "speedup_question"
         label = "measured (wall), no allocation" if not alloc else "per question (wall), allocation"
+        if alloc and clock == "cpu":
+            key, label = "cpu_speedup_question", "per question (CPU s), allocation"
         ax2.plot([r["p"] for r in sel], [r[key] for r in sel], style, label=label)
     if all("cpu" in r for r in rows):
         sel = sorted(
