@@ -107,3 +107,72 @@ def test_vs_trl_quick(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     raw = json.loads((tmp_path / "vs_trl.json").read_text())
     assert len(raw["results"]["rows"]["trl"]) == size["steps"]
+
+
+def _table_rows(report: str, header_start: str) -> list[list[str]]:
+    """The body rows of the markdown table whose header starts with `header_start`."""
+    lines = report.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[at + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_phase_speedup_quick(tmp_path):
+    rows = load_script("phase_speedup").main(["--quick", "--out", str(tmp_path)])
+    # p = 0 (GRPO) once, then p = 0.5 without and with allocation; G = 4, b = 1.
+    assert [(r["p"], r["allocation"], r["Q"], r["k"], r["M"]) for r in rows] == [
+        (0.0, False, 1, 4, 4),
+        (0.5, False, 1, 2, 2),
+        (0.5, True, 2, 2, 4),
+    ]
+    for r in rows:
+        assert all(kept == r["k"] for kept in r["kept_per_question"])  # k kept of each question
+        assert r["compiles_while_measured"] == 0  # the warm-up step compiled everything
+        assert r["max_length"] == 8  # fixed completion length: C decoded positions
+        for clock in ("times", "cpu"):  # wall and CPU seconds, each phase measured
+            assert all(r[clock][ph] > 0 for ph in ("rollout", "ref_logps", "old_logps", "update"))
+            assert r[clock]["step"] >= r[clock]["update"]
+        assert 0 < r["rollout_share"] < 1 and r["rss_peak_mib"] >= r["rss_built_mib"] > 0
+        assert r["ideal"] == 4 / r["k"]
+    assert rows[0]["speedup_step"] == 1.0 and rows[0]["speedup_question"] == 1.0
+    # With allocation, per question = per step x Q / b.
+    assert abs(rows[2]["speedup_question"] - 2 * rows[2]["speedup_step"]) < 1e-9
+    report = (tmp_path / "phase_speedup.md").read_text()
+    table = _table_rows(report, "| allocation | p | Q | k | kept M | rollout s |")
+    assert [row[:5] for row in table] == [
+        ["off", "0", "1", "4", "4"],
+        ["off", "0.5", "1", "2", "2"],
+        ["on", "0.5", "2", "2", "4"],
+    ]
+    assert "training speedup / step" in report and "ideal G/k" in report and "peak RSS" in report
+    assert "## CPU seconds per step" in report and "## Wall seconds per step" in report
+    share = _table_rows(report, "| step | allocation | p | Q | k | rollout s | step s |")
+    assert share[0][0] == "GRPO" and share[0][-1].endswith("%")
+    assert "os.cpu_count()" in report and "JAX " in report and "shared with other jobs" in report
+    png = (tmp_path / "phase_speedup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_paper_table_quick(tmp_path):
+    rows = load_script("paper_table").main(["--quick", "--out", str(tmp_path)])
+    # One pass over the same 8 questions: GRPO in 4 steps of 2, CPPO p = 0.5 (allocation) in 2 of 4.
+    assert [(r["method"], r["p"], r["Q"], r["k"], r["steps"]) for r in rows] == [
+        ("GRPO", 0.0, 2, 4, 4),
+        ("CPPO", 0.5, 4, 2, 2),
+    ]
+    assert all(r["questions"] == 8 for r in rows)
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["train_s"] > 0 < r["train_cpu_s"] for r in rows)
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
+    report = (tmp_path / "paper_table.md").read_text()
+    table = _table_rows(report, "| method | G | p | k |")
+    assert [row[:4] for row in table] == [["GRPO", "4", "0", "4"], ["CPPO", "4", "0.5", "2"]]
+    assert "accuracy" in report and "training time s" in report and "speedup (CPU)" in report
+    assert "os.cpu_count()" in report and "shared with other jobs" in report
+    raw = __import__("json").loads((tmp_path / "paper_table.json").read_text())
+    assert all(run["kept_per_question"] == [run["k"]] for run in raw["runs"])
+    png = (tmp_path / "paper_table.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
