@@ -14,13 +14,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from conftest import build_arith_model_dir
-from test_trainer import small_config
 
 from cppo_jax import plan
 from cppo_jax import step as step_lib
 from cppo_jax.models.hf_io import read_hf_config
 from cppo_jax.trainer import Trainer
+from tests.conftest import build_arith_model_dir
+from tests.test_trainer import small_config
 
 
 def _device_bytes(tree, device) -> int:
