@@ -157,3 +157,30 @@ def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
 def test_overlap_needs_a_server(tmp_path):
     with pytest.raises(ConfigError, match="rollout.overlap.*embedded.*nothing to overlap"):
         small_config(tmp_path, tmp_path / "model", "rollout.overlap=1")
+
+
+def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
+    """overlap 0: every step samples with its own current weights, in the step, and trains on-policy."""
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir, "rollout.overlap=0")
+    seen = []
+    inner = trainer.train_step
+
+    def spy(params, opt_state, batch):
+        seen.append(batch.old_logp_NC)
+        return inner(params, opt_state, batch)
+
+    trainer.train_step = spy
+    before_step, history = [], []
+    try:
+        for s in range(3):
+            before_step.append(jax.tree.map(np.asarray, trainer.params))
+            history.append(trainer.step(s))
+            assert len(backend.sampled_with) == s + 1  # nothing requested ahead
+    finally:
+        trainer.close()
+    assert trainer._executor is None and seen == [None, None, None]  # mu = 1: ratio exactly 1
+    for got, want in zip(backend.sampled_with, before_step):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)
+    assert all("rollout/staleness" not in m and m["ratio/abs_dev_mean"] == 0.0 for m in history)
+    assert backend.pushed == [1, 2, 3]
