@@ -155,7 +155,8 @@ def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
     lines = [
         "# Overlapping generation with training (rollout.overlap)",
         "",
-        f"Measured {info['date']} by `python benchmarks/overlap.py{' --quick' if args.quick else ''}`.",
+        f"Measured {info['date']} by `python benchmarks/overlap.py"
+        + (" --quick`." if args.quick else f" --steps {args.steps} --num-test {args.num_test}`."),
         "",
         f"- Machine: {info['platform']}, os.cpu_count() = {info['cpu_count']}; JAX {info['jax']}; "
         f"Python {info['python']}; 1-minute load average {info['load']} at the start. The vLLM server "
@@ -187,6 +188,12 @@ def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
             f"({headline['overlap_step_speedup']:.2f}x); overlapped step / max(gen, train) = "
             f"{over['step_s'] / max(over['gen_s'], over['train_s']):.2f}, synchronous step / "
             f"(gen + train) = {sync['step_s'] / (sync['gen_s'] + sync['train_s']):.2f}."
+        )
+        lines.append(
+            f"- Work per step (gen + train): synchronous {sync['gen_s'] + sync['train_s']:.2f} s, "
+            f"overlapped {over['gen_s'] + over['train_s']:.2f} s: run side by side, generation and "
+            "training each take longer than alone when the server and the trainer share the same "
+            "cores, which bounds what overlapping gains on this machine."
         )
         lines.append(
             f"- Held-out accuracy after training: synchronous {sync['acc_after']:.3f} "
