@@ -302,6 +302,12 @@ def _phase_table(rows: list[dict], clock: str, unit: str) -> list[str]:
 
 def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
     flag = " --quick" if args.quick else ""
+    if not args.quick and args.p != list(PRUNING_RATES):
+        flag += " --p " + " ".join(f"{p:g}" for p in args.p)
+    if not args.quick:
+        for name, default in (("b", 1), ("G", 16), ("C", 16), ("mu", 2), ("beta", 0.04)):
+            if getattr(args, name) != default:
+                flag += f" --{name} {getattr(args, name):g}"
     if args.allocation != "both":
         flag += f" --allocation {args.allocation}"
     if args.jobs != 1:
