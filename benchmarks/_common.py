@@ -71,15 +71,13 @@ def run_child(script: Path, spec: dict, name: str) -> dict:
     return json.loads(lines[-1].removeprefix(RESULT_TAG))
 
 
-def tiny_model_dir(out: Path) -> Path:
-    """A random 1-layer Qwen2 (hidden 32) with the arith tokenizer, for the --quick smoke runs."""
-    from cppo_jax.models import TransformerConfig, init_model, save_hf
-    from cppo_jax.models.tokenizer import Tokenizer
+def quick_config(vocab_size: int):
+    """The --quick smoke runs' model: a 1-layer Qwen2, hidden 32."""
+    from cppo_jax.models import TransformerConfig
 
-    tokenizer = ROOT / "cppo_jax" / "assets" / "tiny_arith"
-    cfg = TransformerConfig(
+    return TransformerConfig(
         arch="qwen2",
-        vocab_size=Tokenizer.from_dir(tokenizer).vocab_size,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_layers=1,
@@ -89,4 +87,13 @@ def tiny_model_dir(out: Path) -> Path:
         tie_word_embeddings=True,
         max_position_embeddings=256,
     )
+
+
+def tiny_model_dir(out: Path) -> Path:
+    """A random 1-layer Qwen2 (hidden 32) with the arith tokenizer, for the --quick smoke runs."""
+    from cppo_jax.models import init_model, save_hf
+    from cppo_jax.models.tokenizer import Tokenizer
+
+    tokenizer = ROOT / "cppo_jax" / "assets" / "tiny_arith"
+    cfg = quick_config(Tokenizer.from_dir(tokenizer).vocab_size)
     return save_hf(init_model(cfg, seed=0), out, tokenizer_dir=tokenizer)

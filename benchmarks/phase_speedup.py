@@ -74,18 +74,7 @@ def model_config(quick: bool):
 
     vocab = Tokenizer.from_dir(TOKENIZER).vocab_size
     if quick:
-        return TransformerConfig(
-            arch="qwen2",
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=16,
-            tie_word_embeddings=True,
-            max_position_embeddings=256,
-        )
+        return _common.quick_config(vocab)
     return TransformerConfig(
         arch="qwen2",
         vocab_size=vocab,
