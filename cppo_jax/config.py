@@ -416,46 +416,79 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def apply_override(cfg, key: str, text: str):
-    """Return a copy of `cfg` with the dotted `key` set to `text`, parsed by the field's type."""
+def _set_override(cls, data: dict, key: str, text: str, prefix: str = "") -> None:
+    """Set the dotted `key` in `data` (the raw fields of a `cls` section), parsed by the field's type."""
     head, _, rest = key.partition(".")
-    names = [f.name for f in dataclasses.fields(cfg)]
+    names = [f.name for f in dataclasses.fields(cls)]
     if head not in names:
-        raise _unknown_key(key, head, names)
-    tp = _hints(type(cfg))[head]
-    current = getattr(cfg, head)
+        raise _unknown_key(prefix + key, head, names)
+    tp = _hints(cls)[head]
     if rest:
-        if not dataclasses.is_dataclass(current):
-            raise ConfigError(f"unknown config key '{key}': '{head}' is not a section")
-        try:
-            value = apply_override(current, rest, text)
-        except ConfigError as e:
-            # Re-raise with the full key path for nested sections.
-            msg = str(e)
-            raise ConfigError(msg.replace(f"'{rest}", f"'{key}", 1)) from None
-    else:
-        if dataclasses.is_dataclass(current):
+        if not dataclasses.is_dataclass(tp):
             raise ConfigError(
-                f"config key '{key}' is a section; set one of its keys, e.g. {key}.x=..."
+                f"unknown config key '{prefix + key}': '{prefix + head}' is not a section"
             )
-        value = _parse_value(key, text, tp)
-    return dataclasses.replace(cfg, **{head: value})
+        _set_override(tp, data[head], rest, text, prefix + head + ".")
+    elif dataclasses.is_dataclass(tp):
+        raise ConfigError(
+            f"config key '{prefix + key}' is a section; set one of its keys, e.g. {prefix + key}.x=..."
+        )
+    else:
+        data[head] = _parse_value(prefix + key, text, tp)
+
+
+def _raw(cfg) -> dict:
+    """The fields of a config as nested dicts, without validating anything."""
+    return {
+        f.name: _raw(getattr(cfg, f.name))
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+        else getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+    }
 
 
 def apply_overrides(cfg, overrides: list[str]):
+    """Return a copy of `cfg` with every `key.path=value` set, then validated once as a whole.
+
+    All overrides are applied before any section is validated, so their order never matters
+    (`rollout.backend=vllm rollout.vllm_url=...` and `mesh.fsdp=-1 mesh.data=1` both work).
+    """
+    data = _raw(cfg)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is malformed: expected key.path=value")
         key, text = item.split("=", 1)
-        cfg = apply_override(cfg, key.strip(), text.strip())
-    return cfg
+        _set_override(type(cfg), data, key.strip(), text.strip())
+    return _from_dict(type(cfg), data)
+
+
+def apply_override(cfg, key: str, text: str):
+    """Return a copy of `cfg` with the dotted `key` set to `text`, parsed by the field's type."""
+    return apply_overrides(cfg, [f"{key}={text}"])
+
+
+CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[1] / "configs")
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` itself when it is a file; a bare name (`math7b.py`, `math7b`) is looked up in CONFIG_DIRS."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    tried = [str(path)]
+    if path.parent == Path("."):
+        name = path.name if path.suffix == ".py" else path.name + ".py"
+        for folder in CONFIG_DIRS:
+            candidate = folder / name
+            if candidate.is_file():
+                return candidate
+            tried.append(str(candidate))
+    raise ConfigError(f"config file {str(path)!r} does not exist (looked for {', '.join(tried)})")
 
 
 def load_config(path: str | Path, overrides: list[str] = (), expected: type = Config):
-    """Import a config file, call its `get_config()`, apply overrides; validated at every stage."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    """Import a config file, call its `get_config()`, apply all overrides, then validate once."""
+    path = resolve_config_path(path)
     spec = importlib.util.spec_from_file_location(f"_cppo_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -117,3 +117,40 @@ def test_from_dict_rejects_unknown_and_mistyped_keys():
         C.from_dict({"cppo": {"bogus": 1}})
     with pytest.raises(C.ConfigError, match="'cppo.num_generations' = '16'.*int"):
         C.from_dict({"cppo": {"num_generations": "16"}})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # The order launch/gpu_node.sh, the sbatch script and the docs use: the backend first.
+        ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:8011"],
+        ["mesh.fsdp=-1", "mesh.data=1"],
+        ["reward.funcs=[gsm8k_accuracy]", "reward.weights=[1.0]"],
+        ["reward.weights=[2.0]", "reward.funcs=[gsm8k_accuracy]"],
+    ],
+    ids=["backend-then-url", "fsdp-then-data", "funcs-then-weights", "weights-then-funcs"],
+)
+def test_overrides_are_validated_once_after_all_are_applied(overrides):
+    """Each of these failed when every single override was validated on its own."""
+    cfg = C.apply_overrides(C.Config(), overrides)
+    for item in overrides:
+        key, _, _ = item.partition("=")
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) is not None
+    # The whole is still validated: the same pairs, left half-done, are refused naming the key.
+    with pytest.raises(C.ConfigError, match="rollout.vllm_url"):
+        C.apply_overrides(C.Config(), ["rollout.backend=vllm"])
+    with pytest.raises(C.ConfigError, match="mesh"):
+        C.apply_overrides(C.Config(), ["mesh.fsdp=-1"])
+
+
+def test_config_found_by_bare_name(monkeypatch, tmp_path):
+    """`--config math7b.py` (what users are told to type) finds configs/math7b.py from anywhere."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("math7b.py", "math7b", "tiny_cpu.py"):
+        path = C.resolve_config_path(name)
+        assert path.parent.name == "configs" and path.stem == Path(name).stem
+    cfg = C.load_config("math7b.py", ["model.path=/nonexistent/ok-for-validation"])
+    assert cfg.model.path == "/nonexistent/ok-for-validation"
+    with pytest.raises(C.ConfigError, match="nosuch.py"):
+        C.resolve_config_path("nosuch.py")
