@@ -15,12 +15,15 @@ validation split instead).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from cppo_jax.config import DataConfig
 from cppo_jax.tasks.prompts import system_prompt_for
+
+if TYPE_CHECKING:  # imported where used: the memory plan needs this module, not grain
+    import grain
 
 ACCURACY_REWARD = {"arith": "arith_accuracy", "gsm8k": "gsm8k_accuracy", "math": "math_accuracy"}
 
@@ -123,6 +126,8 @@ def question_order(
             f"over {process_count} processes; choose cppo.questions_per_step (and pruning/allocation) "
             f"so that Q is a multiple of the process count"
         )
+    import grain  # only the question order needs it (the memory plan and gpu_check do not)
+
     ds = grain.MapDataset.range(n)
     if shuffle:
         ds = ds.shuffle(seed=seed)

@@ -1,0 +1,321 @@
+"""One prepared check for a lent GPU: the update phase, the sampler and memory of a 1.5B-shaped model.
+
+    python benchmarks/gpu_check.py              # on the GPU machine (one H200: under 8 minutes)
+    python benchmarks/gpu_check.py --quick      # tiny shapes, any machine (the suite runs this on CPU)
+
+A randomly initialised model with Qwen2.5-1.5B's shape (`plan.KNOWN_MODELS`), bf16 compute over f32
+params (the paper configs' setting), G = 16 completions of 512 tokens per question. It measures, with
+the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
+
+- the update phase at p = 0 (all Q * G completions) and p = 0.875 (k = 2 kept per question): reference
+  log-probs plus one policy update, in trained tokens/s and model FLOP utilisation;
+- the embedded sampler's tokens/s (Q prompts x G samples, completions run to the length limit);
+- compile seconds of each program;
+- peak device memory against `cppo_jax.plan.memory_plan`'s figure for the same shapes.
+
+It needs only jax, flax, optax and numpy from the project's dependencies (NOT grain, vllm, math-verify
+or tensorboardX, which the GPU image lacks): the modules it imports are the model, step, sampler,
+sharding, loss and plan modules. Results go to `--out` (default benchmarks/results) as gpu_check.json
+and gpu_check.md, written after every measurement, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from cppo_jax import plan as plan_lib  # noqa: E402
+from cppo_jax import step as step_lib  # noqa: E402
+from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
+from cppo_jax.cppo import num_kept  # noqa: E402
+from cppo_jax.models.transformer import TransformerConfig, init_model  # noqa: E402
+from cppo_jax.sampler import SamplingParams, make_sampler  # noqa: E402
+
+# Dense bf16 peak FLOP/s by device kind (vendor datasheets, without sparsity).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    Q: int  # questions per step
+    G: int  # completions per question
+    P: int  # prompt slots
+    C: int  # completion slots
+    micro_batch: int  # sequences per forward/backward in the update (0: all)
+
+
+FULL = Shapes(Q=4, G=16, P=256, C=512, micro_batch=16)
+QUICK = Shapes(Q=2, G=16, P=8, C=16, micro_batch=8)
+
+
+def model_config(quick: bool) -> TransformerConfig:
+    if quick:
+        return TransformerConfig(
+            arch="qwen2",
+            vocab_size=384,
+            hidden_size=64,
+            intermediate_size=160,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            dtype="bfloat16",
+            param_dtype="float32",
+            remat=True,
+        )
+    hf = dict(plan_lib.KNOWN_MODELS["Qwen2.5-1.5B-Instruct"])
+    tcfg = TransformerConfig.from_hf_dict(hf)
+    return dataclasses.replace(tcfg, dtype="bfloat16", param_dtype="float32", remat=True)
+
+
+def param_count(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def train_flops_per_token(tcfg: TransformerConfig, n_params: int, T: int) -> float:
+    """Model FLOPs of forward + backward per trained token: 6 N plus causal attention (PaLM's count)."""
+    attn = 6 * tcfg.num_layers * tcfg.num_heads * tcfg.head_dim * T  # 12 L H E T, halved for causal
+    return 6 * n_params + attn
+
+
+def peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+def peak_memory(device) -> int | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _batch(rng: np.random.Generator, sh: Shapes, rows: int, vocab: int, with_ref: bool):
+    T = sh.P + sh.C
+    tokens = rng.integers(1, vocab, size=(rows, T), dtype=np.int32)
+    valid = np.ones((rows, T), bool)
+    mask = np.ones((rows, sh.C), np.float32)
+    adv = rng.standard_normal(rows).astype(np.float32)
+    return step_lib.Batch(
+        jnp.asarray(tokens),
+        jnp.asarray(valid),
+        jnp.asarray(mask),
+        jnp.asarray(adv),
+        None,
+        jnp.zeros((rows, sh.C), jnp.float32) if with_ref else None,
+    )
+
+
+def _timed(fn, *args, repeat: int):
+    """(seconds per call after one warm call, last result)."""
+    out = jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeat):
+        out = jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeat, out
+
+
+class Report:
+    def __init__(self, out: Path, meta: dict):
+        self.out = out
+        self.data = {"meta": meta, "update": [], "sampler": None, "memory": None}
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=2) + "\n")
+        (self.out / "gpu_check.md").write_text(markdown(self.data))
+
+
+def markdown(data: dict) -> str:
+    m = data["meta"]
+    lines = [
+        "# GPU check (benchmarks/gpu_check.py)",
+        "",
+        f"Device: {m['device_kind']} ({m['platform']}), jax {m['jax']}; model: {m['model']} "
+        f"({m['params'] / 1e6:.1f}M params), compute {m['dtype']}, params {m['param_dtype']}, "
+        f"remat on; Q = {m['Q']}, G = {m['G']}, prompt {m['P']} + completion {m['C']} tokens, "
+        f"micro-batch {m['micro_batch']}.",
+        "",
+        "| phase | p | sequences | trained tokens/s | MFU | step s | compile s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in data["update"]:
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        lines.append(
+            f"| update (ref log-probs + 1 update) | {r['p']} | {r['rows']} | "
+            f"{r['tokens_per_s']:,.0f} | {mfu} | {r['seconds']:.3f} | {r['compile_s']:.1f} |"
+        )
+    s = data["sampler"]
+    if s:
+        lines += [
+            "",
+            f"Embedded sampler: {s['sequences']} sequences x {s['new_tokens']} new tokens: "
+            f"{s['tokens_per_s']:,.0f} tokens/s ({s['seconds']:.2f} s a call; compile {s['compile_s']:.1f} s).",
+        ]
+    mem = data["memory"]
+    if mem:
+        measured = (
+            "n/a" if mem["measured_peak"] is None else f"{mem['measured_peak'] / 2**30:.2f} GiB"
+        )
+        lines += [
+            "",
+            f"Peak device memory: measured {measured}; plan (train step, p = 0) "
+            f"{mem['plan_train_peak'] / 2**30:.2f} GiB.",
+        ]
+    if data["update"] and len(data["update"]) == 2:
+        a, b = data["update"]
+        lines += [
+            "",
+            f"Update-phase speedup p = {b['p']} vs p = 0: {a['seconds'] / b['seconds']:.2f}x.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def run(quick: bool, out: Path, repeat: int) -> dict:
+    sh = QUICK if quick else FULL
+    tcfg = model_config(quick)
+    device = jax.devices()[0]
+    model = init_model(tcfg, seed=0)
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    del model
+    n_params = param_count(params)
+    report = Report(
+        out,
+        {
+            "device_kind": getattr(device, "device_kind", "?"),
+            "platform": device.platform,
+            "jax": jax.__version__,
+            "python": platform.python_version(),
+            "model": "tiny (quick)" if quick else "Qwen2.5-1.5B-shaped, random",
+            "params": n_params,
+            "dtype": tcfg.dtype,
+            "param_dtype": tcfg.param_dtype,
+            **dataclasses.asdict(sh),
+        },
+    )
+    rng = np.random.default_rng(0)
+    optim = OptimConfig(lr=1e-6)
+    peak = peak_flops(device)
+    T = sh.P + sh.C - 1  # positions in the forward
+    per_token = train_flops_per_token(tcfg, n_params, T)
+    for p in (0.0, 0.875):
+        algo = CPPOConfig(num_generations=sh.G, pruning_rate=p, mu=1, beta=0.04)
+        k = num_kept(sh.G, p)
+        rows = sh.Q * k
+        mb = sh.micro_batch if rows > sh.micro_batch else 0
+        spec = step_lib.StepSpec.make(algo, sh.P, sh.C, 1.0, micro_batch=mb)
+        tx = step_lib.make_optimizer(optim, 1000)
+        train_step, logps = step_lib.compiled(graphdef, tx, spec)
+        p_copy = jax.tree.map(jnp.copy, params)
+        opt_state = tx.init(p_copy)
+        batch = _batch(rng, sh, rows, tcfg.vocab_size, with_ref=True)
+        start = time.perf_counter()
+        step_c = train_step.lower(p_copy, opt_state, batch).compile()
+        logps_c = logps.lower(params, batch.tokens_NT, batch.valid_NT).compile()
+        compile_s = time.perf_counter() - start
+        ref_s, _ = _timed(logps_c, params, batch.tokens_NT, batch.valid_NT, repeat=repeat)
+        # The update donates params and state: carry them through the repeats.
+        state = [p_copy, opt_state]
+
+        def update(state=state, batch=batch, step_c=step_c):
+            state[0], state[1], metrics = step_c(state[0], state[1], batch)
+            return metrics
+
+        upd_s, metrics = _timed(update, repeat=repeat)
+        seconds = ref_s + upd_s
+        tokens = rows * T
+        flops = tokens * (per_token + 2 * n_params)  # + the reference forward
+        report.data["update"].append(
+            {
+                "p": p,
+                "k": k,
+                "rows": rows,
+                "seconds": seconds,
+                "ref_seconds": ref_s,
+                "update_seconds": upd_s,
+                "tokens_per_s": tokens / seconds,
+                "mfu": None if peak is None else flops / seconds / peak,
+                "compile_s": compile_s,
+                "loss_finite": bool(np.isfinite(float(metrics["loss"]))),
+            }
+        )
+        report.save()
+        if p == 0.0:
+            plan = plan_lib.memory_plan(
+                tcfg,
+                {"data": 1, "fsdp": 1, "tensor": 1},
+                rows=rows,
+                prompt_len=sh.P,
+                completion_len=sh.C,
+                micro_batch=mb,
+                beta=0.04,
+            )
+            report.data["memory"] = {
+                "measured_peak": peak_memory(device),
+                "plan_train_peak": plan.train_peak,
+                "plan_resident": plan.resident,
+            }
+            report.save()
+        del state, p_copy, opt_state, step_c, logps_c
+
+    sp = SamplingParams(max_new_tokens=sh.C, eos_id=-1, pad_id=0, cache_dtype=tcfg.dtype)
+    sampler = make_sampler(graphdef, sh.G, sp)
+    prompts = jnp.asarray(rng.integers(1, tcfg.vocab_size, size=(sh.Q, sh.P), dtype=np.int32))
+    valid = jnp.ones((sh.Q, sh.P), bool)
+    seeds = jnp.arange(sh.Q, dtype=jnp.uint32)
+    start = time.perf_counter()
+    sampler_c = sampler.lower(params, prompts, valid, seeds).compile()
+    compile_s = time.perf_counter() - start
+    seconds, samples = _timed(sampler_c, params, prompts, valid, seeds, repeat=max(1, repeat // 2))
+    new_tokens = int(np.asarray(samples.valid_NC).sum()) if hasattr(samples, "valid_NC") else None
+    n_seq = sh.Q * sh.G
+    report.data["sampler"] = {
+        "sequences": n_seq,
+        "new_tokens": sh.C,
+        "tokens_generated": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": n_seq * sh.C / seconds,
+        "compile_s": compile_s,
+    }
+    mem = report.data["memory"]
+    if mem is not None:
+        mem["measured_peak"] = peak_memory(device)
+    report.save()
+    return report.data
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU test)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls after a warm one")
+    args = parser.parse_args(argv)
+    data = run(args.quick, args.out, args.repeat)
+    print(markdown(data))
+    return 0 if all(r["loss_finite"] for r in data["update"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
