@@ -1,10 +1,33 @@
-"""Shared fixtures: a tiny arith model folder (random weights + the arith tokenizer)."""
+"""Shared fixtures: a tiny arith model folder (random weights + the arith tokenizer).
+
+Also one persistent XLA compilation cache for the subprocesses the suite starts (trainers, launch
+scripts, notebooks, benchmarks' quick runs): each would otherwise compile the same programs again. The
+suite's own process keeps compiling in memory (JAX reads the variable when it is imported, which
+happens here first), so tests that count compilations see every compile. The cache lives in a fresh
+folder per session, removed at the end, so a run never reuses programs from an earlier checkout.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import jax  # noqa: F401  (imported before the cache variable is set: see above)
 import pytest
+
+_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE = None
+if _CACHE_VAR not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="cppo_test_xla_cache_")
+    os.environ[_CACHE_VAR] = _OWN_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
