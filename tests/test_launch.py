@@ -8,8 +8,11 @@ tokenizer with a chat template. A dry run reads headers, never tensor data, so i
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import struct
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -320,3 +323,39 @@ def test_a_remote_out_dir_is_refused_before_any_work(tmp_path, capsys, monkeypat
         assert f"config key 'trainer.out_dir' = '{url}' is invalid" in err
         assert "mount the bucket" in err
     assert list(tmp_path.iterdir()) == []  # nothing created, no 'gs:' folder
+
+
+def _gpu_node(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_MEMORY_GB"}
+    env["PATH"] = "/usr/bin:/bin"  # no nvidia-smi here: the default 80 GB per GPU
+    return subprocess.run(
+        ["bash", "launch/gpu_node.sh", "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_gpu_node_picks_a_trainer_mesh_that_fits_or_refuses_with_the_plan():
+    seven_b = ["--model", "/models/Qwen2.5-7B-Instruct", "--config", "configs/math7b.py"]
+    # The default 8 GPUs leave 7 for the trainer: 7 divides no Q of the 7B config and no
+    # 7-device layout holds it; refused, naming the layouts that fit.
+    out = _gpu_node(*seven_b, "--", "data.train=/data/math/train.jsonl")
+    assert out.returncode == 2 and "+ env" not in out.stdout
+    assert "no layout of 7 devices fits" in out.stderr
+    assert "4 devices with mesh.data=1 mesh.fsdp=4 mesh.tensor=1" in out.stderr
+    assert "--gpus is one more than the trainer's GPUs" in out.stderr
+    # 5 GPUs: 4 trainer GPUs with the 7B state sharded over fsdp.
+    out = _gpu_node(*seven_b, "--gpus", "5", "--", "data.train=/data/math/train.jsonl")
+    assert out.returncode == 0, out.stderr
+    trainer = next(ln for ln in out.stdout.splitlines() if "cppo_jax.launch" in ln)
+    argv = shlex.split(trainer[2:])
+    assert "CUDA_VISIBLE_DEVICES=1,2,3,4" in argv
+    assert argv[-4:] == [
+        "mesh.data=1",
+        "mesh.fsdp=4",
+        "mesh.tensor=1",
+        "data.train=/data/math/train.jsonl",
+    ]
