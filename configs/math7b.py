@@ -1,7 +1,11 @@
 """The paper's MATH run: CPPO on Qwen2.5-7B-Instruct (spec section 5).
 
-    python -m cppo_jax.launch --config configs/math7b.py \
-        model.path=/models/Qwen2.5-7B-Instruct data.train=/data/math/train.jsonl
+    python -m cppo_jax.launch --config configs/math7b.py model.path=/models/Qwen2.5-7B-Instruct \
+        data.train=/data/math/train.jsonl mesh.data=1 mesh.fsdp=4 trainer.micro_batch=16
+
+on 4 GPUs of 80 GB: the 7B parameters, AdamW moments and reference model sharded 4 ways over `fsdp`
+(56 GiB planned per GPU; one GPU would need 245 GiB). `launch/gpu_node.sh` picks such a mesh itself
+(docs/reproducing.md).
 
 Two values are required and have no default, because nothing is downloaded:
 - `model.path`: a local Hugging Face folder;
