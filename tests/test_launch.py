@@ -359,3 +359,27 @@ def test_gpu_node_picks_a_trainer_mesh_that_fits_or_refuses_with_the_plan():
         "mesh.tensor=1",
         "data.train=/data/math/train.jsonl",
     ]
+
+
+def test_every_entry_point_finds_a_config_by_its_bare_name(tmp_path, capsys, monkeypatch):
+    """`--config math7b.py` (what users are told to type) from any folder: launch, plan, evaluate."""
+    from cppo_jax import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", "math7b.py", "--devices", "4", "--device-memory-gb", "80"]
+    assert plan.main([*argv, "mesh.data=1", "mesh.fsdp=4", "trainer.micro_batch=16"]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+    code, _, err = _main(capsys, "--config", "math7b.py", "trainer.dry_run=true")
+    assert code == 2 and "model.path is required" in err  # found and loaded, then refused
+    warm = str(ROOT / "cppo_jax" / "assets" / "tiny_arith")
+    args = ["--config", "tiny_cpu.py", "--checkpoint", warm, "--dry-run", "--limit", "4"]
+    assert evaluate.main(args) == 0
+    out = capsys.readouterr().out
+    assert "dry run: would evaluate model folder" in out and "arith: 4 questions" in out
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+    broken = model_folder(tmp_path, "m", QWEN25_1P5B)
+    write_sparse_safetensors(broken, QWEN25_1P5B, skip=("model.norm.weight",))
+    assert (
+        evaluate.main(["--config", "gsm8k_1p5b.py", "--checkpoint", str(broken), "--dry-run"]) == 2
+    )
+    assert "tensor model.norm.weight is missing" in capsys.readouterr().err
