@@ -8,7 +8,8 @@ each launch script prints with `--dry-run` (the commands it would start). Each i
   would start (tests/test_launch.py), for the devices the command targets (`--devices N
   --device-memory-gb GB`: the trainer GPUs a launch script gives it, 80 GB GPUs for the paper's models) and
   shrunk (`trainer.eval_size=16`; the shipped 7473-question GSM8K train split replaced by its first 64
-  rows) so that tokenizing stays fast; `make demo` is its Makefile recipe, run the same way;
+  rows, 256 generated arith problems instead of 20000) so that tokenizing stays fast; a supervised warm
+  start config (it has no dry run) runs 2 steps into a temporary folder; `make demo` is its Makefile recipe, run the same way;
 - `python -m cppo_jax.evaluate ...` with `--dry-run`; `python -m cppo_jax.plan ...` as written, its shown
   output (`$ ` blocks) checked line by line; `python -m cppo_jax.docs_gen` as `--check`;
 - launch scripts (and `sbatch SCRIPT`) with `--dry-run`, then every trainer command they print.
@@ -34,6 +35,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -372,13 +374,16 @@ class Runner:
         cfg = load_config(config, overrides, expected=(Config, SFTConfig))
         if isinstance(cfg, SFTConfig):  # the warm start has no dry run: two steps, out of the repo
             out_dir = self.s.tmp / "sft_out"
-            shrink = ["steps=2", "warmup=1", "batch=4", "eval_size=4", f"out={out_dir}"]
+            shrink = ["steps=2", "warmup=1", "batch=4", "eval_size=4", "data.num_train=64"]
+            shrink.append(f"out={out_dir}")
             code, out = _call(launch.main, [*argv, *shrink], env)
             assert code == 0 and (out_dir / "config.json").is_file(), out[-3000:]
-            return f"ok: shrunk ({' '.join(shrink[:4])})"
+            return f"ok: shrunk ({' '.join(shrink[:-1])})"
         shrink = ["trainer.dry_run=true", "trainer.eval_size=16"]
         if cfg.data.train == "gsm8k":
             shrink.append(f"data.train={self.s.gsm8k_sample()}")
+        if cfg.data.train == "arith":  # generated: 20000 problems by default
+            shrink.append("data.num_train=256")
         paper_model = plan.find_known_model(cfg.model.path)
         if devices is None and paper_model:
             devices, gb = _mesh_product(overrides) or 1, GPU_GB
@@ -479,6 +484,7 @@ def test_every_documented_command_runs(tmp_path, monkeypatch, pytestconfig):
     queue = list(docs)
     while queue:
         doc = queue.pop(0)
+        start = time.perf_counter()
         try:
             devices = doc.devices
             if devices and "cppo_jax.launch" in doc.text:
@@ -492,7 +498,8 @@ def test_every_documented_command_runs(tmp_path, monkeypatch, pytestconfig):
             status, children = "FAILED", []
             failures.append(f"{doc.source}: {doc.text}\n{type(e).__name__}: {e}")
         where = doc.source + (f" (+{len(doc.also)} more)" if doc.also else "")
-        report.append(f"{status:<60} {where}: {doc.text}")
+        seconds = time.perf_counter() - start
+        report.append(f"{status:<60} {seconds:5.1f} s  {where}: {doc.text}")
         queue = children + queue
     ran = sum(line.startswith("ok") for line in report)
     lines = [f"{len(report)} documented commands, {ran} run, {len(failures)} failed:", *report]
