@@ -20,7 +20,8 @@ Other rows of the paper's table are overrides:
 Rollouts use the embedded JAX sampler; on a GPU node with a vLLM server use
 `rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:8000` (see docs/vllm.md). In-training validation
 on questions held out of train (never the test set): `data.val_size=200 trainer.eval_every=100`.
-Check everything without weights first: add `trainer.dry_run=true`.
+Check everything first, reading no weights: add `trainer.dry_run=true` (with `--devices N
+--device-memory-gb GB` for GPUs other than this machine's).
 """
 
 from cppo_jax.config import (

@@ -1,7 +1,11 @@
 """The paper's MATH run: CPPO on Qwen2.5-7B-Instruct (spec section 5).
 
-    python -m cppo_jax.launch --config configs/math7b.py \
-        model.path=/models/Qwen2.5-7B-Instruct data.train=/data/math/train.jsonl
+    python -m cppo_jax.launch --config configs/math7b.py model.path=/models/Qwen2.5-7B-Instruct \
+        data.train=/data/math/train.jsonl mesh.data=1 mesh.fsdp=4 trainer.micro_batch=16
+
+on 4 GPUs of 80 GB: the 7B parameters, AdamW moments and reference model sharded 4 ways over `fsdp`
+(56 GiB planned per GPU; one GPU would need 245 GiB). `launch/gpu_node.sh` picks such a mesh itself
+(docs/reproducing.md).
 
 Two values are required and have no default, because nothing is downloaded:
 - `model.path`: a local Hugging Face folder;
@@ -24,7 +28,8 @@ Overrides: `cppo.pruning_rate=0.0` (GRPO), `0.5 | 0.75 | 0.9375`; `cppo.allocati
 Rollouts use the embedded JAX sampler; on a GPU node with a vLLM server use
 `rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:8000` (see docs/vllm.md). In-training validation
 on problems held out of train (never the test set): `data.val_size=200 trainer.eval_every=100`.
-Check everything without weights first: add `trainer.dry_run=true`.
+Check everything first, reading no weights: add `trainer.dry_run=true` (with `--devices N
+--device-memory-gb GB` for GPUs other than this machine's).
 """
 
 from cppo_jax.config import (

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -232,6 +233,9 @@ class MeshConfig:
         _check(sizes.count(-1) <= 1, "mesh", sizes, "at most one axis of size -1")
 
 
+_REMOTE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # gs://, s3://, hdfs://, file://, ...
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
     steps: int = 0  # 0: one pass over the training questions
@@ -251,6 +255,13 @@ class TrainerConfig:
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
+        _check(
+            not _REMOTE_URL.match(self.out_dir),
+            "trainer.out_dir",
+            self.out_dir,
+            "a folder path; remote URLs (gs://, s3://, ...) are not written to: mount the bucket "
+            "(e.g. gcsfuse, s3fs) and give the mount's path",
+        )
         _check(bool(self.run_name), "trainer.run_name", self.run_name, "a non-empty name")
         _check(
             "/" not in self.run_name and ".." not in self.run_name,

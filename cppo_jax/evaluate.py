@@ -508,6 +508,52 @@ def evaluate(
 # Command line.
 
 
+def dry_run(
+    cfg: Config | None,
+    checkpoint: str | Path,
+    benchmarks: list[str] | None = None,
+    *,
+    step: int | None = None,
+    limit: int | None = None,
+    log=print,
+) -> None:
+    """`--dry-run`: what `evaluate` would load and score, checked without reading weights."""
+    from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.launch import _check_weights
+
+    path = Path(checkpoint).resolve()
+    if checkpoint_kind(path) == "hf":
+        if cfg is None:
+            raise EvaluationError(f"{path} is a Hugging Face folder: give --config")
+        _check_weights(path, "--checkpoint")
+        folders = [cfg.model.tokenizer, path, cfg.model.init_checkpoint, cfg.model.path]
+        what = f"model folder {path}"
+    else:
+        rcfg = run_config(path)
+        base = rcfg.model.init_checkpoint or rcfg.model.path
+        _check_weights(Path(base), "model.path of the run")
+        ckpt = Checkpointer(path / "checkpoints")
+        try:
+            steps = ckpt.all_steps()
+        finally:
+            ckpt.close()
+        if not steps or (step is not None and step not in steps):
+            raise EvaluationError(
+                f"{path / 'checkpoints'}: no checkpoint {step or ''} (has {steps})"
+            )
+        cfg = cfg if cfg is not None else rcfg
+        folders = [rcfg.model.tokenizer, base, rcfg.model.path]
+        what = f"run {path}, checkpoint step {step if step is not None else max(steps)}"
+    tok = _tokenizer(folders, str(path))
+    log(f"dry run: would evaluate {what} (tokenizer {tok.path}, backend {cfg.rollout.backend})")
+    for bench in _resolve(benchmarks, cfg, None, None):
+        n = len(load_benchmark(bench, cfg))
+        n = min(n, limit) if limit else n
+        log(
+            f"  {bench.name}: {n} questions x {bench.samples} sample(s), {bench.max_new_tokens} tokens"
+        )
+
+
 def _config_for(config: str | None, checkpoint: str, overrides: list[str]) -> Config | None:
     if config:
         return load_config(config, overrides)
@@ -534,10 +580,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="override, sampled benchmarks")
     parser.add_argument("--limit", type=int, default=None, help="first N questions of each")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check config, folders and benchmarks; generate nothing",
+    )
     parser.add_argument("overrides", nargs="*", help="key.path=value config overrides")
     args = parser.parse_intermixed_args(argv)
+    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()] or None
     try:
         cfg = _config_for(args.config, args.checkpoint, args.overrides)
+        if args.dry_run:
+            dry_run(cfg, args.checkpoint, names, step=args.step, limit=args.limit)
+            return 0
         evaluate(
             cfg,
             args.checkpoint,

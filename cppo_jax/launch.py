@@ -6,9 +6,14 @@ not exist yet, the warm start runs first and writes it.
 
 Before anything is loaded, `check_required` refuses a config without a model (`model.path` or
 `model.init_checkpoint`) or with a `<required: ...>` placeholder left in it (configs/math7b.py's
-`data.train`). `trainer.dry_run=true` then stops after `cppo_jax.plan.plan_report`: the data is loaded and
-counted (and tokenized when the tokenizer folder exists), the shapes and step counts are derived and the
-model's size is read from its config.json; no weights are needed.
+`data.train`), and `check_startable` what the run would fail on when it starts: a model folder that does
+not exist or lacks config.json or a weight tensor (names and shapes are read from the safetensors
+headers, not the weights), a tokenizer without a chat template, a reward name nothing resolves to.
+`trainer.dry_run=true` runs both and stops after `cppo_jax.plan.plan_run`: the data is loaded and counted
+and its prompts tokenized, the shapes and step counts are derived, the mesh is laid out on this machine's
+devices (or `--devices N`) and the memory plan is checked against the device memory (or
+`--device-memory-gb GB`); it fails, with the layouts that fit, when the plan does not. A dry run passes
+exactly when the real run would start (a vLLM server is not contacted).
 """
 
 from __future__ import annotations
@@ -49,6 +54,102 @@ def check_required(cfg: Config) -> None:
         raise ConfigError(f"config key '{key}' is required: {detail}")
 
 
+def _model_key(cfg: Config) -> str:
+    return "model.init_checkpoint" if cfg.model.init_checkpoint else "model.path"
+
+
+def _check_weights(folder: Path, key: str) -> None:
+    """Every tensor the loader reads is listed, with its shape, in the folder's safetensors headers."""
+    import json
+
+    from safetensors import safe_open
+
+    from cppo_jax.models.hf_io import INDEX_FILE, SINGLE_FILE, name_table, read_hf_config
+
+    try:
+        tcfg = read_hf_config(folder)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"config key '{key}' = '{folder}': {e}") from e
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ConfigError(
+                f"config key '{key}': {index} is not a safetensors index ({e})"
+            ) from e
+    else:
+        files = [SINGLE_FILE]
+    shapes: dict[str, tuple] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(
+                f"config key '{key}' = '{folder}': weight file {name} not found (a Hugging Face "
+                f"folder holds {SINGLE_FILE} or {INDEX_FILE} and its shards)"
+            )
+        try:
+            with safe_open(str(path), framework="np") as f:
+                for t in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    shapes[t] = tuple(f.get_slice(t).get_shape())
+        except Exception as e:  # safetensors raises its own error types
+            raise ConfigError(f"config key '{key}': {path} is not a safetensors file ({e})") from e
+    for entry in name_table(tcfg):
+        got = shapes.get(entry.hf_name)
+        if got != tuple(entry.hf_shape):
+            what = "missing" if got is None else f"of shape {got}"
+            raise ConfigError(
+                f"config key '{key}' = '{folder}': tensor {entry.hf_name} is {what}; config.json "
+                f"needs shape {tuple(entry.hf_shape)}"
+            )
+
+
+def _has_chat_template(folder: Path) -> bool:
+    import json
+
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    except ValueError:
+        return False
+
+
+def check_startable(cfg: Config) -> None:
+    """Raise ConfigError naming the key when the run would fail on start (see the module docstring)."""
+    from cppo_jax.plan import has_tokenizer
+    from cppo_jax.rewards import registry
+
+    key, folder = _model_key(cfg), Path(cfg.model.init_checkpoint or cfg.model.path)
+    warm_start = bool(cfg.model.init_checkpoint and cfg.model.warm_start and not folder.exists())
+    if not warm_start:  # else the warm start writes it, tokenizer included
+        if not folder.is_dir():
+            raise ConfigError(
+                f"config key '{key}' = '{folder}': no such folder (a local Hugging Face folder "
+                f"with config.json, *.safetensors and the tokenizer; nothing is downloaded)"
+            )
+        _check_weights(folder, key)
+    tok_key = "model.tokenizer" if cfg.model.tokenizer else key
+    tok = Path(cfg.model.tokenizer) if cfg.model.tokenizer else folder
+    if cfg.model.tokenizer or not warm_start:
+        if not has_tokenizer(tok):
+            raise ConfigError(
+                f"config key '{tok_key}' = '{tok}': no tokenizer there (tokenizer.json or "
+                f"tokenizer_config.json); set model.tokenizer=/path/to/tokenizer"
+            )
+        if not _has_chat_template(tok):
+            raise ConfigError(
+                f"config key '{tok_key}' = '{tok}': the tokenizer has no chat template (prompts are "
+                f"built with it); use an instruct model's tokenizer or add chat_template"
+            )
+    for name in cfg.reward.funcs:
+        try:
+            registry.resolve(name)
+        except ValueError as e:
+            raise ConfigError(f"config key 'reward.funcs' = {list(cfg.reward.funcs)}: {e}") from e
+
+
 def _describe(cfg: Config) -> str:
     from cppo_jax.trainer import shapes_of
 
@@ -82,20 +183,36 @@ def ensure_warm_start(cfg: Config, log=print) -> None:
     run_sft(sft_cfg, log=log)
 
 
-def run(cfg: Config, log=print) -> dict:
+def run(
+    cfg: Config,
+    log=print,
+    num_devices: int | None = None,
+    device_memory_gb: float | None = None,
+) -> dict:
+    """Train (or, with trainer.dry_run, plan: for `num_devices` devices of `device_memory_gb` GB
+    when given, else for this machine)."""
     if not cfg.trainer.dry_run:
         check_required(cfg)
     elif not cfg.model.path and not cfg.model.init_checkpoint:
         check_required(cfg)  # the model message; placeholders are reported after the plan
+    check_startable(cfg)
     log(_describe(cfg))
     if cfg.trainer.dry_run:
-        from cppo_jax.plan import plan_report
+        from cppo_jax.plan import not_fitting_error, plan_run
 
-        report = plan_report(cfg)
-        log(report)
+        plan = plan_run(cfg, num_devices, device_memory_gb)
+        log(plan.text)
         check_required(cfg)  # a `<required: ...>` value left: refuse once the rest is shown
-        log("dry run: config, data and shapes validated; nothing trained")
-        return {"dry_run": True, "plan": report}
+        if plan.memory is not None and plan.memory.fits is False:
+            raise not_fitting_error(plan)
+        log(
+            "dry run: config, model files, tokenizer, rewards, data, mesh and memory validated; nothing trained"
+        )
+        return {"dry_run": True, "plan": plan.text}
+    if num_devices is not None or device_memory_gb is not None:
+        raise ConfigError(
+            "--devices and --device-memory-gb plan a machine: give them with trainer.dry_run=true"
+        )
     from cppo_jax.trainer import Trainer
 
     ensure_warm_start(cfg, log)
@@ -146,7 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator", help="multi-process: process 0's HOST:PORT")
     parser.add_argument("--num-processes", type=int, help="multi-process: how many processes")
     parser.add_argument("--process-id", type=int, help="multi-process: this process, 0..N-1")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--devices", type=int, help="with trainer.dry_run=true: plan for N devices (default: these)"
+    )
+    parser.add_argument(
+        "--device-memory-gb",
+        type=float,
+        help="with trainer.dry_run=true: memory of one device, GB (default: this device's, if known)",
+    )
+    args = parser.parse_intermixed_args(argv)
     from cppo_jax import distributed
 
     try:  # before anything touches a device (see cppo_jax/distributed.py for the sources)
@@ -174,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     from cppo_jax.vllm_client import RolloutServerError
 
     try:
-        run(cfg, log=print if distributed.is_main() else _quiet)
+        log = print if distributed.is_main() else _quiet
+        run(cfg, log=log, num_devices=args.devices, device_memory_gb=args.device_memory_gb)
     except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the plan's data checks (rows, prompt lengths) name their key
+        if not cfg.trainer.dry_run:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except SignalStopError as e:  # SIGTERM/SIGINT: checkpoint saved; 128 + signal, like the shell

@@ -15,19 +15,21 @@ that does not split over the processes or the mesh's data axes, prompts longer t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import re
 from pathlib import Path
 
-from cppo_jax import pipeline
+from cppo_jax import layout, pipeline
 from cppo_jax.config import Config, ConfigError
+from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan, resolve_mesh
 
 __all__ = [
     "KNOWN_MODELS",
     "MemoryPlan",
     "ModelSize",
+    "Plan",
+    "choose_mesh",
     "find_known_model",
     "has_tokenizer",
     "memory_lines",
@@ -35,6 +37,7 @@ __all__ = [
     "model_folder",
     "model_size",
     "plan_report",
+    "plan_run",
     "resolve_mesh",
     "tokenizer_folder",
 ]
@@ -82,7 +85,6 @@ _NAME_PATTERNS = (
     ("Qwen2.5-7B-Instruct", re.compile(r"(?<![\d.])7b(?![a-z\d])")),
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def model_folder(cfg: Config) -> str:
@@ -149,10 +151,6 @@ def _model_plan(cfg: Config) -> ModelSize | None:
     if known is None:
         return None
     return model_size(KNOWN_MODELS[known], f"known sizes of {known} (by name; no config.json)")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
@@ -236,174 +234,22 @@ def _check_batching(cfg: Config, shapes, processes: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """Bytes per device of a training step's dominant buffers on one mesh (see `memory_plan`)."""
+class Plan:
+    """A run's plan: the report's text, its memory plan (None: model size unknown) and, when that
+    does not fit, the layouts that do (`advice`)."""
 
-    mesh: dict[str, int]
-    params: int  # the policy, sharded by the rules
-    opt_state: int  # AdamW mu and nu, in the params' dtype and layout
-    grads: int  # the gradient (x2 with micro-batches: the accumulator and one micro-batch's)
-    gathered: int  # fsdp > 1: one layer's and the vocabulary matrices' weights gathered for use
-    reference: int  # the reference model's params (beta > 0)
-    rows: int  # sequences per device in one forward/backward (a micro-batch)
-    tokens: int  # T = P + C - 1 positions per sequence in the forward
-    activations_remat: int
-    activations_no_remat: int
-    remat: bool
-    logits_chunk: int
-    rollout_kv: int  # the embedded sampler's KV cache, Q*G sequences split over (data, fsdp)
-    device_bytes: int | None = None
-
-    @property
-    def activations(self) -> int:
-        return self.activations_remat if self.remat else self.activations_no_remat
-
-    @property
-    def resident(self) -> int:
-        return self.params + self.opt_state + self.reference
-
-    @property
-    def train_peak(self) -> int:
-        return self.resident + self.grads + self.gathered + self.activations + self.logits_chunk
-
-    @property
-    def rollout_peak(self) -> int:
-        return self.resident + self.gathered + self.rollout_kv
-
-    @property
-    def peak(self) -> int:
-        return max(self.train_peak, self.rollout_peak)
-
-    @property
-    def fits(self) -> bool | None:
-        """peak <= 90% of the device (the rest: XLA workspace, fragmentation); None if unknown."""
-        return None if self.device_bytes is None else self.peak <= 0.9 * self.device_bytes
+    text: str
+    memory: MemoryPlan | None = None
+    advice: str = ""
 
 
-def _shard_bytes(shape, names, axis_sizes, itemsize: int) -> int:
-    from cppo_jax.sharding import logical_spec
+def _tcfg(cfg: Config, size: ModelSize):
+    from cppo_jax.models.transformer import TransformerConfig
 
-    spec = logical_spec(names, shape, axis_sizes)
-    n = math.prod(shape)
-    for axes in spec:
-        for axis in (axes,) if isinstance(axes, str) else axes or ():
-            n //= axis_sizes[axis]
-    return n * itemsize
-
-
-@functools.lru_cache(maxsize=8)
-def _param_shapes(tcfg) -> tuple[tuple[tuple, tuple[int, ...], tuple[str | None, ...]], ...]:
-    """(path, shape, logical axis names) of every parameter of the model `tcfg` describes."""
-    from flax import nnx
-
-    from cppo_jax.models.transformer import Transformer
-
-    abstract = nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0)))
-    out = []
-    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        shape = tuple(var.get_value().shape)
-        names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
-        out.append((tuple(path), shape, names))
-    return tuple(out)
-
-
-def _split(n: int, size: int) -> int:
-    """n over `size` devices when it divides, else whole (the rules' fallback)."""
-    return n // size if size > 1 and n % size == 0 else n
-
-
-def memory_plan(
-    tcfg,
-    mesh: dict[str, int],
-    *,
-    rows: int,
-    prompt_len: int,
-    completion_len: int,
-    micro_batch: int = 0,
-    beta: float = 0.0,
-    logp_chunk: int = 64,
-    rollout_rows: int = 0,
-    device_bytes: int | None = None,
-) -> MemoryPlan:
-    """Per-device bytes of one training step of `tcfg` (a TransformerConfig) on a (data, fsdp, tensor) mesh.
-
-    Params, AdamW moments, gradients and reference params are exact: every parameter's shard under
-    `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
-    counted once more, gathered whole along fsdp where they are used. Activations are an estimate for the dense attention of
-    models/transformer.py, per layer and token of a forward/backward of `rows` (or `micro_batch`)
-    sequences split over (data, fsdp), heads/MLP/vocab split over tensor where they divide:
-      saved for the backward: compute-dtype layer input, two normed inputs and the mid-layer residual
-        (4D), q/k/v before and after RoPE (2(H+2J)E), the attention output (HE), gate, up and their
-        product (3F), and three float32 [H, T] score-sized buffers (scores, masked scores, probs);
-      with remat only the layer input (D) is kept per layer and one layer's set is rebuilt;
-      plus the backward's working set of one layer: three more float32 score-sized buffers.
-    The logits chunk is 3 float32 [rows, chunk, V] buffers (logits, probs, their gradient).
-    Fitted against XLA's buffer assignment of the train step on CPU (tests/test_sharding.py).
-    """
-    axis = {a: int(mesh.get(a, 1)) for a in ("data", "fsdp", "tensor")}
-    dp, tp = axis["data"] * axis["fsdp"], axis["tensor"]
-    pb = _BYTES[tcfg.param_dtype]
-    cb = _BYTES[tcfg.dtype]
-    shapes = _param_shapes(tcfg)
-    params = sum(_shard_bytes(shape, names, axis, pb) for _, shape, names in shapes)
-    # FSDP gathers a weight whole along fsdp where it is used: one layer and the vocabulary matrices.
-    unsharded = {**axis, "fsdp": 1}
-    gathered = 0
-    if axis["fsdp"] > 1:
-        gathered = sum(
-            _shard_bytes(shape, names, unsharded, pb)
-            for path, shape, names in shapes
-            if path[:2] == ("layers", 0) or path[0] in ("embed_VD", "lm_head_DV")
-        )
-    m = micro_batch if 0 < micro_batch < rows else rows
-    n = _split(m, dp) if m % dp == 0 else m  # sequences per device (replicated if uneven)
-    T = prompt_len + completion_len - 1
-    D, F, L, E = tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_layers, tcfg.head_dim
-    H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
-    F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
-    scores = 4 * H * T  # one float32 [H, T] row of scores per token
-    layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores  # per token
-    work = 3 * scores  # per token, one layer's backward
-    edges = cb * D + 4 * D  # embeddings out and the final norm, per token
-    batch = (T + 1) * 5 + completion_len * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv per row
-    no_remat = n * T * (L * layer + work + edges) + n * batch
-    remat = n * T * (L * cb * D + layer + work + edges) + n * batch
-    grads = params * (2 if m < rows else 1)
-    kv_rows = _split(rollout_rows, dp) if rollout_rows % dp == 0 else rollout_rows
-    kv = 2 * L * J * E * (prompt_len + completion_len) * kv_rows * cb
-    return MemoryPlan(
-        mesh=axis,
-        params=params,
-        opt_state=2 * params,
-        grads=grads,
-        gathered=gathered,
-        reference=params if beta > 0 else 0,
-        rows=n,
-        tokens=T,
-        activations_remat=remat,
-        activations_no_remat=no_remat,
-        remat=tcfg.remat,
-        logits_chunk=3 * n * min(logp_chunk, completion_len) * V * 4,
-        rollout_kv=kv,
-        device_bytes=device_bytes,
+    m = cfg.model
+    return TransformerConfig.from_hf_dict(
+        size.hf_config, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
     )
-
-
-def resolve_mesh(cfg: Config, num_devices: int) -> dict[str, int]:
-    """The mesh sizes a run on `num_devices` devices gets from `cfg.mesh` (as sharding.make_mesh)."""
-    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
-    if -1 in sizes.values():
-        if num_devices % fixed:
-            raise ConfigError(f"{given}: the fixed axes do not divide the {num_devices} devices")
-        return {k: (num_devices // fixed if v == -1 else v) for k, v in sizes.items()}
-    if fixed != num_devices:
-        raise ConfigError(
-            f"{given} = {fixed} devices, but the plan is for {num_devices}; make the product "
-            f"{num_devices} (one axis may be -1: the rest)"
-        )
-    return sizes
 
 
 def _memory_section(
@@ -413,7 +259,7 @@ def _memory_section(
     lines: list[str],
     num_devices: int | None,
     device_memory_gb: float | None,
-) -> None:
+) -> tuple[MemoryPlan | None, str]:
     import jax
 
     devices = jax.devices()
@@ -441,7 +287,7 @@ def _memory_section(
             "model: size unknown (no config.json in the model folder and no known model name); "
             "memory not estimated"
         )
-        return
+        return None, ""
     hf = size.hf_config
     n = size.params
     tied = "tied" if hf.get("tie_word_embeddings") else "untied"
@@ -449,76 +295,30 @@ def _memory_section(
         f"model: {n:,} parameters ({n / 1e9:.2f} B; {hf.get('model_type')}, {size.layers} layers, "
         f"{tied} embeddings) from {size.source}"
     )
-    from cppo_jax.models.transformer import TransformerConfig
-
-    tcfg = TransformerConfig.from_hf_dict(
-        hf, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat
-    )
+    tcfg = _tcfg(cfg, size)
     if device_memory_gb is not None:
         device_bytes = int(device_memory_gb * 1e9)
     else:
         stats = devices[0].memory_stats() or {}
         device_bytes = stats.get("bytes_limit")
-    plan = memory_plan(
-        tcfg,
-        mesh,
-        rows=shapes.M,
-        prompt_len=shapes.P,
-        completion_len=shapes.C,
-        micro_batch=cfg.trainer.micro_batch,
-        beta=cfg.cppo.beta,
-        rollout_rows=shapes.Q * shapes.G if cfg.rollout.backend == "embedded" else 0,
-        device_bytes=device_bytes,
-    )
+    plan = memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, device_bytes))
     lines.extend(memory_lines(plan, cfg.model.param_dtype))
+    advice = ""
+    if plan.fits is False:
+        advice = layout.fit_advice(cfg, tcfg, shapes, planned, device_bytes)
+        lines.append(f"  instead: {advice}")
     max_pos = hf.get("max_position_embeddings")
     if max_pos and max_pos < shapes.P + shapes.C:
         lines.append(
             f"  WARNING: P + C = {shapes.P + shapes.C} tokens exceed the model's "
             f"max_position_embeddings={max_pos}"
         )
+    return plan, advice
 
 
-def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
-    """The report's lines for a `MemoryPlan`, ending with `fits: yes|no|unknown`."""
-    mesh = plan.mesh
-    use, other = ("with", "without") if plan.remat else ("without", "with")
-    act_other = plan.activations_no_remat if plan.remat else plan.activations_remat
-    lines = [
-        f"memory per device (mesh data={mesh['data']} fsdp={mesh['fsdp']} "
-        f"tensor={mesh['tensor']}; sharded by cppo_jax.sharding.RULES):",
-        f"  params ({param_dtype}) {_gib(plan.params)}; AdamW moments mu+nu ({param_dtype}; no "
-        f"separate master copy: the params are it) {_gib(plan.opt_state)}; gradients "
-        f"{_gib(plan.grads)}; reference params {_gib(plan.reference)}; weights gathered over "
-        f"fsdp for use {_gib(plan.gathered)}",
-        f"  activations of {plan.rows} sequence(s) x {plan.tokens} tokens on this device "
-        f"{use} remat (model.remat): {_gib(plan.activations)} ({other} remat: {_gib(act_other)}); "
-        f"logits chunk {_gib(plan.logits_chunk)}",
-        f"  training step peak {_gib(plan.train_peak)}; rollout peak (embedded KV cache "
-        f"{_gib(plan.rollout_kv)}) {_gib(plan.rollout_peak)}",
-    ]
-    if plan.fits is None:
-        lines.append(
-            f"fits: unknown (device memory unknown; peak {_gib(plan.peak)} per device; plan for "
-            f"a machine with plan_report(cfg, num_devices=..., device_memory_gb=...))"
-        )
-    else:
-        verdict = "yes" if plan.fits else "no"
-        lines.append(
-            f"fits: {verdict} (peak {_gib(plan.peak)} per device of {_gib(plan.device_bytes)} "
-            f"= {plan.device_bytes / 1e9:.0f} GB, 90% usable)"
-            + (
-                ""
-                if plan.fits
-                else "; raise mesh.fsdp, set model.remat=true or trainer.micro_batch"
-            )
-        )
-    return lines
-
-
-def plan_report(
+def plan_run(
     cfg: Config, num_devices: int | None = None, device_memory_gb: float | None = None
-) -> str:
+) -> Plan:
     """The dry-run report (see the module docstring); raises on a problem the run would hit.
 
     The memory plan is for this machine's devices, or for `num_devices` devices of
@@ -551,31 +351,115 @@ def plan_report(
         + (f" at {cfg.rollout.vllm_url}" if cfg.rollout.backend == "vllm" else "")
         + f", temperature {cfg.rollout.temperature}, top-p {cfg.rollout.top_p}"
     )
-    _memory_section(cfg, sh, _model_plan(cfg), lines, num_devices, device_memory_gb)
-    return "\n".join(lines)
+    memory, advice = _memory_section(
+        cfg, sh, _model_plan(cfg), lines, num_devices, device_memory_gb
+    )
+    return Plan("\n".join(lines), memory, advice)
+
+
+def plan_report(
+    cfg: Config, num_devices: int | None = None, device_memory_gb: float | None = None
+) -> str:
+    """The text of `plan_run`."""
+    return plan_run(cfg, num_devices, device_memory_gb).text
+
+
+def not_fitting_error(plan: Plan) -> ConfigError:
+    mp = plan.memory
+    return ConfigError(
+        f"the memory plan does not fit: peak {_gib(mp.peak)} per device of {_gib(mp.device_bytes)} "
+        f"({mp.device_bytes / 1e9:.0f} GB, {layout.USABLE:.0%} usable) on mesh "
+        f"{layout.mesh_overrides(mp.mesh)}; {plan.advice}"
+    )
+
+
+def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> MemoryPlan:
+    """The layout a run of `cfg` on `num_devices` devices of `device_memory_gb` GB should use.
+
+    A mesh set in the config or by overrides is kept (and checked); the default (everything on
+    `data`) is replaced by `layout.pick_mesh`'s choice. Raises ConfigError with the plan's figures and
+    layouts that fit when nothing does.
+    """
+    from cppo_jax.config import MeshConfig
+    from cppo_jax.trainer import shapes_of
+
+    sh = shapes_of(cfg)
+    size = _model_plan(cfg)
+    if size is None:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: no config.json there and no known model name, so the "
+            f"memory of a layout cannot be planned"
+        )
+    tcfg, device_bytes = _tcfg(cfg, size), int(device_memory_gb * 1e9)
+    kw = layout.plan_kwargs(cfg, sh, device_bytes)
+    if cfg.mesh != MeshConfig():
+        mesh = resolve_mesh(cfg, num_devices)
+        plans = [p for p in layout.pick_mesh(tcfg, num_devices, sh.Q, **kw) if p.mesh == mesh]
+        if not plans:
+            dp = mesh["data"] * mesh["fsdp"]
+            raise ConfigError(
+                f"{layout.mesh_overrides(mesh)}: the {sh.Q} questions per step do not split over "
+                f"data x fsdp = {dp} devices; {layout.fit_advice(cfg, tcfg, sh, num_devices, device_bytes)}"
+            )
+    else:
+        plans = layout.pick_mesh(tcfg, num_devices, sh.Q, **kw)
+    if not plans or not plans[0].fits:
+        advice = layout.fit_advice(cfg, tcfg, sh, num_devices, device_bytes)
+        if plans:  # the figures of the layout that comes closest
+            raise not_fitting_error(Plan("", min(plans, key=lambda p: p.peak), advice))
+        raise ConfigError(advice)
+    return plans[0]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cppo_jax.plan --config C [--devices 8 --device-memory-gb 80] key=value ...`."""
+    """`python -m cppo_jax.plan --config C [--devices 8 --device-memory-gb 80] key=value ...`.
+
+    Exit status: 0 when the plan fits (or the device memory is unknown), 1 when it does not fit
+    (the report says what does), 2 on a config error. `--pick-mesh` prints only the mesh overrides
+    to use on `--devices` devices of `--device-memory-gb` GB (what launch/gpu_node.sh runs).
+    """
     import argparse
     import sys
 
     from cppo_jax.config import load_config
 
     parser = argparse.ArgumentParser(
-        prog="python -m cppo_jax.plan", description=plan_report.__doc__
+        prog="python -m cppo_jax.plan",
+        description=__doc__ + "\n" + (main.__doc__ or ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="a configs/*.py file defining get_config()")
     parser.add_argument("--devices", type=int, help="plan for this many devices (default: these)")
     parser.add_argument("--device-memory-gb", type=float, help="memory of one planned device, GB")
+    parser.add_argument(
+        "--pick-mesh",
+        action="store_true",
+        help="print the mesh overrides that divide the questions and fit (needs --devices and "
+        "--device-memory-gb); exit 2 with the plan's figures when none does",
+    )
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.pick_mesh and (args.devices is None or args.device_memory_gb is None):
+        parser.error("--pick-mesh needs --devices N and --device-memory-gb GB")
     try:
         cfg = load_config(args.config, args.overrides)
-        print(plan_report(cfg, args.devices, args.device_memory_gb))
+        if args.pick_mesh:
+            chosen = choose_mesh(cfg, args.devices, args.device_memory_gb)
+            print(layout.mesh_overrides(chosen.mesh))
+            print(
+                f"mesh for {args.devices} x {args.device_memory_gb:g} GB: "
+                f"{layout.mesh_overrides(chosen.mesh)} (peak {_gib(chosen.peak)} per device)",
+                file=sys.stderr,
+            )
+            return 0
+        plan = plan_run(cfg, args.devices, args.device_memory_gb)
+        print(plan.text)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if plan.memory is not None and plan.memory.fits is False:
+        print(f"error: {not_fitting_error(plan)}", file=sys.stderr)
+        return 1
     return 0
 
 

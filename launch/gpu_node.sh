@@ -15,7 +15,9 @@
 # --config CONFIG rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ..., (3) stop the server when
 # the trainer exits (also on errors and Ctrl-C). The server listens on 127.0.0.1 only: its weight-reload
 # routes are unauthenticated.
-# --dry-run prints the commands without running anything.
+# The trainer's mesh is `python -m cppo_jax.plan --pick-mesh` for the N-1 GPUs of GPU_MEMORY_GB GB each
+# (default: nvidia-smi's, else 80): one that divides the questions per step and fits, or a refusal with
+# the plan's figures and the layouts that fit. --dry-run prints the commands without running anything.
 set -euo pipefail
 
 DRY_RUN=0
@@ -34,7 +36,7 @@ while [[ $# -gt 0 ]]; do
         --gpus) GPUS="$2"; shift 2 ;;
         --weights-dir) WEIGHTS_DIR="$2"; shift 2 ;;
         --) shift; OVERRIDES=("$@"); break ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "$0: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -54,13 +56,24 @@ TRAIN_GPUS="$(seq -s, 1 $(( GPUS - 1 )))"
 PID_FILE="${TMPDIR:-/tmp}/cppo_vllm_$PORT.pid"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 
+if [[ -z "${GPU_MEMORY_GB:-}" ]]; then
+    GPU_MEMORY_GB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 1 2>/dev/null \
+        | awk '{printf "%.0f", $1 * 1.048576 / 1000}')" || true
+fi
+MESH_LINE="$("$PY" -m cppo_jax.plan --pick-mesh --config "$CONFIG" --devices $(( GPUS - 1 )) \
+    --device-memory-gb "${GPU_MEMORY_GB:-80}" "model.path=$MODEL" "${OVERRIDES[@]}")" || {
+    echo "$0: no trainer mesh fits $(( GPUS - 1 )) GPUs of ${GPU_MEMORY_GB:-80} GB (see above); --gpus is one more than the trainer's GPUs" >&2
+    exit 2
+}
+read -r -a MESH <<< "$MESH_LINE"
+
 SERVER=(env CUDA_VISIBLE_DEVICES=0 VLLM_DTYPE="${VLLM_DTYPE:-float32}"
         VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-4096}" VLLM_PID_FILE="$PID_FILE"
         "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching)
 TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" CPPO_VLLM_URL="$URL"
          "$PY" -m cppo_jax.launch --config "$CONFIG"
          rollout.backend=vllm "rollout.vllm_url=$URL" "rollout.weights_dir=$WEIGHTS_DIR"
-         "model.path=$MODEL" "${OVERRIDES[@]}")
+         "model.path=$MODEL" "${MESH[@]}" "${OVERRIDES[@]}")
 
 show() {  # print a command, quoting only what needs it
     local out="+" a

@@ -10,7 +10,7 @@
 # arguments: on a TPU VM JAX reads the coordinator, the worker count and this worker's id from the TPU
 # metadata. DIR (default ~/cppo_jax) must hold this repository and its .venv on every worker, e.g. copied
 # with `gcloud compute tpus tpu-vm scp --recurse --worker=all`. Only process 0 (worker 0) writes logs and
-# exports; out_dir should be a bucket or a disk every worker can write checkpoints to.
+# exports; trainer.out_dir must be a folder every worker can write (a shared disk, a gcsfuse mount).
 # --dry-run prints the command without running anything.
 set -euo pipefail
 

@@ -59,3 +59,12 @@ def build_arith_model_dir(out: Path, hidden: int = 32, layers: int = 2, seed: in
 @pytest.fixture(scope="session")
 def arith_model_dir(tmp_path_factory) -> Path:
     return build_arith_model_dir(tmp_path_factory.mktemp("arith_model") / "model")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The list tests/test_documented_commands.py ran, with what happened to each command."""
+    lines = getattr(config, "documented_commands", None)
+    if lines:
+        terminalreporter.section("documented commands")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,10 +1,21 @@
-"""Dry runs of the paper configs without weights, and the clear errors for what they require."""
+"""Dry runs of the paper configs without reading weights; a dry run fails exactly when the run would.
+
+The paper's model folders are stood in for by `model_folder`: the released config.json, a safetensors
+file whose header lists every tensor at its real shape (sparse on disk: nothing is stored) and a tiny
+tokenizer with a chat template. A dry run reads headers, never tensor data, so it plans the real sizes.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import struct
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cppo_jax import launch, plan
@@ -52,9 +63,54 @@ PARAMS_1P5B, PARAMS_7B = 1_543_714_304, 7_615_616_512
 
 
 def _fake_model(tmp_path: Path, name: str, config: dict) -> Path:
+    """A folder with config.json only (enough for `plan.plan_report`, not for a dry run)."""
     folder = tmp_path / name
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def write_sparse_safetensors(folder: Path, config: dict, skip: tuple[str, ...] = ()) -> Path:
+    """model.safetensors with every tensor `config` needs in its header (bf16) and no data written:
+    the file is extended to its full length, a hole on disk."""
+    from cppo_jax.models.hf_io import name_table
+    from cppo_jax.models.transformer import TransformerConfig
+
+    header, offset = {}, 0
+    for entry in name_table(TransformerConfig.from_hf_dict(config)):
+        if entry.hf_name in skip:
+            continue
+        size = 2 * int(np.prod(entry.hf_shape))
+        header[entry.hf_name] = {
+            "dtype": "BF16",
+            "shape": list(entry.hf_shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path = folder / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    return path
+
+
+_TOKENIZER: dict[str, Path] = {}
+
+
+def model_folder(parent: Path, name: str, config: dict, chat_template: bool = True) -> Path:
+    """A stand-in for a released model folder (see the module docstring)."""
+    from tests.helpers import make_tokenizer_dir
+
+    if chat_template not in _TOKENIZER or not _TOKENIZER[chat_template].is_dir():
+        tok_root = parent / f"_tokenizer_{chat_template}"
+        kw = {} if chat_template else {"chat_template": None}
+        _TOKENIZER[chat_template] = make_tokenizer_dir(tok_root, **kw)
+    folder = _fake_model(parent, name, config)
+    for f in _TOKENIZER[chat_template].iterdir():
+        shutil.copy(f, folder / f.name)
+    write_sparse_safetensors(folder, config)
     return folder
 
 
@@ -72,19 +128,19 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_gsm8k_1p5b_dry_run_without_weights(tmp_path):
-    model = _fake_model(tmp_path, "Qwen2.5-1.5B-Instruct", QWEN25_1P5B)
-    text = _dry_run(GSM8K, [f"model.path={model}"])
+    model = model_folder(tmp_path, "Qwen2.5-1.5B-Instruct", QWEN25_1P5B)
+    text = _dry_run(GSM8K, [f"model.path={model}", "trainer.eval_size=8"])
     assert f"{PARAMS_1P5B:,} parameters" in text and "config.json" in text
     assert "tied embeddings" in text
     assert "7473 records" in text and "1319 records" in text
-    assert "prompts not tokenized" in text
+    assert "train prompts: 7473 tokenized" in text and "chat template yes" in text
     assert "Q=8 questions/step" in text and "G=16, k=2, M=16" in text
     assert "P=512 prompt + C=1024 completion" in text
     assert "935 per epoch of 7473 questions" in text and "1870 optimizer updates" in text
 
 
 def test_math7b_dry_run_without_weights(tmp_path):
-    model = _fake_model(tmp_path, "m", QWEN25_7B)
+    model = model_folder(tmp_path, "m", QWEN25_7B)
     train = _jsonl(
         tmp_path / "math_train.jsonl",
         [
@@ -117,6 +173,7 @@ def test_dry_run_tokenizes_prompts_when_the_folder_has_a_tokenizer(tmp_path):
 
     model = _fake_model(tmp_path, "model", QWEN25_1P5B)
     build_tokenizer(model, corpus_examples=100)
+    write_sparse_safetensors(model, QWEN25_1P5B)
     rows = [
         {"question": f"Tom has {i} pens. How many?", "answer": f"so\n#### {i}"} for i in range(9)
     ]
@@ -140,7 +197,7 @@ def test_model_path_is_required(capsys):
 
 
 def test_math_train_placeholder_is_refused_after_the_plan(tmp_path, capsys):
-    model = _fake_model(tmp_path, "m", QWEN25_7B)
+    model = model_folder(tmp_path, "m", QWEN25_7B)
     assert (
         launch.main(["--config", MATH7B, f"model.path={model}"]) == 2
     )  # a real run: refused first
@@ -158,8 +215,171 @@ def test_math_train_placeholder_is_refused_after_the_plan(tmp_path, capsys):
 
 
 def test_dry_run_rejects_a_micro_batch_that_does_not_divide_the_kept_sequences(tmp_path):
-    model = _fake_model(tmp_path, "m", QWEN25_7B)
+    model = model_folder(tmp_path, "m", QWEN25_7B)
     overrides = [f"model.path={model}", "data.train=gsm8k", "cppo.allocation=false"]
     overrides += ["cppo.pruning_rate=0.5", "trainer.micro_batch=16"]  # M = 3 x 8 = 24
     with pytest.raises(ConfigError, match="'trainer.micro_batch' = 16.*24 kept sequences"):
         _dry_run(MATH7B, overrides)
+
+
+# ---- A dry run fails exactly when the run would fail on start (issue #16). ----
+
+
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = launch.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dry_run_refuses_a_misspelled_model_path(tmp_path, capsys):
+    model = model_folder(tmp_path, "Qwen2.5-1.5B-Instruct", QWEN25_1P5B)
+    typo = str(model).replace("Instruct", "Instuct")
+    code, out, err = _main(capsys, "--config", GSM8K, f"model.path={typo}", "trainer.dry_run=true")
+    assert code == 2 and "plan:" not in out  # refused before any data is loaded
+    assert f"config key 'model.path' = '{typo}': no such folder" in err
+    code, _, err = _main(capsys, "--config", GSM8K, f"model.path={typo}")  # the real run: the same
+    assert code == 2 and "no such folder" in err
+    # A folder without weights, and one that lacks a tensor config.json needs.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(QWEN25_1P5B))
+    code, _, err = _main(
+        capsys, "--config", GSM8K, f"model.path={tmp_path / 'empty'}", "trainer.dry_run=true"
+    )
+    assert code == 2 and "weight file model.safetensors not found" in err
+    write_sparse_safetensors(model, QWEN25_1P5B, skip=("model.layers.27.mlp.up_proj.weight",))
+    code, _, err = _main(capsys, "--config", GSM8K, f"model.path={model}", "trainer.dry_run=true")
+    assert code == 2 and "tensor model.layers.27.mlp.up_proj.weight is missing" in err
+
+
+def test_dry_run_refuses_a_tokenizer_without_a_chat_template(tmp_path, capsys):
+    bare = model_folder(tmp_path, "base", QWEN25_1P5B, chat_template=False)
+    code, _, err = _main(capsys, "--config", GSM8K, f"model.path={bare}", "trainer.dry_run=true")
+    assert (
+        code == 2
+        and f"config key 'model.path' = '{bare}': the tokenizer has no chat template" in err
+    )
+    for f in bare.glob("tokenizer*"):
+        f.unlink()
+    code, _, err = _main(capsys, "--config", GSM8K, f"model.path={bare}", "trainer.dry_run=true")
+    assert code == 2 and "no tokenizer there" in err
+    good = model_folder(tmp_path, "instruct", QWEN25_1P5B)
+    small = _jsonl(tmp_path / "g.jsonl", [{"question": "1 + 1?", "answer": "#### 2"}] * 8)
+    argv = ["--config", GSM8K, f"model.path={bare}", f"model.tokenizer={good}"]
+    argv += ["trainer.dry_run=true", f"data.train={small}", f"data.test={small}"]
+    assert _main(capsys, *argv)[0] == 0  # the tokenizer may come from elsewhere
+
+
+def test_dry_run_refuses_an_unknown_reward(tmp_path, capsys):
+    model = model_folder(tmp_path, "m", QWEN25_1P5B)
+    argv = ["--config", GSM8K, f"model.path={model}", "trainer.dry_run=true"]
+    code, _, err = _main(capsys, *argv, "reward.funcs=gsm8k_accuracy,gsm8k_fromat")
+    assert (
+        code == 2 and "config key 'reward.funcs'" in err and "unknown reward 'gsm8k_fromat'" in err
+    )
+    assert "gsm8k_format" in err  # the known names are listed
+    code, _, err = _main(capsys, *argv, "reward.funcs=nosuchmodule.rewards:f,gsm8k_format")
+    assert code == 2 and "cannot import module 'nosuchmodule.rewards'" in err
+
+
+def test_dry_run_checks_the_mesh_and_the_memory_of_the_planned_devices(tmp_path, capsys):
+    model = model_folder(tmp_path, "m", QWEN25_7B)
+    rows = [{"problem": f"{i} + 1?", "solution": f"$\\boxed{{{i + 1}}}$"} for i in range(48)]
+    train = _jsonl(tmp_path / "t.jsonl", rows)
+    argv = [
+        "--config",
+        MATH7B,
+        f"model.path={model}",
+        f"data.train={train}",
+        "trainer.dry_run=true",
+        "trainer.eval_size=8",
+    ]
+    machine = ["--devices", "4", "--device-memory-gb", "80"]
+    # The mesh must cover the devices the run gets.
+    code, _, err = _main(capsys, *argv, "mesh.data=1", "mesh.fsdp=3", *machine)
+    assert code == 2 and "mesh.data=1 x mesh.fsdp=3 x mesh.tensor=1 = 3 devices" in err
+    # Pure data parallelism on 4 x 80 GB: a whole 7B copy with AdamW per device does not fit; the
+    # error gives the plan's figures and the layout of these 4 devices that fits.
+    code, out, err = _main(capsys, *argv, *machine)
+    assert code == 2 and "fits: no" in out
+    assert "the memory plan does not fit: peak" in err and "on mesh mesh.data=4 mesh.fsdp=1" in err
+    assert "on these 4 devices mesh.data=1 mesh.fsdp=4 mesh.tensor=1 fits" in err
+    code, out, _ = _main(capsys, *argv, *machine, "mesh.data=1", "mesh.fsdp=4")
+    assert code == 0 and "fits: yes" in out
+    # --devices plans a machine: a real run refuses it.
+    code, _, err = _main(
+        capsys, "--config", MATH7B, f"model.path={model}", f"data.train={train}", *machine
+    )
+    assert code == 2 and "give them with trainer.dry_run=true" in err
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/runs", "s3://b/r", "file:///tmp/runs"])
+def test_a_remote_out_dir_is_refused_before_any_work(tmp_path, capsys, monkeypatch, url):
+    """Not a local folder named 'gs:' on every worker: a clear error before anything is loaded."""
+    monkeypatch.chdir(tmp_path)
+    for dry in ("true", "false"):
+        argv = ["--config", "tiny_cpu.py", f"trainer.out_dir={url}", f"trainer.dry_run={dry}"]
+        code, out, err = _main(capsys, *argv)
+        assert code == 2 and out == ""
+        assert f"config key 'trainer.out_dir' = '{url}' is invalid" in err
+        assert "mount the bucket" in err
+    assert list(tmp_path.iterdir()) == []  # nothing created, no 'gs:' folder
+
+
+def _gpu_node(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_MEMORY_GB"}
+    env["PATH"] = "/usr/bin:/bin"  # no nvidia-smi here: the default 80 GB per GPU
+    return subprocess.run(
+        ["bash", "launch/gpu_node.sh", "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_gpu_node_picks_a_trainer_mesh_that_fits_or_refuses_with_the_plan():
+    seven_b = ["--model", "/models/Qwen2.5-7B-Instruct", "--config", "configs/math7b.py"]
+    # The default 8 GPUs leave 7 for the trainer: 7 divides no Q of the 7B config and no
+    # 7-device layout holds it; refused, naming the layouts that fit.
+    out = _gpu_node(*seven_b, "--", "data.train=/data/math/train.jsonl")
+    assert out.returncode == 2 and "+ env" not in out.stdout
+    assert "no layout of 7 devices fits" in out.stderr
+    assert "4 devices with mesh.data=1 mesh.fsdp=4 mesh.tensor=1" in out.stderr
+    assert "--gpus is one more than the trainer's GPUs" in out.stderr
+    # 5 GPUs: 4 trainer GPUs with the 7B state sharded over fsdp.
+    out = _gpu_node(*seven_b, "--gpus", "5", "--", "data.train=/data/math/train.jsonl")
+    assert out.returncode == 0, out.stderr
+    trainer = next(ln for ln in out.stdout.splitlines() if "cppo_jax.launch" in ln)
+    argv = shlex.split(trainer[2:])
+    assert "CUDA_VISIBLE_DEVICES=1,2,3,4" in argv
+    assert argv[-4:] == [
+        "mesh.data=1",
+        "mesh.fsdp=4",
+        "mesh.tensor=1",
+        "data.train=/data/math/train.jsonl",
+    ]
+
+
+def test_every_entry_point_finds_a_config_by_its_bare_name(tmp_path, capsys, monkeypatch):
+    """`--config math7b.py` (what users are told to type) from any folder: launch, plan, evaluate."""
+    from cppo_jax import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", "math7b.py", "--devices", "4", "--device-memory-gb", "80"]
+    assert plan.main([*argv, "mesh.data=1", "mesh.fsdp=4", "trainer.micro_batch=16"]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+    code, _, err = _main(capsys, "--config", "math7b.py", "trainer.dry_run=true")
+    assert code == 2 and "model.path is required" in err  # found and loaded, then refused
+    warm = str(ROOT / "cppo_jax" / "assets" / "tiny_arith")
+    args = ["--config", "tiny_cpu.py", "--checkpoint", warm, "--dry-run", "--limit", "4"]
+    assert evaluate.main(args) == 0
+    out = capsys.readouterr().out
+    assert "dry run: would evaluate model folder" in out and "arith: 4 questions" in out
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+    broken = model_folder(tmp_path, "m", QWEN25_1P5B)
+    write_sparse_safetensors(broken, QWEN25_1P5B, skip=("model.norm.weight",))
+    assert (
+        evaluate.main(["--config", "gsm8k_1p5b.py", "--checkpoint", str(broken), "--dry-run"]) == 2
+    )
+    assert "tensor model.norm.weight is missing" in capsys.readouterr().err

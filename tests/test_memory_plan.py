@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from cppo_jax import plan
 from cppo_jax import step as step_lib
@@ -102,7 +103,85 @@ def test_plan_command_prints_the_plan_for_a_machine_we_do_not_have(capsys):
     text = capsys.readouterr().out
     assert "mesh: data=1 fsdp=8 tensor=1 (config 1/8/1) over 8 planned device(s)" in text
     assert "7,615,616,512 parameters" in text and "fits: yes" in text
-    assert plan.main([*args, "mesh.data=8"]) == 0
-    assert "fits: no" in capsys.readouterr().out  # pure data parallelism: a whole copy per GPU
+    assert plan.main([*args, "mesh.data=8"]) == 1  # pure data parallelism: a whole copy per GPU
+    out = capsys.readouterr()
+    assert "fits: no" in out.out and "the memory plan does not fit" in out.err
+    assert "on these 8 devices mesh.data=2 mesh.fsdp=4 mesh.tensor=1 fits" in out.err
     assert plan.main([*args, "mesh.data=16"]) == 2
     assert "plan is for 8" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MATH7B = str(ROOT / "configs" / "math7b.py")
+GSM8K = str(ROOT / "configs" / "gsm8k_1p5b.py")
+
+
+def test_the_plan_names_an_axis_that_cannot_shard_a_dimension(capsys):
+    """Qwen2.5-7B's 3584-wide embedding on mesh.fsdp=3: 3584 = 2^9 x 7 is not a multiple of 3."""
+    args = ["--config", MATH7B, "--device-memory-gb", "80"]
+    assert plan.main([*args, "--devices", "3", "mesh.data=1", "mesh.fsdp=3"]) == 1
+    out = capsys.readouterr()
+    assert (
+        "not sharded: mesh.fsdp=3 does not shard the embed dimension (3584 is not a multiple of 3)"
+        in out.out
+    )
+    assert "(sizes that divide 3584: 2, 4, 7, 8, 14, 16, 28, 32)" in out.out
+    # No layout of 3 such devices fits the 7B run; the error says which device counts do.
+    assert "no layout of 3 devices fits" in out.err
+    assert "4 devices with mesh.data=1 mesh.fsdp=4 mesh.tensor=1" in out.err
+    # tensor=7 splits the 28 query heads but not the 4 key/value heads nor the 18944-wide MLP.
+    assert plan.main([*args, "--devices", "7", "mesh.tensor=7"]) == 1
+    text = capsys.readouterr().out
+    assert "mesh.tensor=7 does not shard the kv_heads dimension (4 is not a multiple of 7)" in text
+    assert "mesh.tensor=7 does not shard the mlp dimension (18944" in text
+    assert "q_heads dimension" not in text
+
+
+def _pick(capsys, config: str, devices: int, *overrides: str) -> tuple[int, str, str]:
+    argv = ["--pick-mesh", "--config", config, "--devices", str(devices)]
+    code = plan.main([*argv, "--device-memory-gb", "80", *overrides])
+    out = capsys.readouterr()
+    return code, out.out.strip(), out.err
+
+
+def _mesh(line: str) -> dict[str, int]:
+    pairs = dict(item.split("=") for item in line.split())
+    return {k.removeprefix("mesh."): int(v) for k, v in pairs.items()}
+
+
+@pytest.mark.parametrize(
+    "config, devices, overrides, want",
+    [
+        (GSM8K, 8, (), {"data": 8, "fsdp": 1, "tensor": 1}),  # Q = 8: pure data parallel fits
+        (GSM8K, 7, (), {"data": 1, "fsdp": 1, "tensor": 7}),  # 7 does not divide Q = 8
+        (MATH7B, 4, (), {"data": 1, "fsdp": 4, "tensor": 1}),  # 7B needs its state sharded
+        (MATH7B, 8, (), {"data": 2, "fsdp": 4, "tensor": 1}),
+        # GRPO, Q = 3: data x fsdp must divide 3, so 4 devices split heads and MLP over tensor.
+        (
+            MATH7B,
+            4,
+            ("cppo.pruning_rate=0", "trainer.micro_batch=16"),
+            {"data": 1, "fsdp": 1, "tensor": 4},
+        ),
+    ],
+)
+def test_pick_mesh_divides_the_questions_and_fits(capsys, config, devices, overrides, want):
+    code, line, err = _pick(capsys, config, devices, *overrides)
+    assert code == 0, err
+    assert _mesh(line) == want and "peak" in err
+    # What it picked is what the plan says fits, on exactly these devices.
+    argv = ["--config", config, "--devices", str(devices), "--device-memory-gb", "80"]
+    assert plan.main([*argv, *overrides, *line.split()]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+
+def test_pick_mesh_refuses_with_the_plans_figures_and_a_layout_that_fits(capsys):
+    code, line, err = _pick(capsys, MATH7B, 7)  # gpu_node.sh's default: 8 GPUs, 7 for the trainer
+    assert code == 2 and line == ""
+    assert "the memory plan does not fit: peak" in err and "GiB per device of 74.51 GiB" in err
+    assert "4 devices with mesh.data=1 mesh.fsdp=4 mesh.tensor=1" in err
+    # A mesh given by the user is kept and checked, not replaced.
+    code, line, _ = _pick(capsys, MATH7B, 8, "mesh.data=1", "mesh.fsdp=-1")
+    assert code == 0 and _mesh(line) == {"data": 1, "fsdp": 8, "tensor": 1}
+    code, _, err = _pick(capsys, MATH7B, 8, "mesh.data=8")
+    assert code == 2 and "on these 8 devices mesh.data=2 mesh.fsdp=4 mesh.tensor=1 fits" in err

@@ -477,7 +477,7 @@ def test_gpu_node_dry_run():
         "launch/gpu_node.sh",
         "--dry-run",
         "--model",
-        "/models/Qwen2.5-7B-Instruct",
+        "/models/Qwen2.5-1.5B-Instruct",
         "--config",
         "configs/gsm8k_1p5b.py",
         "--",
@@ -486,9 +486,9 @@ def test_gpu_node_dry_run():
     assert "CUDA_VISIBLE_DEVICES=0" in text and "launch/vllm_server.sh" in text
     assert "CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7" in text and "cppo_jax.launch" in text
     assert "rollout.backend=vllm" in text and "rollout.vllm_url=http://127.0.0.1:" in text
-    assert "model.path=/models/Qwen2.5-7B-Instruct" in text and "trainer.steps=5" in text
-    assert "--model /models/Qwen2.5-7B-Instruct" not in text  # the server gets it positionally
-    assert "/models/Qwen2.5-7B-Instruct 8011" in text
+    assert "model.path=/models/Qwen2.5-1.5B-Instruct" in text and "trainer.steps=5" in text
+    assert "--model /models/Qwen2.5-1.5B-Instruct" not in text  # the server gets it positionally
+    assert "/models/Qwen2.5-1.5B-Instruct 8011" in text
 
 
 def test_tiny_cpu_vllm_config(monkeypatch):
