@@ -371,7 +371,8 @@ class Trainer:
             rows = slice(own.start * sh.G, own.stop * sh.G)
             texts = self._decode(tokens_NC[rows], valid_NC[rows])
             solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
-            total_N, per_fn, rstats = self.rewards.score(texts, solutions, only=cfg.reward.funcs)
+            train_fns = cfg.reward.funcs  # not the evaluation rules
+            total_N, per_fn, rstats = self.rewards.score(texts, solutions, train_fns)
             total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
             per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
         rewards_QG = total_N.reshape(sh.Q, sh.G)
@@ -570,7 +571,7 @@ class Trainer:
             got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
             texts.extend(got[: min(batch_size, n - lo)])
         solutions = [ex["solution"] for ex in prompts.examples]
-        _, per_fn, _ = self.rewards.score(texts, solutions, only=list(self.eval_rules))
+        _, per_fn, _ = self.rewards.score(texts, solutions, list(self.eval_rules))
         acc = {
             f"accuracy_{name.split('/')[1]}": float(np.mean(np.asarray(v) > 0))
             for name, v in per_fn.items()

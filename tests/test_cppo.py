@@ -422,3 +422,31 @@ def test_nonfinite_questions_in_graph():
     r = jnp.array([[0.0, 1.0], [jnp.nan, 1.0], [2.0, jnp.inf], [3.0, 3.0]])
     got = jax.jit(cppo.nonfinite_questions)(r)
     np.testing.assert_array_equal(got, [False, True, True, False])
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 0.75, 0.875, 0.9375])
+@pytest.mark.parametrize(("name", "processes"), [("gsm8k_1p5b.py", 1), ("math7b.py", 3)])
+def test_paper_configs_match_the_released_settings(name, processes, p):
+    """The paper configs at each of the paper's rates train what the released TRL fork trained.
+
+    The fork (scripts/CPPO*.sh): `processes` GPUs of 16 completions each; with allocation each draws
+    16 / int(G (1 - p)) questions of G = 16 and keeps 16 completions of its slice (drops int(N p)).
+    """
+    from cppo_jax.config import load_config
+    from cppo_jax.trainer import shapes_of
+
+    cfg = load_config(name, [f"cppo.pruning_rate={p}"])
+    a = cfg.cppo
+    assert (a.scope, a.processes, a.metric, a.allocation) == (
+        "process",
+        processes,
+        "smallest",
+        True,
+    )
+    assert (a.num_generations, a.mu, a.beta, a.eps_low, a.eps_high) == (16, 2, 0.04, 0.2, 0.2)
+    assert (a.adv_scale, a.adv_eps, a.loss_type) == ("group", 1e-4, "token_mean")
+    assert cfg.reward.weights == (1.0, 1.0) and cfg.eval.rule == "released"
+    sh = shapes_of(cfg)
+    k_fork = int(16 * (1 - p))  # the fork's num_generations with allocation
+    assert processes * (16 // k_fork) == sh.Q
+    assert processes * 16 == sh.M  # each process trains its 16 completions

@@ -169,6 +169,14 @@ def test_released_evaluation_rule(text, expected):
     assert gsm8k.eval_released(text, GOLD_1800) == float(expected)
 
 
+def test_released_rule_never_raises_on_a_gold_that_is_not_a_number():
+    """The released loop stops counting its batch when float(gold) raises; here the question is only
+    judged (exact match still counts)."""
+    assert gsm8k.released_correct(completion("five"), "#### five") is True
+    assert gsm8k.released_correct(completion("six"), "#### five") is False
+    assert gsm8k.released_correct("no tags, 5", "#### five") is False
+
+
 def test_released_rule_is_more_lenient_than_the_accuracy_reward():
     lenient_only = [completion("18 + 2 = 1800"), "she pays $1800"]
     for text in lenient_only:
