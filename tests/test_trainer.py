@@ -407,3 +407,33 @@ def test_rewards_see_text_decoded_with_special_tokens_skipped(arith_model_dir):
     # Kept, the marker would break the format reward: what the old decoding did.
     kept = tok.decode([int(t) for t in tokens_NC[1][valid_NC[1]]])
     assert kept.startswith("<|im_start|>") and gsm8k.format_reward(kept) == 0.0
+
+
+def test_prompt_comes_from_data_system_prompt_and_prompt_format(tmp_path, arith_model_dir):
+    """The prompt the trainer encodes: the configured system prompt through the chat template, none
+    when it is empty, or the plain format without a template; a bad format names the key."""
+    from cppo_jax import pipeline
+    from cppo_jax.config import ConfigError
+    from cppo_jax.models import Tokenizer
+
+    tok = Tokenizer.from_dir(arith_model_dir)
+    ex = [{"question": "What is 2 + 3?", "solution": "#### 5", "answer": "5"}]
+
+    def prompt(*overrides):
+        d = small_config(tmp_path, arith_model_dir, "data.max_prompt_len=200", *overrides).data
+        enc = pipeline.encode_prompts(
+            ex, tok, d.task, d.max_prompt_len, d.long_prompts, d.system_prompt, d.prompt_format
+        )
+        return tok.decode([int(t) for t in enc.ids_nP[0][enc.valid_nP[0]]])
+
+    default = prompt()
+    assert "<|im_start|>system\nThink in <think> </think>" in default  # the task's own (None)
+    custom = prompt("data.system_prompt=Answer briefly.")
+    assert "<|im_start|>system\nAnswer briefly.<|im_end|>" in custom
+    assert "<|im_start|>system" not in prompt("data.system_prompt=")
+    assert custom.endswith("<|im_start|>assistant\n")
+    assert prompt("data.system_prompt=Be brief.", "data.prompt_format=plain") == (
+        "Be brief.\nWhat is 2 + 3?\n"
+    )
+    with pytest.raises(ConfigError, match="data.prompt_format.*'chat', 'plain'"):
+        small_config(tmp_path, arith_model_dir, "data.prompt_format=jinja")
