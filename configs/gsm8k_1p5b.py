@@ -28,6 +28,7 @@ from cppo_jax.config import (
     Config,
     CPPOConfig,
     DataConfig,
+    EvalConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -35,6 +36,7 @@ from cppo_jax.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT
 
 
 def get_config() -> Config:
@@ -47,6 +49,8 @@ def get_config() -> Config:
             split_train="train",
             split_test="test",
             max_prompt_len=512,
+            system_prompt=GSM8K_SYSTEM_PROMPT,  # the released recipe's, byte for byte
+            prompt_format="chat",
             long_prompts="truncate",
             seed=42,
         ),
@@ -57,7 +61,8 @@ def get_config() -> Config:
             pruning_rate=0.875,
             allocation=True,
             metric="smallest",
-            scope="question",
+            scope="process",  # the released TRL fork's pruning, which produced the paper's tables
+            processes=1,  # its training processes (GPUs)
             mu=2,
             beta=0.04,
             eps_low=0.2,
@@ -84,5 +89,6 @@ def get_config() -> Config:
             eval_every=0,
             eval_size=0,
         ),
+        eval=EvalConfig(rule="released"),  # the rule behind the paper's accuracies
         logging=LoggingConfig(progress=True, samples_per_log=2),
     )

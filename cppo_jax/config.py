@@ -89,6 +89,8 @@ class DataConfig:
     num_test: int = 256  # arith only: generated held-out problems
     val_size: int = 0  # questions held out of train for in-training validation
     max_prompt_len: int = 64
+    system_prompt: str | None = None  # None: the task's own (cppo_jax/tasks/prompts.py); "": none
+    prompt_format: str = "chat"  # "chat": the tokenizer's chat template; "plain": no template
     long_prompts: str = "truncate"  # or "reject"
     bad_rows: str = "skip"  # or "error"
     shuffle: bool = True
@@ -97,6 +99,7 @@ class DataConfig:
     def __post_init__(self):
         _choice("data.task", self.task, ("arith", "gsm8k", "math"))
         _choice("data.long_prompts", self.long_prompts, ("truncate", "reject"))
+        _choice("data.prompt_format", self.prompt_format, ("chat", "plain"))
         _choice("data.bad_rows", self.bad_rows, ("skip", "error"))
         _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "> 0")
         _check(self.num_train > 0, "data.num_train", self.num_train, "> 0")
@@ -151,7 +154,8 @@ class CPPOConfig:
     pruning_rate: float = 0.0  # p
     allocation: bool = False  # draw floor(b / (1 - p)) questions
     metric: str = "smallest"  # drop the smallest |A|; "largest" and "random" are ablations
-    scope: str = "question"  # "batch" reproduces the authors' released code
+    scope: str = "question"  # "question" (the paper), "process" (the TRL fork), "batch" (verl)
+    processes: int = 1  # scope="process": slices of the step ranked separately
     adv_scale: str = "group"  # "batch" or "none" (Dr. GRPO)
     adv_eps: float = 1e-4
     mu: int = 1  # policy updates per generation
@@ -168,7 +172,8 @@ class CPPOConfig:
         )
         _check(0 <= self.pruning_rate < 1, "cppo.pruning_rate", self.pruning_rate, "in [0, 1)")
         _choice("cppo.metric", self.metric, ("smallest", "largest", "random"))
-        _choice("cppo.scope", self.scope, ("question", "batch"))
+        _choice("cppo.scope", self.scope, ("question", "process", "batch"))
+        _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
         _choice("cppo.adv_scale", self.adv_scale, ("group", "batch", "none"))
         _choice("cppo.loss_type", self.loss_type, ("token_mean", "seq_mean", "dr_grpo", "dapo"))
         _check(self.adv_eps > 0, "cppo.adv_eps", self.adv_eps, "> 0")
@@ -284,6 +289,16 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    rule: str = (
+        "strict"  # the headline accuracy: "released" (spec section 4) or "strict" (reward > 0)
+    )
+
+    def __post_init__(self):
+        _choice("eval.rule", self.rule, ("released", "strict"))
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     progress: bool = True
     tensorboard: bool = True
@@ -301,6 +316,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     mesh: MeshConfig = MeshConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):

@@ -7,8 +7,9 @@ One CPPO step, in order (docs/CPPO_SPEC.md section 1):
 3. Score them: rewards_QG (`check_rewards` on the host, `nonfinite_questions` in the graph).
 4. Group advantages A = (r - group mean) / (std + eps), std with ddof=1 (`group_advantages`).
 5. Prune: keep per question the k = max(1, floor(G (1 - p))) completions with the largest |A|
-   (`num_kept`, `keep_indices`, `gather_kept`); `keep_indices_batch` is the released code's
-   one top-k over the whole flattened batch (`pruning.scope = "batch"`).
+   (`num_kept`, `keep_indices`, `gather_kept`). The released code ranks wider: the TRL fork one top-k
+   over each process's slice of the step (`keep_indices_process`, `cppo.scope = "process"`), the verl
+   recipe one over the whole flattened batch (`keep_indices_batch`, `cppo.scope = "batch"`).
 6. Reference and old-policy forward passes on the kept Q * k completions only.
 7. mu policy updates on the kept completions (the loss lives in `cppo_jax.loss`).
 
@@ -166,6 +167,45 @@ def keep_indices_batch(
     N = adv_N.shape[0]
     _check_k(n_keep, N)
     return jnp.sort(_rank(adv_N, metric, rng)[:n_keep])
+
+
+def num_kept_process(Q: int, G: int, processes: int, p) -> int:
+    """Kept completions per process slice (`scope="process"`): the TRL fork drops int(N_s p) of the
+    N_s = (Q / processes) G completions of each slice, so n = N_s - floor(N_s p) (exact arithmetic)."""
+    _check_group_size(G)
+    if processes < 1 or Q % processes:
+        raise ValueError(
+            f"processes must divide the Q={Q} questions of a step into equal slices, got {processes}"
+        )
+    n_s = Q // processes * G
+    return max(1, n_s - math.floor(n_s * _check_p(p)))
+
+
+def keep_indices_process(
+    adv_QG: jax.Array,
+    processes: int,
+    n_keep: int,
+    metric: str = "smallest",
+    rng: jax.Array | None = None,
+) -> jax.Array:
+    """idx_M (int32, M = processes * n_keep): `scope="process"`, the released TRL fork's pruning.
+
+    The Q questions are cut into `processes` contiguous slices (as the fork's per-process batches);
+    each slice ranks its (Q / processes) G completions together and keeps `n_keep` of them (pass
+    `num_kept_process`). Flat indices into Q * G, ascending. A group whose rewards are all equal has
+    |A| = 0 and so loses its completions first; an informative group may keep more than G (1 - p).
+    Same metrics and tie rule (lower index first) as `keep_indices`.
+    """
+    if adv_QG.ndim != 2:
+        raise ValueError(f"adv_QG must be [Q, G], got shape {adv_QG.shape}")
+    Q, G = adv_QG.shape
+    if processes < 1 or Q % processes:
+        raise ValueError(
+            f"processes must divide the Q={Q} questions of a step into equal slices, got {processes}"
+        )
+    adv_SX = adv_QG.reshape(processes, Q // processes * G)  # S slices of X completions
+    idx_SK = keep_indices(adv_SX, n_keep, metric=metric, rng=rng)
+    return (idx_SK + jnp.arange(processes, dtype=jnp.int32)[:, None] * adv_SX.shape[1]).reshape(-1)
 
 
 def gather_kept(*xs_QG, idx_QK: jax.Array):

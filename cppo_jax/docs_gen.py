@@ -74,6 +74,10 @@ MEANINGS: dict[str, str] = {
     "data.split_train": "Split of `data.train` to read.",
     "data.split_test": "Split of `data.test` to read.",
     "data.max_prompt_len": "Prompt slots P: prompts are left-padded (or cut) to this many tokens.",
+    "data.system_prompt": "System prompt; unset (None): the task's own (`cppo_jax/tasks/prompts.py`, the "
+    "released strings for gsm8k and math); an empty string: no system message.",
+    "data.prompt_format": "`chat`: the tokenizer's chat template over [system, user] (the released "
+    "code); `plain`: the system prompt and the question on their own lines, no template.",
     "data.long_prompts": "A prompt longer than `data.max_prompt_len`: `truncate` keeps its last tokens, "
     "`reject` raises an error naming the example.",
     "data.bad_rows": "A malformed data row: `skip` it (counted and reported) or raise an `error` naming "
@@ -105,8 +109,12 @@ MEANINGS: dict[str, str] = {
     "Q k is about b G (GRPO's trained batch).",
     "cppo.metric": "Which completions are pruned: `smallest` drops the smallest |A| (CPPO); `largest` "
     "and `random` are ablations.",
-    "cppo.scope": "`question`: keep k per question (the paper); `batch`: one top-|A| over the whole "
-    "batch, keeping floor(Q G (1 - p)) (the authors' released code).",
+    "cppo.scope": "`question`: keep k per question (the paper's text); `process`: one top-|A| over each "
+    "of `cppo.processes` slices of the step, dropping int(N p) of its N (the released TRL fork, which "
+    "produced the paper's tables); `batch`: one top-|A| over the whole batch, keeping floor(Q G (1 - p)) "
+    "(the released verl recipe). See docs/concepts.md.",
+    "cppo.processes": "`scope=process`: how many slices (the TRL fork's training processes, one per GPU) "
+    "the step's questions are cut into; must divide Q.",
     "cppo.adv_scale": "Advantage scale: `group` (r - mean) / (group std + eps); `batch` divides by the "
     "std of the whole batch; `none` is r - mean (Dr. GRPO).",
     "cppo.adv_eps": "Added to the std in the advantage's denominator.",
@@ -164,6 +172,10 @@ MEANINGS: dict[str, str] = {
     "trainer.steps": "Steps to run; 0: one pass over the training questions (one epoch).",
     "trainer.checkpoint_every": "Save a checkpoint (orbax, under `<run>/checkpoints`) every this many "
     "steps; 0: only at the end. The last step is always saved.",
+    # eval
+    "eval.rule": "The headline accuracy (summary, best checkpoint): `released`, the released code's "
+    "lenient rule (spec section 4: exact, single number, or last number, on the extracted answer, else "
+    "on the raw text; MATH: math-verify of the boxed answer), or `strict`, accuracy reward > 0.",
     # logging
     "logging.progress": "Show a progress bar (reward, accuracy, kept, phase times).",
     "logging.tensorboard": "Write TensorBoard events under `<run>/tensorboard`.",
@@ -197,6 +209,7 @@ SECTION_NOTES: dict[str, str] = {
     "optim": "AdamW and its learning-rate schedule; the schedule runs over steps x mu updates.",
     "mesh": "Axis sizes of the device mesh; -1 means the rest of the devices.",
     "trainer": "The run: length, outputs, checkpoints, evaluation, safety nets.",
+    "eval": "How held-out accuracy is counted; both rules are always reported.",
     "logging": "What the run writes for its user besides metrics.jsonl.",
     "sft": "The supervised warm start (`cppo_jax/sft.py`), a config file of its own whose "
     "`get_config()` returns an `SFTConfig` (configs/tiny_sft.py). Its keys are set without the "

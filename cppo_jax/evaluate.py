@@ -17,17 +17,23 @@ PATH is either
 Benchmarks (`BENCHMARKS`), by default those of `data.task` (arith: arith; gsm8k: gsm8k; math: math500,
 amc23, aime24):
 
-| name | data | decoding | new tokens | correct when |
-| --- | --- | --- | --- | --- |
-| gsm8k | GSM8K test, 1319 | greedy | 1024 | gsm8k accuracy reward > 0 |
-| math500 | MATH-500, 500 | greedy | 1024 | math accuracy reward > 0 |
-| amc23 | AMC23, 40 | mean of 4 samples, T 0.6, top-p 0.95 | 3072 | math accuracy reward > 0 |
-| aime24 | AIME24, 30 | mean of 4 samples, T 0.6, top-p 0.95 | 3072 | math accuracy reward > 0 |
-| arith | the arith test split (data.num_test) | greedy | rollout.max_new_tokens | arith accuracy reward > 0 |
+| name | data | decoding | new tokens |
+| --- | --- | --- | --- |
+| gsm8k | GSM8K test, 1319 | greedy | 1024 |
+| math500 | MATH-500, 500 | greedy | 1024 |
+| amc23 | AMC23, 40 | mean of 4 samples, T 0.6, top-p 0.95 | 3072 |
+| aime24 | AIME24, 30 | mean of 4 samples, T 0.6, top-p 0.95 | 3072 |
+| arith | the arith test split (data.num_test) | greedy | rollout.max_new_tokens |
+
+A completion is scored under both rules (`cppo_jax.rewards.registry.TASK_EVAL`): `released`, the released
+code's lenient evaluation (spec section 4; `gsm8k_eval_released`, `math_eval_released`), and `strict`, the
+task's accuracy reward > 0. `accuracy` is the rule `eval.rule` names (the paper configs: released), and
+`accuracy_released` / `accuracy_strict` are both.
 
 `--max-new-tokens` and `--samples` override the token budget (all benchmarks) and the number of samples
 (sampled benchmarks); `--limit N` scores only the first N questions. Prompts are built exactly as in
 training (system prompt of the task, chat template, `data.max_prompt_len`, `data.long_prompts`).
+The system prompt is `data.system_prompt` for benchmarks of `data.task`, else the benchmark task's own.
 Generation runs in batches of `--batch-size` sequences with the configured rollout backend (embedded
 JAX sampler, or vLLM with `rollout.backend=vllm rollout.vllm_url=...`); the last batch is padded by
 repeating questions and the extra outputs dropped, so every question is scored exactly once per sample.
@@ -36,7 +42,8 @@ Rewards run in a time-bounded `RewardPool` (`reward.timeout_s`, `reward.num_work
 Written to `--out` (default `<run>/eval` for a run folder, `<trainer.out_dir>/eval/<folder name>` for a
 Hugging Face folder, which is never written into): `<benchmark>.jsonl`, one row per completion (question
 id, sample, prompt, completion, gold answer, reward per function, correct, length, truncated), and
-`summary.md` / `summary.json` (benchmark, n, samples, accuracy, mean length, truncated fraction, time),
+`summary.md` / `summary.json` (benchmark, n, samples, accuracy under each rule, mean length, truncated
+fraction, time),
 which is also printed.
 """
 
@@ -102,12 +109,13 @@ DEFAULT_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "gsm8k": ("gsm8k",),
     "math": ("math500", "amc23", "aime24"),
 }
-# (accuracy, format) reward of each task; correct means accuracy > 0.
+# (accuracy, format) reward of each task, written to each row; correctness is by rule (TASK_EVAL).
 TASK_REWARDS: dict[str, tuple[str, str]] = {
     "arith": ("arith_accuracy", "arith_format"),
     "gsm8k": ("gsm8k_accuracy", "gsm8k_format"),
     "math": ("math_accuracy", "math_format"),
 }
+RULES = ("released", "strict")
 _SEED_STRIDE = 1_000_003
 
 
@@ -267,14 +275,6 @@ def _resolve(
     return out
 
 
-def _decode(tokenizer, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
-    eos = tokenizer.eos_id
-    return [
-        tokenizer.decode([int(t) for t, v in zip(row, valid) if v and t != eos])
-        for row, valid in zip(tokens_NC, valid_NC)
-    ]
-
-
 def _generate(backend, policy: Policy, prompts, bench: Benchmark, batch_size: int, seed: int):
     """Tokens, validity and finished flags of every (question, sample), question-major."""
     import jax.numpy as jnp
@@ -323,7 +323,13 @@ def _run_benchmark(
         raise EvaluationError(f"benchmark {bench.name!r} has no questions")
     tok = policy.tokenizer
     prompts = pipeline.encode_prompts(
-        examples, tok, bench.task, cfg.data.max_prompt_len, cfg.data.long_prompts
+        examples,
+        tok,
+        bench.task,
+        cfg.data.max_prompt_len,
+        cfg.data.long_prompts,
+        system_prompt=cfg.data.system_prompt if bench.task == cfg.data.task else None,
+        prompt_format=cfg.data.prompt_format,
     )
     # Backends read their sampling parameters at call time; each benchmark sets its own.
     backend.sp = SamplingParams(
@@ -345,11 +351,11 @@ def _run_benchmark(
         )
     )
     tokens_NC, valid_NC, finished_N = _generate(backend, policy, prompts, bench, batch_size, seed)
-    texts = _decode(tok, tokens_NC, valid_NC)
+    texts = pipeline.decode_completions(tok, tokens_NC, valid_NC)
     solutions = [ex["solution"] for ex in examples for _ in range(S)]
     _, per_fn, stats = pool.score(texts, solutions)
-    accuracy_fn = TASK_REWARDS[bench.task][0]
-    correct_N = np.asarray(per_fn[accuracy_fn]) > 0
+    correct = {rule: np.asarray(per_fn.pop(f"eval/{rule}")) > 0 for rule in RULES}
+    correct_N = correct[cfg.eval.rule]
     lengths_N = valid_NC.sum(axis=1)
     elapsed = time.perf_counter() - t0
 
@@ -367,6 +373,7 @@ def _run_benchmark(
                     "gold": ex["answer"],
                     "rewards": {name: float(v[i]) for name, v in per_fn.items()},
                     "correct": bool(correct_N[i]),
+                    **{f"correct_{rule}": bool(c[i]) for rule, c in correct.items()},
                     "length": int(lengths_N[i]),
                     "truncated": bool(not finished_N[i]),
                 }
@@ -376,6 +383,8 @@ def _run_benchmark(
         "n": len(examples),
         "samples": S,
         "accuracy": float(correct_N.mean()),
+        "rule": cfg.eval.rule,
+        **{f"accuracy_{rule}": float(c.mean()) for rule, c in correct.items()},
         "mean_length": float(lengths_N.mean()),
         "truncated": float(np.mean(~finished_N)),
         "time_s": elapsed,
@@ -389,14 +398,16 @@ def _run_benchmark(
 
 
 def summary_table(rows: list[dict]) -> str:
-    """The markdown summary: benchmark, n, samples, accuracy, mean length, truncated fraction, time."""
+    """The markdown summary: benchmark, n, samples, accuracy (headline rule, then each), mean length,
+    truncated fraction, time."""
     lines = [
-        "| benchmark | n | samples | accuracy | mean length | truncated | time (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| benchmark | n | samples | accuracy | released | strict | mean length | truncated | time (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['benchmark']} | {r['n']} | {r['samples']} | {r['accuracy']:.2%} | "
+            f"| {r['benchmark']} | {r['n']} | {r['samples']} | {r['accuracy']:.2%} ({r['rule']}) | "
+            f"{r['accuracy_released']:.2%} | {r['accuracy_strict']:.2%} | "
             f"{r['mean_length']:.1f} | {r['truncated']:.2%} | {r['time_s']:.1f} |"
         )
     return "\n".join(lines)
@@ -444,6 +455,7 @@ def evaluate(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     from cppo_jax.rewards.pool import RewardPool
+    from cppo_jax.rewards.registry import TASK_EVAL
     from cppo_jax.rollout import make_backend
     from cppo_jax.sampler import SamplingParams
 
@@ -463,6 +475,7 @@ def evaluate(
         for bench in benches:
             if bench.task not in pools:
                 funcs = [(name, 1.0, name) for name in TASK_REWARDS[bench.task]]
+                funcs += [(f"eval/{r}", 0.0, fn) for r, fn in TASK_EVAL[bench.task].items()]
                 pools[bench.task] = RewardPool(
                     funcs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
                 )
@@ -480,8 +493,9 @@ def evaluate(
             )
             rows.append(row)
             log(
-                f"{bench.name}: accuracy {row['accuracy']:.2%} on {row['n']} questions "
-                f"({row['time_s']:.1f} s)"
+                f"{bench.name}: accuracy {row['accuracy']:.2%} ({row['rule']} rule; released "
+                f"{row['accuracy_released']:.2%}, strict {row['accuracy_strict']:.2%}) on "
+                f"{row['n']} questions ({row['time_s']:.1f} s)"
             )
     finally:
         backend.close()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cppo_jax.config import DataConfig
-from cppo_jax.tasks.prompts import system_prompt_for
+from cppo_jax.tasks.prompts import plain_prompt, resolve_system_prompt
 
 if TYPE_CHECKING:  # imported where used: the memory plan needs this module, not grain
     import grain
@@ -65,13 +65,27 @@ def load_examples(cfg: DataConfig, split: str) -> tuple[list[dict], dict]:
     return examples, {"bad_rows": len(records.bad_rows), "bad_row_lines": records.bad_rows[:20]}
 
 
-def encode_prompts(examples, tokenizer, task: str, max_len: int, long_prompts: str) -> PromptSet:
-    system = system_prompt_for(task)
+def encode_prompts(
+    examples,
+    tokenizer,
+    task: str,
+    max_len: int,
+    long_prompts: str,
+    system_prompt: str | None = None,
+    prompt_format: str = "chat",
+) -> PromptSet:
+    """Left-padded prompt ids of `examples` (`data.system_prompt`: None is the task's own prompt)."""
+    system = resolve_system_prompt(task, system_prompt)
+    if prompt_format not in ("chat", "plain"):
+        raise ValueError(f"unknown prompt format {prompt_format!r}; expected 'chat' or 'plain'")
     ids = np.full((len(examples), max_len), tokenizer.pad_id, np.int32)
     valid = np.zeros((len(examples), max_len), bool)
     truncated = 0
     for i, ex in enumerate(examples):
-        row = tokenizer.chat_prompt_ids(system, ex["question"])
+        if prompt_format == "chat":
+            row = tokenizer.chat_prompt_ids(system, ex["question"])
+        else:
+            row = tokenizer.encode(plain_prompt(ex["question"], system))
         if len(row) > max_len:
             if long_prompts == "reject":
                 raise ValueError(
@@ -83,6 +97,15 @@ def encode_prompts(examples, tokenizer, task: str, max_len: int, long_prompts: s
         ids[i, max_len - len(row) :] = row
         valid[i, max_len - len(row) :] = True
     return PromptSet(list(examples), ids, valid, truncated)
+
+
+def decode_completions(tokenizer, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
+    """The text of each completion for the rewards: its valid tokens, special tokens (EOS, pad, chat
+    markers) skipped, not stripped (the released code's `batch_decode(..., skip_special_tokens=True)`)."""
+    return [
+        tokenizer.decode([int(t) for t, v in zip(row, valid) if v], skip_special_tokens=True)
+        for row, valid in zip(tokens_NC, valid_NC)
+    ]
 
 
 class _ProcessSlice:

@@ -207,7 +207,9 @@ def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
         if not examples:
             continue
         try:
-            enc = pipeline.encode_prompts(examples, tok, d.task, shapes.P, d.long_prompts)
+            enc = pipeline.encode_prompts(
+                examples, tok, d.task, shapes.P, d.long_prompts, d.system_prompt, d.prompt_format
+            )
         except ValueError as e:
             raise ValueError(f"{name} prompts: {e}") from e
         lengths = enc.valid_nP.sum(axis=1)

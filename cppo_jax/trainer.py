@@ -39,6 +39,7 @@ from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import Config, ConfigError, save_config
 from cppo_jax.models import Tokenizer, load_hf, save_hf
 from cppo_jax.rewards.pool import RewardPool
+from cppo_jax.rewards.registry import TASK_EVAL
 from cppo_jax.rollout import make_backend
 from cppo_jax.runlog import RunLog, phase_table, plot_curves
 from cppo_jax.sampler import SamplingParams
@@ -80,13 +81,15 @@ def _block(x):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("k", "metric", "scope", "scale", "eps", "n_keep", "mesh")
+    jax.jit,
+    static_argnames=("k", "metric", "scope", "scale", "eps", "n_keep", "processes", "mesh"),
 )
-def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep, mesh=None):
+def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep, processes=1, mesh=None):
     """Advantages, then the flat indices (into Q*G) of the kept completions.
 
     Question scope: [Q, k], row q holding question q's kept completions, split over the data axes
-    with its question (each device prunes its own groups). Batch scope: [M], a global top-k.
+    with its question (each device prunes its own groups). Process scope: [M], a top-k within each
+    of `processes` slices of the step. Batch scope: [M], a global top-k.
     """
     Q, G = rewards_QG.shape
     with sharding_lib.use_mesh(mesh):
@@ -96,6 +99,9 @@ def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep, mesh=None)
             idx_QK = cppo.keep_indices(adv_QG, k, metric=metric, rng=key)
             flat_QK = sharding_lib.constrain(idx_QK + jnp.arange(Q)[:, None] * G, ("batch", None))
             return adv_QG, flat_QK
+        if scope == "process":
+            per = n_keep // processes
+            return adv_QG, cppo.keep_indices_process(adv_QG, processes, per, metric=metric, rng=key)
         flat_M = cppo.keep_indices_batch(adv_QG.reshape(-1), n_keep, metric=metric, rng=key)
     return adv_QG, flat_M
 
@@ -167,7 +173,17 @@ def shapes_of(cfg: Config) -> Shapes:
     Q = cppo.num_questions(a.questions_per_step, a.pruning_rate, a.allocation)
     G = a.num_generations
     k = cppo.num_kept(G, a.pruning_rate)
-    M = Q * k if a.scope == "question" else max(1, math.floor(Q * G * (1 - a.pruning_rate) + 1e-9))
+    if a.scope == "question":
+        M = Q * k
+    elif a.scope == "process":
+        if Q % a.processes:
+            raise ConfigError(
+                f"config key 'cppo.processes' = {a.processes} is invalid: allowed a divisor of the "
+                f"Q = {Q} questions per step (scope='process' cuts the step into equal slices)"
+            )
+        M = a.processes * cppo.num_kept_process(Q, G, a.processes, a.pruning_rate)
+    else:
+        M = max(1, math.floor(Q * G * (1 - a.pruning_rate) + 1e-9))
     return Shapes(Q, G, k, M, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens)
 
 
@@ -225,6 +241,8 @@ class Trainer:
             task=cfg.data.task,
             max_len=self.shapes.P,
             long_prompts=cfg.data.long_prompts,
+            system_prompt=cfg.data.system_prompt,
+            prompt_format=cfg.data.prompt_format,
         )
         self.train_set = enc(train)
         self.val_set = enc(val) if val else None
@@ -280,10 +298,13 @@ class Trainer:
             rows=self.shapes.M,
         )
 
-        # Rewards, logs, checkpoints.
+        # Rewards (the training ones, plus each evaluation rule, run only when evaluating), logs, checkpoints.
         funcs = list(zip(cfg.reward.funcs, cfg.reward.weights))
+        self.eval_rules = {f"eval/{rule}": fn for rule, fn in TASK_EVAL[cfg.data.task].items()}
         self.rewards = RewardPool(
-            funcs, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s
+            funcs + [(name, 0.0, fn) for name, fn in self.eval_rules.items()],
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
         self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard, write=self.main)
@@ -323,12 +344,7 @@ class Trainer:
         self.log.event("resumed", step=self.start_step)
 
     def _decode(self, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
-        eos = self.tokenizer.eos_id
-        out = []
-        for row, valid in zip(tokens_NC, valid_NC):
-            ids = [int(t) for t, v in zip(row, valid) if v and t != eos]
-            out.append(self.tokenizer.decode(ids))
-        return out
+        return pipeline.decode_completions(self.tokenizer, tokens_NC, valid_NC)
 
     # ------------------------------------------------------------------------------------------
 
@@ -355,7 +371,8 @@ class Trainer:
             rows = slice(own.start * sh.G, own.stop * sh.G)
             texts = self._decode(tokens_NC[rows], valid_NC[rows])
             solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
-            total_N, per_fn, rstats = self.rewards.score(texts, solutions)
+            train_fns = cfg.reward.funcs  # not the evaluation rules
+            total_N, per_fn, rstats = self.rewards.score(texts, solutions, train_fns)
             total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
             per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
         rewards_QG = total_N.reshape(sh.Q, sh.G)
@@ -380,6 +397,7 @@ class Trainer:
             scale=cfg.cppo.adv_scale,
             eps=cfg.cppo.adv_eps,
             n_keep=sh.M,
+            processes=cfg.cppo.processes,
             mesh=self.mesh,
         )
         tokens_MT, valid_MT, mask_MC, adv_M = _gather_batch(
@@ -535,7 +553,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def evaluate(self, step: int, batch_size: int = 64, split: str = "test") -> dict:
-        """Greedy accuracy on the test (or validation) split; every question is scored."""
+        """Greedy accuracy on the test (or validation) split under both rules; every question is scored.
+
+        `accuracy` is the headline rule's (`eval.rule`), `accuracy_released` and `accuracy_strict` both.
+        """
         prompts = self.val_set if split == "validation" else self.test_set
         n = len(prompts)
         texts = []
@@ -550,9 +571,13 @@ class Trainer:
             got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
             texts.extend(got[: min(batch_size, n - lo)])
         solutions = [ex["solution"] for ex in prompts.examples]
-        _, per_fn, _ = self.rewards.score(texts, solutions)
-        acc = float(np.mean(np.asarray(per_fn[self.accuracy_fn]) > 0))
-        result = {"step": step, "accuracy": acc, "n": n, "split": split}
+        _, per_fn, _ = self.rewards.score(texts, solutions, list(self.eval_rules))
+        acc = {
+            f"accuracy_{name.split('/')[1]}": float(np.mean(np.asarray(v) > 0))
+            for name, v in per_fn.items()
+        }
+        result = {"step": step, "accuracy": acc[f"accuracy_{self.cfg.eval.rule}"], **acc}
+        result.update(n=n, split=split, rule=self.cfg.eval.rule)
         self.evals.append(result)
         self.log.event("eval", **result)
         return result
@@ -591,8 +616,13 @@ class Trainer:
                 plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
             programs = prof.format_programs_report()
             (self.out_dir / "compiled_programs.md").write_text(programs + "\n")
+            rules = " ".join(
+                f"{rule} {before[f'accuracy_{rule}']:.3f} -> {after[f'accuracy_{rule}']:.3f};"
+                for rule in ("released", "strict")
+            )
             (self.out_dir / "summary.md").write_text(
-                f"accuracy before {before['accuracy']:.3f}, after {after['accuracy']:.3f}\n\n{table}\n"
+                f"accuracy ({self.cfg.eval.rule} rule) before {before['accuracy']:.3f}, after "
+                f"{after['accuracy']:.3f} (both rules: {rules[:-1]})\n\n{table}\n"
             )
         return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
 

@@ -73,23 +73,57 @@ def test_reference_completion_scores_full_marks():
         assert gsm8k.format_reward(text) + gsm8k.accuracy_reward(text, ex["solution"]) == 3.0
 
 
-def test_prompts():
-    for phrase in (
-        "<think> </think>",
-        "<answer> </answer>",
-        "<think> reasoning process here </think><answer> answer here </answer>",
-    ):
-        assert phrase in prompts.SYSTEM_PROMPT
-    assert prompts.MATH_SYSTEM_PROMPT.startswith(prompts.SYSTEM_PROMPT)
-    assert (
-        "Therefore, the final answer is: $\\boxed{ANSWER}$. I hope it is correct"
-        in prompts.MATH_SYSTEM_PROMPT
-    )
-    assert prompts.system_prompt_for("math500") == prompts.MATH_SYSTEM_PROMPT
+# The released recipes' system prompts (spec section 4), written out here independently of the code.
+RELEASED_GSM8K_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
+    "</answer> tags, respectively, i.e., <think> reasoning process here </think>\n<answer> answer here "
+    "</answer>."
+)
+RELEASED_MATH_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. And the answer should be of the following format: 'Therefore, the final answer is: "
+    "$\\boxed{{ANSWER}}$. I hope it is correct' (without quotes) where ANSWER is just the final number or "
+    "expression that solves the problem. The reasoning process and answer are enclosed within <think> "
+    "</think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process here </think>\n"
+    "<answer> answer here </answer>. "
+)
+
+
+def test_prompts_are_the_released_strings_byte_for_byte():
+    assert prompts.GSM8K_SYSTEM_PROMPT == RELEASED_GSM8K_PROMPT
+    assert prompts.MATH_SYSTEM_PROMPT == RELEASED_MATH_PROMPT
+    # The example layout is the one the format reward asks for: one newline between the blocks.
+    example = "<think> reasoning process here </think>\n<answer> answer here </answer>"
+    assert gsm8k.format_reward(example) == 1.0
+    assert example in prompts.GSM8K_SYSTEM_PROMPT and example in prompts.MATH_SYSTEM_PROMPT
+    assert prompts.MATH_SYSTEM_PROMPT.count("\n") == 1 and prompts.MATH_SYSTEM_PROMPT.endswith(". ")
+    assert "$\\boxed{{ANSWER}}$" in prompts.MATH_SYSTEM_PROMPT  # literal double braces
+    assert prompts.system_prompt_for("gsm8k") == RELEASED_GSM8K_PROMPT
+    for task in ("math", "math500", "amc23", "aime24"):
+        assert prompts.system_prompt_for(task) == RELEASED_MATH_PROMPT
     with pytest.raises(ValueError, match="gsm8k"):
         prompts.system_prompt_for("chess")
     messages = prompts.chat_messages("2+2?", prompts.SYSTEM_PROMPT)
     assert [m["role"] for m in messages] == ["system", "user"]
+    assert [m["role"] for m in prompts.chat_messages("2+2?", "")] == ["user"]
+
+
+def test_paper_configs_send_the_released_prompts():
+    from cppo_jax.config import load_config
+
+    for name, expected in (
+        ("gsm8k_1p5b.py", RELEASED_GSM8K_PROMPT),
+        ("math7b.py", RELEASED_MATH_PROMPT),
+    ):
+        data = load_config(name).data
+        assert data.system_prompt == expected and data.prompt_format == "chat"
+        assert prompts.resolve_system_prompt(data.task, data.system_prompt) == expected
+    # Unset: the task's own; empty: none.
+    assert prompts.resolve_system_prompt("gsm8k", None) == RELEASED_GSM8K_PROMPT
+    assert prompts.resolve_system_prompt("gsm8k", "") == ""
 
 
 # ----- tokenizer -----

@@ -144,6 +144,81 @@ def test_batch_scope_keeps_floor_n_times_one_minus_p():
     np.testing.assert_array_equal(got, [0, 1, 30, 31])
 
 
+@jax.jit
+def _all_kept_process(adv_QG):
+    """keep_indices_process for every divisor of Q as the process count, a few counts, both metrics."""
+    Q, G = adv_QG.shape
+    out = {}
+    for procs in (d for d in range(1, Q + 1) if Q % d == 0):
+        X = Q // procs * G
+        for n in sorted({1, 2, X // 2, X}):
+            for m in PAIRWISE:
+                out[(procs, n, m)] = cppo.keep_indices_process(adv_QG, procs, n, m)
+    return out
+
+
+@SETTINGS
+@given(r=rewards_QG(gsm8k=True))
+def test_keep_indices_process_matches_reference(r):
+    """scope="process": one top-k within each contiguous slice of the questions (the TRL fork)."""
+    Q, G = r.shape
+    adv_QG = ref.group_advantages(r)
+    for (procs, n, metric), got in _all_kept_process(adv_QG).items():
+        X = Q // procs * G
+        want = np.concatenate(
+            [
+                ref.prune_batch(adv_QG.ravel()[s * X : (s + 1) * X], n, metric) + s * X
+                for s in range(procs)
+            ]
+        )
+        np.testing.assert_array_equal(got, want, err_msg=f"processes={procs} n={n} {metric}")
+
+
+def test_process_scope_worked_example_drops_zero_variance_groups_first():
+    """docs/concepts.md's example: Q = 4 questions, G = 4, p = 0.5, GSM8K rewards."""
+    r_QG = jnp.array(
+        [
+            [3.0, 3.0, 3.0, 3.0],  # all right: A = 0
+            [3.0, 0.0, 1.0, 1.0],
+            [0.0, 0.0, 0.0, 0.0],  # all wrong: A = 0
+            [2.0, 1.0, 1.0, 1.0],
+        ]
+    )
+    adv_QG = cppo.group_advantages(r_QG)
+    # Per question (the paper's text): 2 of every group, the zero-variance ones included.
+    per_question = np.asarray(cppo.keep_indices(adv_QG, cppo.num_kept(4, 0.5)))
+    np.testing.assert_array_equal(per_question, [[0, 1], [0, 1], [0, 1], [0, 1]])
+    # One process (the released GSM8K run): 8 of the 16 by |A|; both zero-variance groups go.
+    n = cppo.num_kept_process(4, 4, 1, 0.5)
+    assert n == 8
+    kept = np.asarray(cppo.keep_indices_process(adv_QG, 1, n))
+    np.testing.assert_array_equal(kept, [4, 5, 6, 7, 12, 13, 14, 15])
+    # Two processes: each keeps 4 of its 8, so each zero-variance group's slice keeps only the other.
+    kept = np.asarray(cppo.keep_indices_process(adv_QG, 2, cppo.num_kept_process(4, 4, 2, 0.5)))
+    np.testing.assert_array_equal(kept, [4, 5, 6, 7, 12, 13, 14, 15])
+    # The verl recipe's global batch gives the same here: keep floor(16 (1 - p)) = 8.
+    np.testing.assert_array_equal(cppo.keep_indices_batch(adv_QG.ravel(), 8), kept)
+
+
+def test_process_scope_counts_and_limits():
+    # The TRL fork drops int(N p) of a slice: N = 8 x 16 = 128 at p = 0.875 keeps 16 (the GSM8K run).
+    assert cppo.num_kept_process(8, 16, 1, 0.875) == 16
+    assert cppo.num_kept_process(24, 16, 3, 0.875) == 16  # MATH: 3 slices of 8 questions
+    # Not dyadic: N = 48, p = 0.9 drops floor(43.2) = 43 and keeps 5, where "batch" keeps floor(4.8) = 4.
+    assert cppo.num_kept_process(3, 16, 1, 0.9) == 5
+    assert cppo.num_kept(48, 0.9) == 4
+    # One question per slice at a dyadic p is the paper's per-question rule.
+    adv_QG = cppo.group_advantages(jnp.asarray(np.random.default_rng(0).normal(size=(6, 16))))
+    per_slice = cppo.keep_indices_process(adv_QG, 6, cppo.num_kept_process(6, 16, 6, 0.875))
+    per_question = cppo.keep_indices(adv_QG, 2) + jnp.arange(6)[:, None] * 16
+    np.testing.assert_array_equal(per_slice, per_question.reshape(-1))
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="processes must divide the Q=6"):
+            cppo.keep_indices_process(adv_QG, bad, 1)
+        with pytest.raises(ValueError, match="processes must divide the Q=6"):
+            cppo.num_kept_process(6, 16, bad, 0.5)
+
+
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_permuting_a_group_permutes_the_kept_set(data):
@@ -347,3 +422,31 @@ def test_nonfinite_questions_in_graph():
     r = jnp.array([[0.0, 1.0], [jnp.nan, 1.0], [2.0, jnp.inf], [3.0, 3.0]])
     got = jax.jit(cppo.nonfinite_questions)(r)
     np.testing.assert_array_equal(got, [False, True, True, False])
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 0.75, 0.875, 0.9375])
+@pytest.mark.parametrize(("name", "processes"), [("gsm8k_1p5b.py", 1), ("math7b.py", 3)])
+def test_paper_configs_match_the_released_settings(name, processes, p):
+    """The paper configs at each of the paper's rates train what the released TRL fork trained.
+
+    The fork (scripts/CPPO*.sh): `processes` GPUs of 16 completions each; with allocation each draws
+    16 / int(G (1 - p)) questions of G = 16 and keeps 16 completions of its slice (drops int(N p)).
+    """
+    from cppo_jax.config import load_config
+    from cppo_jax.trainer import shapes_of
+
+    cfg = load_config(name, [f"cppo.pruning_rate={p}"])
+    a = cfg.cppo
+    assert (a.scope, a.processes, a.metric, a.allocation) == (
+        "process",
+        processes,
+        "smallest",
+        True,
+    )
+    assert (a.num_generations, a.mu, a.beta, a.eps_low, a.eps_high) == (16, 2, 0.04, 0.2, 0.2)
+    assert (a.adv_scale, a.adv_eps, a.loss_type) == ("group", 1e-4, "token_mean")
+    assert cfg.reward.weights == (1.0, 1.0) and cfg.eval.rule == "released"
+    sh = shapes_of(cfg)
+    k_fork = int(16 * (1 - p))  # the fork's num_generations with allocation
+    assert processes * (16 // k_fork) == sh.Q
+    assert processes * 16 == sh.M  # each process trains its 16 completions

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cppo_jax import evaluate as ev
+from cppo_jax.rewards import gsm8k
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CPU = str(ROOT / "configs" / "tiny_cpu.py")
@@ -49,7 +50,8 @@ def test_arith_every_question_scored_with_a_padded_last_batch(tiny_model, tmp_pa
     assert [r["id"] for r in rows] == list(range(7))  # 7 questions in batches of 4: none dropped
     for r in rows:
         assert set(r) >= {"id", "prompt", "completion", "gold", "rewards", "correct"}
-        assert r["correct"] == (r["rewards"]["arith_accuracy"] > 0)
+        assert r["correct"] == r["correct_strict"] == (r["rewards"]["arith_accuracy"] > 0)
+        assert r["correct_released"] == (gsm8k.released_correct(r["completion"], r["gold"]))
         assert 1 <= r["length"] <= 5 and "<|im_start|>user" in r["prompt"]
     summary = json.loads((out / "summary.json").read_text())
     (result,) = summary["results"]
@@ -57,7 +59,10 @@ def test_arith_every_question_scored_with_a_padded_last_batch(tiny_model, tmp_pa
     assert result["accuracy"] == np.mean([r["correct"] for r in rows])
     assert result["mean_length"] == np.mean([r["length"] for r in rows])
     table = (out / "summary.md").read_text()
-    assert "| benchmark | n | samples | accuracy | mean length | truncated | time (s) |" in table
+    assert result["rule"] == "strict" and result["accuracy"] == result["accuracy_strict"]
+    assert result["accuracy_released"] == np.mean([r["correct_released"] for r in rows])
+    head = "| benchmark | n | samples | accuracy | released | strict | mean length | truncated | time (s) |"
+    assert head in table
     assert "| arith | 7 | 1 |" in table
 
 
@@ -197,3 +202,48 @@ def test_user_errors_exit_2_with_the_culprit(tiny_model, tmp_path, capsys):
     assert "unknown benchmark 'mmlu'" in capsys.readouterr().err
     assert ev.main(["--checkpoint", str(tiny_model)]) == 2
     assert "--config is required" in capsys.readouterr().err
+
+
+def test_paper_config_headlines_the_released_rule_and_reports_both(
+    tiny_model, tmp_path, monkeypatch
+):
+    """configs/gsm8k_1p5b.py: `accuracy` is the released (lenient) rule; both rules are in every output."""
+    from cppo_jax.config import load_config
+    from cppo_jax.datasets import load_examples
+    from cppo_jax.models import Tokenizer
+    from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT
+
+    cfg = load_config("configs/gsm8k_1p5b.py", ["reward.num_workers=0", "data.max_prompt_len=1024"])
+    assert cfg.eval.rule == "released"
+    examples = load_examples("gsm8k", "test")[:4]
+    golds = [ex["answer"] for ex in examples]
+    answers = [
+        f"<think>.</think>\n<answer>{golds[0]}</answer>",  # exact: both rules
+        f"<think>.</think>\n<answer>{golds[1]} dollars</answer>",  # 1.5 tier: both rules
+        f"<think>.</think>\n<answer>2 + 3 = {golds[2]}</answer>",  # last number: released only
+        "<think>.</think>\n<answer>no idea</answer>",
+    ]
+    stub = _StubBackend(
+        Tokenizer.from_dir(tiny_model), {ex["question"]: a for ex, a in zip(examples, answers)}
+    )
+    monkeypatch.setattr("cppo_jax.rollout.make_backend", lambda *a, **k: stub)
+    result = ev.evaluate(
+        cfg,
+        tiny_model,
+        ["gsm8k"],
+        tmp_path / "eval",
+        limit=4,
+        max_new_tokens=64,
+        log=lambda *_: None,
+    )
+    (row,) = result["results"]
+    assert (row["accuracy"], row["accuracy_released"], row["accuracy_strict"]) == (0.75, 0.75, 0.5)
+    assert row["rule"] == "released"
+    rows = _rows(tmp_path / "eval" / "gsm8k.jsonl")
+    assert [r["correct_released"] for r in rows] == [True, True, True, False]
+    assert [r["correct_strict"] for r in rows] == [True, True, False, False]
+    assert [r["rewards"]["gsm8k_accuracy"] for r in rows] == [2.0, 1.5, 0.0, 0.0]
+    assert all(GSM8K_SYSTEM_PROMPT in r["prompt"] for r in rows)  # the released system prompt
+    assert (
+        "| 75.00% (released) | 75.00% | 50.00% |" in (tmp_path / "eval" / "summary.md").read_text()
+    )

@@ -15,9 +15,10 @@ from cppo_jax import datasets
 from cppo_jax.rewards import RewardPool, gsm8k, registry
 from cppo_jax.rewards import math as math_rewards
 
-# ----- GSM8K accuracy and format -----
+# ----- GSM8K accuracy and format (spec section 4, every consequence it lists) -----
 
 GOLD = "She has 12 + 2 = <<12+2=14>>14 apples.\n#### 14"
+GOLD_1800 = "Steps.\n#### 1,800"
 
 
 def completion(answer: str, think: str = "12+2=14", sep: str = "\n") -> str:
@@ -30,53 +31,97 @@ def completion(answer: str, think: str = "12+2=14", sep: str = "\n") -> str:
         ("14", GOLD, 2.0),
         (" 14 ", GOLD, 2.0),
         ("14.0", GOLD, 1.5),
-        ("14.00", GOLD, 1.5),
         ("15", GOLD, 0.0),
-        ("14 apples", GOLD, 0.0),
-        ("$14", GOLD, 0.0),
         ("1,234", "#### 1234", 2.0),
         ("1234", "#### 1,234", 2.0),
-        ("1,234.0", "#### 1234", 1.5),
         ("-3", "#### -3", 2.0),
         ("-3.0", "#### -3", 1.5),
         ("3", "#### -3", 0.0),
-        ("0.5", "#### .5", 0.0),  # ".5" is not "digits, optional decimals"
+        # The released 1.5 tier: exactly one number anywhere in the answer, equal as floats.
+        ("1800", GOLD_1800, 2.0),
+        ("$1800", GOLD_1800, 1.5),
+        ("1800 dollars", GOLD_1800, 1.5),
+        ("x = 1800", GOLD_1800, 1.5),
+        ("1800.", GOLD_1800, 1.5),
+        ("The answer is 1800", GOLD_1800, 1.5),
+        ("$1,800.00", GOLD_1800, 1.5),
+        ("18 + 2 = 20", "#### 20", 0.0),  # three numbers
+        ("1800 or 1900", GOLD_1800, 0.0),
+        ("0.5", "#### .5", 1.5),  # ".5" is a number to the released pattern
+        ("...", "#### ...", 0.0),  # "..." is no answer, even against itself
+        ("", GOLD, 0.0),
     ],
 )
 def test_gsm8k_accuracy_tiers(answer, solution, expected):
     assert gsm8k.accuracy_reward(completion(answer), solution) == expected
 
 
-def test_gsm8k_last_answer_block_counts():
-    text = "<think>a</think>\n<answer>7</answer> wait <answer>14</answer>"
-    assert gsm8k.accuracy_reward(text, GOLD) == 2.0
-    text = "<think>a</think>\n<answer>14</answer> wait <answer>7</answer>"
-    assert gsm8k.accuracy_reward(text, GOLD) == 0.0
-    assert gsm8k.accuracy_reward("14", GOLD) == 0.0  # no answer block
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("<answer>7</answer> wait <answer>14</answer>", 2.0),  # the last block counts
+        ("<answer>14</answer> wait <answer>7</answer>", 0.0),
+        ("<answer>14</answer> <answer>5", 0.0),  # the last part has no closing tag: None
+        ("<answer>14</answer> <answer>5</answer>", 0.0),
+        (
+            "<answer>14</answer></answer>",
+            2.0,
+        ),  # up to the first closing tag after the last <answer>
+        ("<answer>14", 0.0),
+        ("14", 0.0),  # no answer tag
+    ],
+)
+def test_gsm8k_extraction_splits_on_the_last_answer_tag(text, expected):
+    assert gsm8k.accuracy_reward("<think>a</think>\n" + text, GOLD) == expected
 
 
-def test_gsm8k_gold_answer():
+def test_gsm8k_extract_answer_and_gold():
+    assert gsm8k.extract_answer("<answer>1800</answer> <answer>5") is None
+    assert gsm8k.extract_answer("<answer> 1,800 </answer>") == "1800"
+    assert gsm8k.extract_answer("<answer>...</answer>") is None
+    assert gsm8k.extract_answer("no tags") is None
     assert gsm8k.gold_answer("steps\n#### 1,234 ") == "1234"
     assert gsm8k.gold_answer("42") == "42"
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
+    ("answer", "solution", "expected"),
     [
-        ("<think>x</think>\n<answer>1</answer>", 1.0),
-        ("  \n<think>x\ny</think>\n<answer>1</answer>\n  ", 1.0),  # stripped first
-        ("<think>x</think><answer>1</answer>", 0.0),  # no newline
-        ("<think>x</think>\n\n<answer>1</answer>", 0.0),  # two newlines
-        ("<think>x</think> \n<answer>1</answer>", 0.0),
-        ("Sure! <think>x</think>\n<answer>1</answer>", 0.0),  # must start with <think>
-        ("<think>x</think>\n<answer>1</answer>\nmore text", 1.0),  # then the end of a line
-        ("<think>x</think>\n<answer>1</answer> trailing", 0.0),
-        ("<think>x</think>\n<answer>1", 0.0),
+        ("14", GOLD, 2.0),
+        ("14.0", GOLD, 1.5),
+        ("$1800", GOLD_1800, 0.0),  # strict: the whole answer must be one number
+        ("1800 dollars", GOLD_1800, 0.0),
+        ("1800.", GOLD_1800, 0.0),
+        ("1,800.0", GOLD_1800, 1.5),
     ],
 )
-def test_format_reward(text, expected):
-    assert gsm8k.format_reward(text) == expected
-    assert math_rewards.format_reward(text) == expected
+def test_gsm8k_strict_accuracy_is_a_separate_option(answer, solution, expected):
+    assert gsm8k.accuracy_reward_strict(completion(answer), solution) == expected
+    assert registry.resolve("gsm8k_accuracy_strict") is gsm8k.accuracy_reward_strict
+    assert registry.resolve("gsm8k_accuracy") is gsm8k.accuracy_reward
+
+
+@pytest.mark.parametrize(
+    ("text", "released", "strict"),
+    [
+        ("<think>x</think>\n<answer>1</answer>", 1.0, 1.0),
+        ("<think>x\ny</think>\n<answer>1\n2</answer>", 1.0, 1.0),  # DOTALL
+        ("  \n<think>x</think>\n<answer>1</answer>", 0.0, 1.0),  # released: not stripped
+        (" <think>x</think>\n<answer>1</answer>", 0.0, 1.0),
+        ("<think>x</think>\n<answer>1</answer>\n  ", 1.0, 1.0),
+        ("<think>x</think><answer>1</answer>", 0.0, 0.0),  # the newline is required
+        ("<think>x</think>\n\n<answer>1</answer>", 0.0, 0.0),
+        ("<think>x</think> \n<answer>1</answer>", 0.0, 0.0),
+        ("Sure! <think>x</think>\n<answer>1</answer>", 0.0, 0.0),  # from the start
+        ("<think>x</think>\n<answer>1</answer>\nmore text", 1.0, 0.0),  # `$` at any line end
+        ("<think>x</think>\n<answer>1</answer> trailing", 0.0, 0.0),
+        ("<think>x</think>\n<answer>1", 0.0, 0.0),
+    ],
+)
+def test_format_reward(text, released, strict):
+    assert gsm8k.format_reward(text) == released
+    assert math_rewards.format_reward(text) == released
+    assert gsm8k.format_reward_strict(text) == strict
 
 
 @pytest.mark.parametrize(
@@ -94,7 +139,56 @@ def test_gsm8k_totals(text, total):
     assert gsm8k.format_reward(text) + gsm8k.accuracy_reward(text, GOLD) == total
 
 
-# ----- MATH accuracy -----
+# ----- the released GSM8K evaluation rule (eval.rule=released) -----
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # An extracted answer decides: exact, exactly one number, or the last number.
+        (completion("1800"), True),
+        (completion("$1,800"), True),
+        (completion("18 + 2 = 1800"), True),  # the last number
+        (completion("1800 or 1900"), False),
+        (completion("1800%"), True),
+        (completion("1800.5"), False),
+        (completion("-1800"), True),  # the last-number pattern has no sign: 1800 == 1800
+        # ... even when the raw text would have counted.
+        ("The answer is 1800. <answer>12</answer>", False),
+        # Without an extractable answer the raw text decides.
+        ("so she pays $1,800 in total", True),
+        ("18 + 2 = 20, times 90 is 1800", True),
+        ("1800 is wrong, it is 1900", False),
+        ("<answer>1800</answer> <answer>5", False),  # raw text: last number 5
+        ("<answer>5</answer> <answer>1800", True),  # raw text: last number 1800
+        ("no number at all", False),
+    ],
+)
+def test_released_evaluation_rule(text, expected):
+    assert gsm8k.released_correct(text, GOLD_1800) is expected
+    assert gsm8k.eval_released(text, GOLD_1800) == float(expected)
+
+
+def test_released_rule_never_raises_on_a_gold_that_is_not_a_number():
+    """The released loop stops counting its batch when float(gold) raises; here the question is only
+    judged (exact match still counts)."""
+    assert gsm8k.released_correct(completion("five"), "#### five") is True
+    assert gsm8k.released_correct(completion("six"), "#### five") is False
+    assert gsm8k.released_correct("no tags, 5", "#### five") is False
+
+
+def test_released_rule_is_more_lenient_than_the_accuracy_reward():
+    lenient_only = [completion("18 + 2 = 1800"), "she pays $1800"]
+    for text in lenient_only:
+        assert gsm8k.released_correct(text, GOLD_1800)
+        assert gsm8k.accuracy_reward(text, GOLD_1800) == 0.0
+    for answer in ("1800", "$1800", "1800.", "x = 1800", "15", "18 + 2 = 20"):
+        text = completion(answer)
+        if gsm8k.accuracy_reward(text, GOLD_1800) > 0:  # strict => released
+            assert gsm8k.released_correct(text, GOLD_1800)
+
+
+# ----- MATH accuracy (the released options) -----
 
 
 def math_completion(answer: str) -> str:
@@ -108,38 +202,47 @@ def math_completion(answer: str) -> str:
     [
         ("\\frac{1}{2}", "0.5", 2.0),
         ("\\frac{1}{2}", "\\dfrac{1}{2}", 2.0),
-        ("\\dfrac{1}{2}", "\\frac12", 2.0),
         ("[1, 2)", "[1,2)", 2.0),
         ("[1, 2)", "(1, 2)", 0.0),
         ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3, \\frac{\\pi}{2})", 2.0),
         ("3", "4", 0.0),
         ("x^2+2x+1", "(x+1)^2", 2.0),
+        ("5", "x = 5", 2.0),  # equations=True: the right-hand side
+        ("5", "5\\text{ cm}", 2.0),  # units=True
     ],
 )
 def test_math_equivalences(gold, pred, expected):
     solution = f"We find that the answer is $\\boxed{{{gold}}}$."
     assert math_rewards.accuracy_reward(math_completion(pred), solution) == expected
+    assert math_rewards.eval_released(math_completion(pred), solution) == expected / 2
 
 
-def test_math_answer_block_fallback_and_boxed_first():
+def test_math_released_options_parse_the_whole_completion_boxed_first():
     solution = "So $x = \\boxed{5}$."
-    assert math_rewards.accuracy_reward("<think>x</think>\n<answer>5</answer>", solution) == 2.0
-    assert math_rewards.accuracy_reward("<think>x</think>\n<answer>$5$</answer>", solution) == 2.0
-    # A boxed answer comes before the answer block's text.
+    # Only anchored answers count (try_extract_without_anchor=False): a bare answer block scores 0.
+    assert math_rewards.accuracy_reward("<think>x</think>\n<answer>5</answer>", solution) == 0.0
+    # A boxed answer anywhere in the completion (first match, boxed first) counts, also in the thinking.
     text = "<think>\\boxed{5}</think>\n<answer>6</answer>"
     assert math_rewards.accuracy_reward(text, solution) == 2.0
-    assert math_rewards.accuracy_reward("<think>x</think>\n<answer></answer>", solution) == 0.0
+    text = "<think>x</think>\n<answer>The final answer is $5$</answer>"
+    assert math_rewards.accuracy_reward(text, solution) == 2.0
+    # nits=False, malformed_operators=False: `\frac12` is not repaired.
+    assert (
+        math_rewards.accuracy_reward(math_completion("\\frac12"), "$\\boxed{\\frac{1}{2}}$") == 0.0
+    )
     assert math_rewards.accuracy_reward("no answer at all", solution) == 0.0
 
 
-def test_math_unparsable_gold_scores_zero_and_is_counted():
+def test_math_unparsable_gold_scores_one_as_released_and_is_counted():
     registry.drain_notes()
     before = math_rewards.gold_unparsed_count()
-    assert (
-        math_rewards.accuracy_reward(math_completion("5"), "a solution without any answer") == 0.0
-    )
-    assert math_rewards.gold_unparsed_count() == before + 1
-    assert registry.drain_notes().get("math_gold_unparsed") == 1
+    no_gold = "a solution without any answer"
+    assert math_rewards.accuracy_reward(math_completion("5"), no_gold) == 1.0
+    assert math_rewards.accuracy_reward("anything", no_gold) == 1.0
+    assert math_rewards.accuracy_reward_strict(math_completion("5"), no_gold) == 0.0
+    assert math_rewards.eval_released(math_completion("5"), no_gold) == 0.0
+    assert math_rewards.gold_unparsed_count() == before + 3
+    assert registry.drain_notes().get("math_gold_unparsed") == 4
 
 
 # ----- registry -----
@@ -222,7 +325,7 @@ def test_pool_matches_in_process_scores(math_pool):
     total, per_func, stats = math_pool.score(completions, solutions)
     expected_acc = [math_rewards.accuracy_reward(c, s) for c, s in zip(completions, solutions)]
     expected_fmt = [math_rewards.format_reward(c) for c in completions]
-    assert per_func["accuracy"].tolist() == expected_acc == [2.0, 2.0, 0.0, 2.0, 0.0]
+    assert per_func["accuracy"].tolist() == expected_acc == [2.0, 2.0, 0.0, 0.0, 0.0]
     assert per_func["format"].tolist() == expected_fmt
     assert total.dtype == np.float64 and total.tolist() == [
         a + f for a, f in zip(expected_acc, expected_fmt)
@@ -287,6 +390,30 @@ def test_pool_inline_mode_and_bad_config():
         assert per_func["gsm8k_accuracy"].tolist() == [2.0, 0.0]
     with pytest.raises(ValueError, match="unique"):
         RewardPool(["gsm8k_format", "gsm8k_format"], num_workers=0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pool_scores_only_the_named_functions(num_workers):
+    """Training scores its rewards, evaluation its rules, from one pool (`score(..., only=...)`)."""
+    funcs = [("acc", 1.0, "gsm8k_accuracy"), ("fmt", 1.0, "gsm8k_format")]
+    funcs += [("eval/released", 0.0, "gsm8k_eval_released")]
+    texts = [completion("$1800"), "she pays $1,800", completion("7")]
+    with RewardPool(funcs, num_workers=num_workers) as pool:
+        total, per_func, stats = pool.score(texts, [GOLD_1800] * 3, only=["acc", "fmt"])
+        assert sorted(per_func) == ["acc", "fmt"] and sorted(stats["errors_per_func"]) == sorted(
+            per_func
+        )
+        assert total.tolist() == [2.5, 0.0, 1.0]
+        total, per_func, _ = pool.score(texts, [GOLD_1800] * 3, only=["eval/released"])
+        assert list(per_func) == ["eval/released"] and per_func["eval/released"].tolist() == [
+            1.0,
+            1.0,
+            0.0,
+        ]
+        assert total.tolist() == [0.0] * 3  # weight 0
+        assert sorted(pool.score(texts, [GOLD_1800] * 3)[1]) == ["acc", "eval/released", "fmt"]
+        with pytest.raises(ValueError, match="unknown reward name.*'accuracy'.*this pool has"):
+            pool.score(texts, [GOLD_1800] * 3, only=["accuracy"])
     with pytest.raises(ValueError, match="unknown reward"):
         RewardPool(["nope"], num_workers=0)
     with pytest.raises(ValueError, match="cannot load"):
@@ -305,7 +432,9 @@ def test_gsm8k_golds_are_numbers():
 
 
 def test_math_golds_parse_and_own_answers_score_full_marks():
-    """Every MATH-500, AMC23 and AIME24 gold parses, and its own answer, boxed, scores 2.0 through the pool."""
+    """Every MATH-500, AMC23 and AIME24 gold parses, and its own answer, boxed, scores 2.0 through the
+    pool, except the answers written in LaTeX shorthand (`\\frac43`, `\\sqrt2`): the released options
+    (nits=False) do not repair a prediction, so a model that writes them scores 0 as it did there."""
     examples = (
         datasets.load_examples("math500", task="math")
         + datasets.load_examples("amc23")
@@ -319,8 +448,10 @@ def test_math_golds_parse_and_own_answers_score_full_marks():
         _, per_func, stats = pool.score(completions, [ex["solution"] for ex in examples])
     assert stats["notes"].get("math_gold_unparsed", 0) == 0
     assert stats["timeouts"] == stats["errors"] == 0
-    failed = [ex["answer"] for ex, v in zip(examples, per_func["accuracy"]) if v != 2.0]
-    assert not failed
+    failed = {ex["answer"] for ex, v in zip(examples, per_func["accuracy"]) if v != 2.0}
+    shorthand = re.compile(r"\\(?:frac\s*\d|frac\{[^}]*\}\s*\d|sqrt\s*\d)")
+    assert failed == {ex["answer"] for ex in examples if shorthand.search(ex["answer"])}
+    assert 0 < len(failed) < 10
 
 
 # ----- host code stays host code -----

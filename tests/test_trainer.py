@@ -292,3 +292,148 @@ def test_profile_window_traces_every_phase_and_dumps_hlo(tmp_path, arith_model_d
     hlo = list((trainer.out_dir / "profile" / "hlo").glob("train_step*"))
     assert hlo and hlo[0].stat().st_size > 1000
     assert "xla compilations" in (trainer.out_dir / "compiled_programs.md").read_text().lower()
+
+
+# ----- fidelity to the released code (issue 18) -----
+
+
+def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
+    tmp_path, arith_model_dir
+):
+    """mu = 2 outside the overlap path, at T = 0.7 with left-padded prompts.
+
+    The training log-probs of the sampled completions equal the sampler's own; the old-policy log-probs
+    are those of the params before the first update; both updates get the same batch, and on the second
+    one the policy has moved (ratio != 1).
+    """
+    cfg = small_config(
+        tmp_path,
+        arith_model_dir,
+        "cppo.mu=2",
+        "cppo.pruning_rate=0.0",
+        "cppo.allocation=false",
+        "rollout.temperature=0.7",
+        "trainer.steps=1",
+    )
+    trainer = Trainer(cfg)
+    try:
+        sh = trainer.shapes
+        tol = 256 * np.finfo(np.float32).eps  # float32 model: relative to |logp|, below
+        # Training log-probs vs the sampler's, on the kept (here: all) rows.
+        rollout = trainer._rollout(trainer.params, 0)
+        s = rollout.samples
+        lengths = np.asarray(rollout.pvalid_QP).sum(axis=1)
+        assert len(set(lengths.tolist())) > 1 and lengths.max() < sh.P  # left padding, ragged
+        tokens_NT = jnp.concatenate([jnp.repeat(rollout.prompt_QP, sh.G, axis=0), s.tokens_NC], 1)
+        valid_NT = jnp.concatenate([jnp.repeat(rollout.pvalid_QP, sh.G, axis=0), s.valid_NC], 1)
+        train_NC = np.asarray(trainer.logps(trainer.params, tokens_NT, valid_NT))
+        sampled_NC = np.asarray(s.logp_NC)
+        valid_NC = np.asarray(s.valid_NC)
+        scale = max(1.0, float(np.abs(sampled_NC[valid_NC]).max()))
+        np.testing.assert_allclose(
+            train_NC[valid_NC], sampled_NC[valid_NC], rtol=0, atol=tol * scale
+        )
+
+        # The step: spy on the updates and the old-policy log-probs.
+        start_logps, batches, moved = [], [], []
+        inner_step, inner_logps = trainer.train_step, trainer.logps
+
+        def spy(params, opt_state, batch):
+            # The log-probs of the params this update starts from (before they are donated).
+            start_logps.append(np.asarray(inner_logps(params, batch.tokens_NT, batch.valid_NT)))
+            batches.append(batch)
+            return inner_step(params, opt_state, batch)
+
+        trainer.train_step = spy
+        trainer.step(0)
+        assert len(batches) == 2 and batches[0] is batches[1]  # the same batch twice
+        old_NC = np.asarray(batches[0].old_logp_NC)
+        mask_NC = np.asarray(batches[0].mask_NC) > 0
+        np.testing.assert_array_equal(old_NC[mask_NC], start_logps[0][mask_NC])  # pre-update params
+        ratio_NC = np.exp(start_logps[1] - old_NC)
+        moved = np.abs(ratio_NC[mask_NC] - 1.0)
+        assert moved.max() > 1000 * np.finfo(np.float32).eps, (
+            moved.max()
+        )  # the second update's ratio
+    finally:
+        trainer.close()
+
+
+def test_process_scope_in_the_trainer_and_both_eval_rules(tmp_path, arith_model_dir):
+    """cppo.scope=process trains processes x n kept rows; evaluation reports both rules."""
+    cfg = small_config(
+        tmp_path, arith_model_dir, "cppo.scope=process", "cppo.processes=2", "trainer.steps=1"
+    )
+    sh = shapes_of(cfg)
+    # Q = 4 questions of G = 4 in 2 slices of 8 completions; each drops int(8 x 0.5) = 4.
+    assert (sh.Q, sh.M) == (4, 8)
+    with pytest.raises(Exception, match="cppo.processes' = 3 .*divisor of the Q = 4"):
+        shapes_of(apply_overrides(cfg, ["cppo.processes=3"]))
+    trainer = Trainer(cfg)
+    try:
+        metrics = trainer.step(0)
+        assert metrics["cppo/kept"] == 8
+        result = trainer.evaluate(1)
+    finally:
+        trainer.close()
+    assert result["rule"] == "strict" and result["accuracy"] == result["accuracy_strict"]
+    assert 0.0 <= result["accuracy_strict"] <= result["accuracy_released"] <= 1.0
+    assert "rewards/eval/released/mean" not in metrics  # the rules run only when evaluating
+
+
+def test_rewards_see_text_decoded_with_special_tokens_skipped(arith_model_dir):
+    """As released (`skip_special_tokens=True`): chat markers, EOS and padding never reach a reward."""
+    from cppo_jax import pipeline
+    from cppo_jax.models import Tokenizer
+    from cppo_jax.rewards import gsm8k
+
+    tok = Tokenizer.from_dir(arith_model_dir)
+    text = "<think>3+2=5</think>\n<answer>5</answer>"
+    ids = tok.encode(text)
+    im_start = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    rows = [ids + [tok.eos_id, tok.pad_id], [im_start, *ids, tok.eos_id]]
+    width = max(map(len, rows))
+    tokens_NC = np.full((2, width), tok.pad_id, np.int32)
+    valid_NC = np.zeros((2, width), bool)
+    for i, row in enumerate(rows):
+        tokens_NC[i, : len(row)] = row
+        valid_NC[i, : len(row) - (i == 0)] = True  # row 0: the pad after EOS is not valid
+    texts = pipeline.decode_completions(tok, tokens_NC, valid_NC)
+    assert texts == [text, text]
+    assert [gsm8k.format_reward(t) + gsm8k.accuracy_reward(t, "#### 5") for t in texts] == [
+        3.0,
+        3.0,
+    ]
+    # Kept, the marker would break the format reward: what the old decoding did.
+    kept = tok.decode([int(t) for t in tokens_NC[1][valid_NC[1]]])
+    assert kept.startswith("<|im_start|>") and gsm8k.format_reward(kept) == 0.0
+
+
+def test_prompt_comes_from_data_system_prompt_and_prompt_format(tmp_path, arith_model_dir):
+    """The prompt the trainer encodes: the configured system prompt through the chat template, none
+    when it is empty, or the plain format without a template; a bad format names the key."""
+    from cppo_jax import pipeline
+    from cppo_jax.config import ConfigError
+    from cppo_jax.models import Tokenizer
+
+    tok = Tokenizer.from_dir(arith_model_dir)
+    ex = [{"question": "What is 2 + 3?", "solution": "#### 5", "answer": "5"}]
+
+    def prompt(*overrides):
+        d = small_config(tmp_path, arith_model_dir, "data.max_prompt_len=200", *overrides).data
+        enc = pipeline.encode_prompts(
+            ex, tok, d.task, d.max_prompt_len, d.long_prompts, d.system_prompt, d.prompt_format
+        )
+        return tok.decode([int(t) for t in enc.ids_nP[0][enc.valid_nP[0]]])
+
+    default = prompt()
+    assert "<|im_start|>system\nThink in <think> </think>" in default  # the task's own (None)
+    custom = prompt("data.system_prompt=Answer briefly.")
+    assert "<|im_start|>system\nAnswer briefly.<|im_end|>" in custom
+    assert "<|im_start|>system" not in prompt("data.system_prompt=")
+    assert custom.endswith("<|im_start|>assistant\n")
+    assert prompt("data.system_prompt=Be brief.", "data.prompt_format=plain") == (
+        "Be brief.\nWhat is 2 + 3?\n"
+    )
+    with pytest.raises(ConfigError, match="data.prompt_format.*'chat', 'plain'"):
+        small_config(tmp_path, arith_model_dir, "data.prompt_format=jinja")

@@ -1,11 +1,16 @@
-"""MATH rewards (spec section 4), with math-verify.
+"""MATH rewards and evaluation rule, as in the released CPPO code (spec section 4), with math-verify.
 
-- `format_reward`: the same `<think>..</think>\\n<answer>..</answer>` rule as GSM8K.
-- `accuracy_reward`: gold = the `\\boxed{}` answer of the reference solution, parsed by math-verify; prediction =
-  the completion parsed with boxed answers first (falling back to the content of the last `<answer>` block);
-  2.0 when `math_verify.verify(gold, pred)`, else 0.0. A parse error scores 0.0. A gold that cannot be
-  parsed scores 0.0 (the released code gives 1.0) and is counted: `gold_unparsed_count()` in this process,
-  and the event `"math_gold_unparsed"` in `RewardPool.score`'s stats.
+- `format_reward`: the same rule as GSM8K (`cppo_jax.rewards.gsm8k.format_reward`).
+- `accuracy_reward` (`math_accuracy`): gold = math-verify's first match in the reference solution (default
+  LaTeX extraction); prediction = the WHOLE completion parsed with boxed answers first
+  (`boxed_match_priority=0`), no unanchored matches, normalisation `nits=False, malformed_operators=False,
+  basic_latex=True, equations=True, boxed="all", units=True`, first match; reward 2.0 *
+  `verify(prediction, gold)` (the released order), 0.0 when verify fails. A gold that does not parse gives
+  1.0 to every completion, as released (its group then has zero advantage); it is logged once and
+  counted: `gold_unparsed_count()` in this process and the event `"math_gold_unparsed"` in
+  `RewardPool.score`'s stats. `accuracy_reward_strict` (`math_accuracy_strict`) scores such completions 0.0.
+- `eval_released` (`math_eval_released`): the released evaluation, 1.0 when `verify(gold, prediction)`
+  (its order), parsed as above; a gold that does not parse is wrong.
 
 math-verify bounds its own work with SIGALRM, which exists only in a process's main thread; elsewhere these
 functions run without that bound. Untrusted completions are scored through `cppo_jax.rewards.pool.RewardPool`,
@@ -16,9 +21,9 @@ LaTeX parser; nothing here evaluates it.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 
+from latex2sympy2_extended import NormalizationConfig
 from math_verify import LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
@@ -27,28 +32,45 @@ from cppo_jax.rewards.registry import note
 
 __all__ = [
     "accuracy_reward",
+    "accuracy_reward_strict",
+    "eval_released",
     "format_reward",
     "gold_unparsed_count",
-    "last_answer_block",
     "parse_gold",
     "parse_prediction",
 ]
 
 logger = logging.getLogger(__name__)
 
-# Seconds for math-verify's own (SIGALRM) bound on each parse and each comparison, main thread only.
-MATH_VERIFY_TIMEOUT_S = 3
-# The answer-block fallback wraps short plain answers ("5", "1/2") in $...$ for the LaTeX parser.
-_MAX_WRAPPED_ANSWER_CHARS = 1000
 
-_GOLD_CONFIG = (LatexExtractionConfig(boxed_match_priority=0),)
-# math-verify's default normalisation (it repairs `\\frac12`), boxed answers first, and only anchored
-# answers (boxed, "final answer is ...", "answer: ...") from the free text of a completion.
-_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),)
-_ANSWER_BLOCK_CONFIG = (
-    LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=True),
+class _DropDeprecationNotice(logging.Filter):
+    """latex2sympy2_extended warns on every parse with `equations=True`, which the released options set."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "equations=True in NormalizationConfig is deprecated" not in record.getMessage()
+
+
+logging.getLogger("latex2sympy2_extended.math_normalization").addFilter(_DropDeprecationNotice())
+
+# Seconds for math-verify's own (SIGALRM) bound on each parse and each comparison, main thread only
+# (math-verify's default, which the released code keeps).
+MATH_VERIFY_TIMEOUT_S = 5
+
+_GOLD_CONFIG = (LatexExtractionConfig(),)
+_PRED_CONFIG = (
+    LatexExtractionConfig(
+        normalization_config=NormalizationConfig(
+            nits=False,
+            malformed_operators=False,
+            basic_latex=True,
+            equations=True,
+            boxed="all",
+            units=True,
+        ),
+        boxed_match_priority=0,
+        try_extract_without_anchor=False,
+    ),
 )
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 _GOLD_CACHE_SIZE = 4096
 _GOLD_CACHE: dict[str, tuple] = {}
@@ -75,7 +97,7 @@ def _parse(text: str, config: tuple) -> list:
 
 
 def parse_gold(solution: str) -> list:
-    """math-verify's parse of the reference solution's boxed answer (empty when it cannot be parsed).
+    """math-verify's first match in the reference solution (empty when it cannot be parsed).
 
     Parsed golds are cached (each question has G completions); failures are not, so a gold that once ran
     into a timeout is tried again.
@@ -90,61 +112,54 @@ def parse_gold(solution: str) -> list:
         _GOLD_CACHE[solution] = tuple(parsed)
     elif solution not in _UNPARSED_LOGGED and len(_UNPARSED_LOGGED) < _GOLD_CACHE_SIZE:
         _UNPARSED_LOGGED.add(solution)
-        logger.warning(
-            "MATH gold answer cannot be parsed; its completions score 0: %.200r", solution
-        )
+        logger.warning("MATH gold answer cannot be parsed: %.200r", solution)
     return parsed
 
 
-def last_answer_block(completion: str) -> str | None:
-    """The content of the last `<answer>...</answer>` block, stripped; None if there is none."""
-    matches = _ANSWER_RE.findall(completion)
-    return matches[-1].strip() if matches else None
-
-
 def parse_prediction(completion: str) -> list:
-    """Parse a completion: boxed answers (and "final answer is ...") first, then the last answer block."""
-    first = _parse(completion, _PRED_CONFIG)
-    if _has_expression(first):
-        return first
-    content = last_answer_block(completion)
-    if content:
-        pred = _parse(content, _ANSWER_BLOCK_CONFIG)
-        if (
-            not _has_expression(pred)
-            and "$" not in content
-            and len(content) <= _MAX_WRAPPED_ANSWER_CHARS
-        ):
-            pred = _parse(f"${content}$", _ANSWER_BLOCK_CONFIG)
-        if _has_expression(pred):
-            return pred
-    # Nothing parsed into an expression: keep math-verify's string fallback, compared as a string.
-    return first
-
-
-def _has_expression(parsed: list) -> bool:
-    return any(not isinstance(p, str) for p in parsed)
+    """The released parse of a whole completion: boxed answers first, anchored answers only."""
+    return _parse(completion, _PRED_CONFIG)
 
 
 def gold_unparsed_count() -> int:
-    """How many completions this process scored 0.0 because their gold answer could not be parsed."""
+    """How many completions this process scored against a gold answer that could not be parsed."""
     return _gold_unparsed
 
 
-def accuracy_reward(completion: str, solution: str) -> float:
-    """2.0 when math-verify finds the completion's answer equal to the solution's boxed answer, else 0.0."""
+def _verify(gold: list, pred: list, *, gold_first: bool) -> bool:
+    try:
+        a, b = (gold, pred) if gold_first else (pred, gold)
+        return bool(verify(a, b, timeout_seconds=_timeout_s()))
+    except (Exception, TimeoutException):
+        note("math_verify_error")
+        return False
+
+
+def _score(completion: str, solution: str, unparsed: float) -> float:
     global _gold_unparsed
     gold = parse_gold(solution)
     if not gold:
         _gold_unparsed += 1
         note("math_gold_unparsed")
+        return unparsed
+    return 2.0 if _verify(gold, parse_prediction(completion), gold_first=False) else 0.0
+
+
+def accuracy_reward(completion: str, solution: str) -> float:
+    """2.0 when math-verify finds the completion's answer equal to the gold, else 0.0; 1.0 for every
+    completion of a question whose gold does not parse (released)."""
+    return _score(completion, solution, unparsed=1.0)
+
+
+def accuracy_reward_strict(completion: str, solution: str) -> float:
+    """`accuracy_reward`, except that a gold which does not parse scores 0.0."""
+    return _score(completion, solution, unparsed=0.0)
+
+
+def eval_released(completion: str, solution: str) -> float:
+    """The released MATH evaluation: 1.0 when `verify(gold, prediction)`, else 0.0 (no gold: 0.0)."""
+    gold = parse_gold(solution)
+    if not gold:
+        note("math_gold_unparsed")
         return 0.0
-    pred = parse_prediction(completion)
-    if not pred:
-        return 0.0
-    try:
-        ok = verify(gold, pred, timeout_seconds=_timeout_s())
-    except (Exception, TimeoutException):
-        note("math_verify_error")
-        return 0.0
-    return 2.0 if ok else 0.0
+    return 1.0 if _verify(gold, parse_prediction(completion), gold_first=True) else 0.0

@@ -234,12 +234,15 @@ class RewardPool:
     # ----- scoring -----
 
     def score(
-        self, completions: Sequence[str], solutions: Sequence[str]
+        self,
+        completions: Sequence[str],
+        solutions: Sequence[str],
+        only: Sequence[str] | None = None,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
-        """Score each completion against its solution with every reward function.
+        """Score each completion against its solution with every reward function (or those named in `only`).
 
-        Returns `(total_N, per_func, stats)`: the weighted sum (float64 [N]), the unweighted scores of each
-        function by name, and `stats` with `timeouts`, `errors`, `restarts` (this call), per-function
+        Returns `(total_N, per_func, stats)`: the weighted sum (float64 [N]) of the functions run, the
+        unweighted scores of each function run by name, and `stats` with `timeouts`, `errors`, `restarts` (this call), per-function
         `timeouts_per_func` and `errors_per_func`, `notes` (events the functions reported, e.g.
         `math_gold_unparsed`) and `wall_s`.
         """
@@ -253,23 +256,28 @@ class RewardPool:
             for i, s in enumerate(seq):
                 if not isinstance(s, str):
                     raise ValueError(f"{what}[{i}] is {type(s).__name__}, not str")
+        names = [s.name for s in self.specs]
+        unknown = sorted(set(only or ()) - set(names))
+        if unknown:
+            raise ValueError(f"unknown reward name(s) {unknown} in `only`; this pool has {names}")
+        js = [j for j, name in enumerate(names) if only is None or name in only]
         t0 = time.monotonic()
         n, f = len(completions), len(self.specs)
         scores_FN = np.zeros((f, n), dtype=np.float64)
         run = _Run(f)
         if self._inline:
-            self._score_inline(completions, solutions, scores_FN, run)
+            self._score_inline(completions, solutions, scores_FN, run, js)
         elif n:
-            self._score_workers(completions, solutions, scores_FN, run)
-        weights_F = np.array([s.weight for s in self.specs], dtype=np.float64)
-        total_N = weights_F @ scores_FN
-        per_func = {s.name: scores_FN[j].copy() for j, s in enumerate(self.specs)}
+            self._score_workers(completions, solutions, scores_FN, run, js)
+        weights_F = np.array([self.specs[j].weight for j in js], dtype=np.float64)
+        total_N = weights_F @ scores_FN[js]
+        per_func = {names[j]: scores_FN[j].copy() for j in js}
         stats = {
             "timeouts": sum(run.timeouts),
             "errors": sum(run.errors),
             "restarts": run.restarts,
-            "timeouts_per_func": {s.name: run.timeouts[j] for j, s in enumerate(self.specs)},
-            "errors_per_func": {s.name: run.errors[j] for j, s in enumerate(self.specs)},
+            "timeouts_per_func": {names[j]: run.timeouts[j] for j in js},
+            "errors_per_func": {names[j]: run.errors[j] for j in js},
             "notes": dict(run.notes),
             "wall_s": time.monotonic() - t0,
         }
@@ -278,22 +286,22 @@ class RewardPool:
         self.totals["items"] += n
         return total_N, per_func, stats
 
-    def _score_inline(self, completions, solutions, scores_FN, run: _Run) -> None:
+    def _score_inline(self, completions, solutions, scores_FN, run: _Run, js: list[int]) -> None:
         f = len(self.specs)
         for i, (c, s) in enumerate(zip(completions, solutions)):
-            for j, fn in enumerate(self._inline):
-                status, value = _call(fn, c, s)
+            for j in js:
+                status, value = _call(self._inline[j], c, s)
                 run.record(i * f + j, status, value, registry.drain_notes(), scores_FN)
 
-    def _score_workers(self, completions, solutions, scores_FN, run: _Run) -> None:
+    def _score_workers(self, completions, solutions, scores_FN, run: _Run, js: list[int]) -> None:
         n, f = len(completions), len(self.specs)
         # Chunks of at most chunk_size items, small enough that every worker gets several.
         per_chunk = max(1, min(self.chunk_size, -(-n // (4 * len(self._workers)))))
         queue: deque[list[int]] = deque()
         for start in range(0, n, per_chunk):
             items = range(start, min(n, start + per_chunk))
-            queue.append([i * f + j for i in items for j in range(f)])
-        remaining = n * f
+            queue.append([i * f + j for i in items for j in js])
+        remaining = n * len(js)
         restarts0 = self.totals["restarts"]
         while remaining:
             # Hand chunks to idle workers.

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 
 __all__ = [
+    "TASK_EVAL",
     "RewardFn",
     "as_pair_fn",
     "drain_notes",
@@ -37,13 +38,27 @@ __all__ = [
 RewardFn = Callable[[str, str], float]
 
 _BUILTIN: dict[str, str] = {
+    # The released code's rules (spec section 4): what the paper configs use.
     "gsm8k_accuracy": "cppo_jax.rewards.gsm8k:accuracy_reward",
     "gsm8k_format": "cppo_jax.rewards.gsm8k:format_reward",
     "math_accuracy": "cppo_jax.rewards.math:accuracy_reward",
     "math_format": "cppo_jax.rewards.math:format_reward",
+    # Stricter options.
+    "gsm8k_accuracy_strict": "cppo_jax.rewards.gsm8k:accuracy_reward_strict",
+    "gsm8k_format_strict": "cppo_jax.rewards.gsm8k:format_reward_strict",
+    "math_accuracy_strict": "cppo_jax.rewards.math:accuracy_reward_strict",
+    # The released evaluation rules (1.0 correct, 0.0 not): `eval.rule=released`.
+    "gsm8k_eval_released": "cppo_jax.rewards.gsm8k:eval_released",
+    "math_eval_released": "cppo_jax.rewards.math:eval_released",
     # The synthetic arithmetic task has GSM8K-style solutions ("#### N") and the same output format.
     "arith_accuracy": "cppo_jax.rewards.gsm8k:accuracy_reward",
     "arith_format": "cppo_jax.rewards.gsm8k:format_reward",
+    "arith_eval_released": "cppo_jax.rewards.gsm8k:eval_released",
+}
+# Per task: the accuracy reward (`eval.rule=strict` counts accuracy > 0) and the released evaluation rule.
+TASK_EVAL: dict[str, dict[str, str]] = {
+    task: {"strict": f"{task}_accuracy", "released": f"{task}_eval_released"}
+    for task in ("arith", "gsm8k", "math")
 }
 _REGISTRY: dict[str, str] = dict(_BUILTIN)
 _NOTES: Counter[str] = Counter()
