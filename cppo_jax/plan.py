@@ -350,10 +350,10 @@ def memory_plan(
     unsharded = {**axis, "fsdp": 1}
     gathered = 0
     if axis["fsdp"] > 1:
-        gathered = sum(
-            _shard_bytes(shape, names, unsharded, pb)
+        gathered = sum(  # the decoder layers' params are stacked [L, ...]: one layer is 1/L
+            _shard_bytes(shape, names, unsharded, pb) // (shape[0] if path[0] == "layers" else 1)
             for path, shape, names in shapes
-            if path[:2] == ("layers", 0) or path[0] in ("embed_VD", "lm_head_DV")
+            if path[0] in ("layers", "embed_VD", "lm_head_DV")
         )
     m = micro_batch if 0 < micro_batch < rows else rows
     n = _split(m, dp) if m % dp == 0 else m  # sequences per device (replicated if uneven)

@@ -25,7 +25,7 @@ from cppo_jax import sharding
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 # Large finite negative for masked scores: fully masked rows (padding queries) stay finite.
-_MASKED = -1e30
+MASKED = -1e30
 _INIT_STD = 0.02
 # Logical names of activations (mapped onto the mesh by cppo_jax.sharding.RULES).
 _ACT_EMBED = ("batch", "length", "act_embed")
@@ -59,6 +59,10 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    # Layers run under one `lax.scan` over their stacked params (compiled once, whatever the depth);
+    # False unrolls them (one copy of the layer per depth in every program). Params are stacked
+    # [L, ...] either way, so checkpoints, sharding and Hugging Face I/O do not depend on it.
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.arch not in HF_ARCHITECTURES:
@@ -204,6 +208,11 @@ def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def _stacked(layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Leading shape and logical names of a parameter stacked over `layers` (0: not stacked)."""
+    return ((layers,), ("layers",)) if layers else ((), ())
+
+
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
     return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
@@ -233,7 +242,7 @@ def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
     scores_BJRTS = jnp.einsum(
         "btjre,bsje->bjrts", q_BTJRE, k_BSJE, preferred_element_type=jnp.float32
     ) * (E**-0.5)
-    scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, _MASKED)
+    scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, MASKED)
     probs_BJRTS = jax.nn.softmax(scores_BJRTS, axis=-1).astype(v_BSJE.dtype)
     out_BTJRE = jnp.einsum("bjrts,bsje->btjre", probs_BJRTS, v_BSJE)
     return out_BTJRE.reshape(B, T, H, E)
@@ -296,9 +305,12 @@ def repeat_cache(cache: Cache, n: int) -> Cache:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, layers: int = 0):
+        lead, names = _stacked(layers)
         self.eps = cfg.rms_norm_eps
-        self.scale_D = _param(jnp.ones((cfg.hidden_size,), cfg.weight_dtype), ("norm",))
+        self.scale_D = _param(
+            jnp.ones((*lead, cfg.hidden_size), cfg.weight_dtype), (*names, "norm")
+        )
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x32 = x_BTD.astype(jnp.float32)
@@ -307,7 +319,10 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    """Projections of grouped-query attention; `qkv` and `out` are shared by the full forward and
+    the sampler's decode step, which differ only in how scores are taken over the cache."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
         D, H, J, E, pdt = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -315,19 +330,25 @@ class Attention(nnx.Module):
             cfg.head_dim,
             cfg.weight_dtype,
         )
+        L, n = _stacked(layers)
         self.cfg = cfg
-        self.q_DHE = _param(_normal(rngs, (D, H, E), pdt), ("embed", "q_heads", "head_dim"))
-        self.k_DJE = _param(_normal(rngs, (D, J, E), pdt), ("embed", "kv_heads", "head_dim"))
-        self.v_DJE = _param(_normal(rngs, (D, J, E), pdt), ("embed", "kv_heads", "head_dim"))
-        self.o_HED = _param(_normal(rngs, (H, E, D), pdt), ("q_heads", "head_dim", "embed"))
+        self.q_DHE = _param(_normal(rngs, (*L, D, H, E), pdt), (*n, "embed", "q_heads", "head_dim"))
+        self.k_DJE = _param(
+            _normal(rngs, (*L, D, J, E), pdt), (*n, "embed", "kv_heads", "head_dim")
+        )
+        self.v_DJE = _param(
+            _normal(rngs, (*L, D, J, E), pdt), (*n, "embed", "kv_heads", "head_dim")
+        )
+        self.o_HED = _param(_normal(rngs, (*L, H, E, D), pdt), (*n, "q_heads", "head_dim", "embed"))
         if cfg.attention_bias:
-            self.q_bias_HE = _param(jnp.zeros((H, E), pdt), ("q_heads", "head_dim"))
-            self.k_bias_JE = _param(jnp.zeros((J, E), pdt), ("kv_heads", "head_dim"))
-            self.v_bias_JE = _param(jnp.zeros((J, E), pdt), ("kv_heads", "head_dim"))
-        if cfg.attention_bias and cfg.arch == "llama":
-            self.o_bias_D = _param(jnp.zeros((D,), pdt), ("embed",))
+            self.q_bias_HE = _param(jnp.zeros((*L, H, E), pdt), (*n, "q_heads", "head_dim"))
+            self.k_bias_JE = _param(jnp.zeros((*L, J, E), pdt), (*n, "kv_heads", "head_dim"))
+            self.v_bias_JE = _param(jnp.zeros((*L, J, E), pdt), (*n, "kv_heads", "head_dim"))
+        if has_o_bias(cfg):
+            self.o_bias_D = _param(jnp.zeros((*L, D), pdt), (*n, "embed"))
 
-    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer: int):
+    def qkv(self, x_BTD, cos_BTE, sin_BTE):
+        """Rotated queries [B, T, H, E], rotated keys and values [B, T, J, E] of a normed input."""
         dt = x_BTD.dtype
         q_BTHE = jnp.einsum("btd,dhe->bthe", x_BTD, self.q_DHE[...].astype(dt))
         k_BTJE = jnp.einsum("btd,dje->btje", x_BTD, self.k_DJE[...].astype(dt))
@@ -338,26 +359,35 @@ class Attention(nnx.Module):
             v_BTJE = v_BTJE + self.v_bias_JE[...].astype(dt)
         q_BTHE = constrain(apply_rope(q_BTHE, cos_BTE, sin_BTE), _ACT_HEADS)
         k_BTJE = constrain(apply_rope(k_BTJE, cos_BTE, sin_BTE), _ACT_KV_HEADS)
-        v_BTJE = constrain(v_BTJE, _ACT_KV_HEADS)
+        return q_BTHE, k_BTJE, constrain(v_BTJE, _ACT_KV_HEADS)
+
+    def out(self, out_BTHE: jax.Array) -> jax.Array:
+        """The output projection of the attended values [B, T, H, E] -> [B, T, D]."""
+        dt = out_BTHE.dtype
+        y_BTD = jnp.einsum("bthe,hed->btd", out_BTHE, self.o_HED[...].astype(dt))
+        if has_o_bias(self.cfg):
+            y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
+        return y_BTD
+
+    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer):
+        q_BTHE, k_BTJE, v_BTJE = self.qkv(x_BTD, cos_BTE, sin_BTE)
         if cache is None:
             k_BSJE, v_BSJE = k_BTJE, v_BTJE
         else:
+            dt = x_BTD.dtype
             cache = cache.write_kv(layer, k_BTJE, v_BTJE)
-            k_BSJE = cache.k_LBSJE[layer].astype(dt)
-            v_BSJE = cache.v_LBSJE[layer].astype(dt)
-        out_BTHE = attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS)
-        y_BTD = jnp.einsum("bthe,hed->btd", out_BTHE, self.o_HED[...].astype(dt))
-        if self.cfg.attention_bias and self.cfg.arch == "llama":
-            y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
-        return y_BTD, cache
+            k_BSJE = jax.lax.dynamic_index_in_dim(cache.k_LBSJE, layer, 0, False).astype(dt)
+            v_BSJE = jax.lax.dynamic_index_in_dim(cache.v_LBSJE, layer, 0, False).astype(dt)
+        return self.out(attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS)), cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
         D, F, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
-        self.gate_DF = _param(_normal(rngs, (D, F), pdt), ("embed", "mlp"))
-        self.up_DF = _param(_normal(rngs, (D, F), pdt), ("embed", "mlp"))
-        self.down_FD = _param(_normal(rngs, (F, D), pdt), ("mlp", "embed"))
+        L, n = _stacked(layers)
+        self.gate_DF = _param(_normal(rngs, (*L, D, F), pdt), (*n, "embed", "mlp"))
+        self.up_DF = _param(_normal(rngs, (*L, D, F), pdt), (*n, "embed", "mlp"))
+        self.down_FD = _param(_normal(rngs, (*L, F, D), pdt), (*n, "mlp", "embed"))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
@@ -370,26 +400,49 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MLP(cfg, rngs)
+    """One pre-norm decoder layer; built with `layers=L` it holds all L layers' params stacked."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
+        self.attn_norm = RMSNorm(cfg, layers)
+        self.attn = Attention(cfg, rngs, layers)
+        self.mlp_norm = RMSNorm(cfg, layers)
+        self.mlp = MLP(cfg, rngs, layers)
+
+    def mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
+        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
 
     def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer):
         y_BTD, cache = self.attn(self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer)
         x_BTD = constrain(x_BTD + y_BTD, _ACT_EMBED)
-        x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
-        return x_BTD, cache
+        return self.mlp_residual(x_BTD), cache
 
 
-def _layer_fn(index: int, remat: bool):
-    """Calls layer `index` (a static int), optionally under nnx.remat."""
+def has_o_bias(cfg: TransformerConfig) -> bool:
+    """Llama with attention_bias has an o_proj bias too (as Hugging Face builds it); Qwen2 never."""
+    return cfg.attention_bias and cfg.arch == "llama"
 
-    def run(layer: DecoderLayer, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache):
-        return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index)
 
-    return nnx.remat(run) if remat else run
+def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, remat: bool = False):
+    """`carry = body(layer_i, i, carry)` for each of the L layers stacked in `layers`, in order.
+
+    Under one `lax.scan` over the stacked params when `cfg.scan_layers` (every program holds one
+    copy of the layer), else unrolled (layer i is a static slice of the stack). `body` may close
+    over traced values; with `remat` each layer's activations are recomputed in the backward pass.
+    """
+    graphdef, state = nnx.split(layers)
+
+    def step(carry, xs):
+        state_l, index = xs
+        return body(nnx.merge(graphdef, state_l), index, carry), None
+
+    if remat:
+        step = jax.checkpoint(step)
+    if cfg.scan_layers:
+        carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        return carry
+    for i in range(cfg.num_layers):
+        carry, _ = step(carry, (jax.tree.map(lambda x, i=i: x[i], state), i))
+    return carry
 
 
 class Transformer(nnx.Module):
@@ -399,7 +452,7 @@ class Transformer(nnx.Module):
         V, D, pdt = cfg.vocab_size, cfg.hidden_size, cfg.weight_dtype
         self.cfg = cfg
         self.embed_VD = _param(_normal(rngs, (V, D), pdt), ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = DecoderLayer(cfg, rngs, layers=cfg.num_layers)  # params stacked [L, ...]
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head_DV = _param(_normal(rngs, (D, V), pdt), ("embed", "vocab"))
@@ -439,9 +492,12 @@ class Transformer(nnx.Module):
         causal_TS = key_slot_S[None, :] <= query_slot_T[:, None]
         mask_BTS = causal_TS[None] & valid_BS[:, None, :]
         cos_BTE, sin_BTE = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
-        for index, layer in enumerate(self.layers):
-            run = _layer_fn(index, cfg.remat)
-            x_BTD, cache = run(layer, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache)
+
+        def layer_fn(layer, index, carry):
+            x_BTD, cache = carry
+            return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index)
+
+        x_BTD, cache = run_layers(cfg, self.layers, layer_fn, (x_BTD, cache), remat=cfg.remat)
         h_BTD = self.final_norm(x_BTD)
         if cache is not None:
             cache = cache.replace(index=cache.index + T)
