@@ -362,7 +362,12 @@ def memory_plan(
     H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
     F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
     scores = 4 * H * T  # one float32 [H, T] row of scores per token
-    layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores  # per token
+    if (
+        tcfg.scan_layers
+    ):  # per token: matmul outputs kept (run_layers), scores twice (fitted on CPU)
+        layer = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
+    else:  # per token, unrolled: XLA keeps the elementwise results too
+        layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
     work = 3 * scores  # per token, one layer's backward
     edges = cb * D + 4 * D  # embeddings out and the final norm, per token
     batch = (T + 1) * 5 + completion_len * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv per row
@@ -452,7 +457,11 @@ def _memory_section(
     from cppo_jax.models.transformer import TransformerConfig
 
     tcfg = TransformerConfig.from_hf_dict(
-        hf, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat
+        hf,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        remat=cfg.model.remat,
+        scan_layers=cfg.model.scan_layers,
     )
     if device_memory_gb is not None:
         device_bytes = int(device_memory_gb * 1e9)

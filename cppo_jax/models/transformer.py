@@ -276,7 +276,8 @@ def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, rem
 
     Under one `lax.scan` over the stacked params when `cfg.scan_layers` (every program holds one
     copy of the layer), else unrolled (layer i is a static slice of the stack). `body` may close
-    over traced values; with `remat` each layer's activations are recomputed in the backward pass.
+    over traced values; with `remat` each layer's activations are recomputed in the backward pass
+    (scanned without remat: only its matmul outputs are kept).
     """
     graphdef, state = nnx.split(layers)
 
@@ -286,6 +287,11 @@ def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, rem
 
     if remat:
         step = jax.checkpoint(step)
+    elif cfg.scan_layers:
+        # A scan keeps every residual of every layer for the backward pass, some of them per layer
+        # where the unrolled program shares one copy; keeping the matmul outputs only (elementwise
+        # work is recomputed) makes the scanned step need less memory than the unrolled one.
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.dots_saveable)
     if cfg.scan_layers:
         carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
         return carry
