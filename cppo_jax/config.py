@@ -70,6 +70,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, ("float32", "bfloat16"))

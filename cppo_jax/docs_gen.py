@@ -64,6 +64,9 @@ MEANINGS: dict[str, str] = {
     "model.param_dtype": "Storage dtype of the parameters (and so of the optimizer's updates).",
     "model.remat": "Rematerialize each decoder layer in the backward pass: less activation memory, "
     "about one more forward pass of compute.",
+    "model.scan_layers": "Run the decoder layers under one `lax.scan` over their stacked params, so "
+    "every program holds one copy of the layer and compiles in about the same time at any depth; "
+    "false unrolls them (same params and results, one copy per layer in each program).",
     # data
     "data.task": "Prompt format, system prompt and answer parsing: `arith` (the tiny synthetic task), "
     "`gsm8k` or `math`.",

@@ -200,7 +200,12 @@ def load_policy(cfg: Config | None, checkpoint: str | Path, step: int | None = N
             raise EvaluationError(
                 f"--step applies to training run folders; {path} is a model folder"
             )
-        model = load_hf(path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+        model = load_hf(
+            path,
+            dtype=cfg.model.dtype,
+            param_dtype=cfg.model.param_dtype,
+            scan_layers=cfg.model.scan_layers,
+        )
         graphdef, params = nnx.split(model)
         folders = [cfg.model.tokenizer, path, cfg.model.init_checkpoint, cfg.model.path]
         return Policy(graphdef, params, _tokenizer(folders, str(path)), kind, path)

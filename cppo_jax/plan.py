@@ -250,7 +250,11 @@ def _tcfg(cfg: Config, size: ModelSize):
 
     m = cfg.model
     return TransformerConfig.from_hf_dict(
-        size.hf_config, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
+        size.hf_config,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
     )
 
 

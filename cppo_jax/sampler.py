@@ -37,10 +37,7 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax.models import init_cache
-from cppo_jax.models.transformer import DTYPES, apply_rope, rope_tables
-
-# Large finite negative for masked attention scores (as in the model).
-_MASKED = -1e30
+from cppo_jax.models.transformer import DTYPES, MASKED, rope_tables, run_layers
 
 
 def _is_int(value) -> bool:
@@ -229,96 +226,64 @@ def _choose(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams):
 # ---------------------------------------------------------------------------------------------
 
 
-class _LayerWeights(NamedTuple):
-    qkv_DX: jax.Array  # X = (H + 2J) * E: q, k, v projections side by side
-    qkv_bias_X: jax.Array | None
-    o_XD: jax.Array  # [H * E, D]
-    o_bias_D: jax.Array | None
-    gate_up_DF2: jax.Array  # [D, 2F]: gate then up
-    down_FD: jax.Array
+def _decode_layers(model):
+    """The stacked decoder layers with params in the compute dtype, cast once outside the loop."""
+    dt = model.cfg.compute_dtype
+    graphdef, state = nnx.split(model.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt), state))
 
 
-def _layer_weights(model) -> list[_LayerWeights]:
-    """Per-layer decode weights in the compute dtype, fused and cast once outside the loop."""
-    cfg = model.cfg
-    dt = cfg.compute_dtype
-    D, H, J, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    out = []
-    for layer in model.layers:
-        a, m = layer.attn, layer.mlp
-        qkv = jnp.concatenate(
-            [a.q_DHE[...].reshape(D, H * E), a.k_DJE[...].reshape(D, J * E)]
-            + [a.v_DJE[...].reshape(D, J * E)],
-            axis=1,
-        )
-        bias = None
-        if cfg.attention_bias:
-            bias = jnp.concatenate(
-                [a.q_bias_HE[...].reshape(-1), a.k_bias_JE[...].reshape(-1)]
-                + [a.v_bias_JE[...].reshape(-1)]
-            ).astype(dt)
-        o_bias = a.o_bias_D[...].astype(dt) if cfg.attention_bias and cfg.arch == "llama" else None
-        out.append(
-            _LayerWeights(
-                qkv_DX=qkv.astype(dt),
-                qkv_bias_X=bias,
-                o_XD=a.o_HED[...].reshape(H * E, D).astype(dt),
-                o_bias_D=o_bias,
-                gate_up_DF2=jnp.concatenate([m.gate_DF[...], m.up_DF[...]], axis=1).astype(dt),
-                down_FD=m.down_FD[...].astype(dt),
-            )
-        )
-    return out
-
-
-def _decode_step(model, weights, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_QE, sin_QE):
+def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_QE, sin_QE):
     """One token per sequence through the model at completion slot t: logits [N, V] and the cache.
 
-    prompt_kv: per layer (k, v) [Q, J, P, E], one copy per question; kv: per layer (k, v)
-    [Q, J, G, C, E], the completions so far. Same math as `Transformer.hidden` with a cache, but
-    attention splits into the shared prompt part and the per-sample completion part.
+    prompt_kv: (k, v) [L, Q, J, P, E], one copy per question; kv: keys [L, Q, J, G, E, C] and values
+    [L, Q, J, G, C, E], the completions so far. The layer math is the model's own (`Attention.qkv`,
+    `Attention.out`, `DecoderLayer.mlp_residual`, with the G samples of a question as its tokens);
+    only attention differs from `Transformer.hidden`: it splits into the shared prompt part and the
+    per-sample completion part.
     """
     cfg = model.cfg
-    dt, cd = cfg.compute_dtype, kv[0][0].dtype
-    Q, J, G, C, E = kv[0][1].shape
+    dt = cfg.compute_dtype
+    kp_LQJPE, vp_LQJPE = prompt_kv
+    kc_LQJGEC, vc_LQJGCE = kv
+    cd = kc_LQJGEC.dtype
+    _, Q, J, G, E, C = kc_LQJGEC.shape
     H = cfg.num_heads
     R = H // J
     scale = E**-0.5
+    f32 = jnp.float32
     x_QGD = jnp.take(model.embed_VD[...], token_N.reshape(Q, G), axis=0, mode="clip").astype(dt)
-    cos_QGE, sin_QGE = cos_QE[:, None], sin_QE[:, None]
+    cos_Q1E, sin_Q1E = cos_QE[:, None], sin_QE[:, None]
     prompt_mask_QJGRP = prompt_valid_QP[:, None, None, None, :]
     slot_mask_C = jnp.arange(C) <= t
-    new_kv = []
-    for layer, w, (kp_QJPE, vp_QJPE), (kc_QJGEC, vc_QJGCE) in zip(
-        model.layers, weights, prompt_kv, kv
-    ):
-        a_QGD = layer.attn_norm(x_QGD)
-        qkv_QGX = jnp.einsum("qgd,dx->qgx", a_QGD, w.qkv_DX)
-        if w.qkv_bias_X is not None:
-            qkv_QGX = qkv_QGX + w.qkv_bias_X
-        q_QGHE = qkv_QGX[..., : H * E].reshape(Q, G, H, E)
-        k_QGJE = qkv_QGX[..., H * E : (H + J) * E].reshape(Q, G, J, E)
-        v_QGJE = qkv_QGX[..., (H + J) * E :].reshape(Q, G, J, E)
-        q_QGHE = apply_rope(q_QGHE, cos_QGE, sin_QGE)
-        k_QGJE = apply_rope(k_QGJE, cos_QGE, sin_QGE)
-        kc_QJGEC = jax.lax.dynamic_update_slice(
-            kc_QJGEC, k_QGJE.transpose(0, 2, 1, 3)[..., None].astype(cd), (0, 0, 0, 0, t)
+    layer_at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, False)  # noqa: E731
+
+    def layer_fn(layer, i, carry):
+        x_QGD, kc_LQJGEC, vc_LQJGCE = carry
+        q_QGHE, k_QGJE, v_QGJE = layer.attn.qkv(layer.attn_norm(x_QGD), cos_Q1E, sin_Q1E)
+        zero = jnp.zeros((), jnp.int32)
+        kc_LQJGEC = jax.lax.dynamic_update_slice(
+            kc_LQJGEC,
+            k_QGJE.transpose(0, 2, 1, 3)[None, ..., None].astype(cd),
+            (i, zero, zero, zero, zero, t),
         )
-        vc_QJGCE = jax.lax.dynamic_update_slice(
-            vc_QJGCE, v_QGJE.transpose(0, 2, 1, 3)[:, :, :, None].astype(cd), (0, 0, 0, t, 0)
+        vc_LQJGCE = jax.lax.dynamic_update_slice(
+            vc_LQJGCE,
+            v_QGJE.transpose(0, 2, 1, 3)[None, :, :, :, None].astype(cd),
+            (i, zero, zero, zero, t, zero),
         )
-        new_kv.append((kc_QJGEC, vc_QJGCE))
+        kp_QJPE, vp_QJPE = layer_at(kp_LQJPE, i), layer_at(vp_LQJPE, i)
+        kc_QJGEC, vc_QJGCE = layer_at(kc_LQJGEC, i), layer_at(vc_LQJGCE, i)
 
         q_QJGRE = q_QGHE.reshape(Q, G, J, R, E).transpose(0, 2, 1, 3, 4).astype(cd)
-        f32 = jnp.float32
         sp_QJGRP = (
             jnp.einsum("qjgre,qjpe->qjgrp", q_QJGRE, kp_QJPE, preferred_element_type=f32) * scale
         )
         sc_QJGRC = (
             jnp.einsum("qjgre,qjgec->qjgrc", q_QJGRE, kc_QJGEC, preferred_element_type=f32) * scale
         )
-        sp_QJGRP = jnp.where(prompt_mask_QJGRP, sp_QJGRP, _MASKED)
-        sc_QJGRC = jnp.where(slot_mask_C, sc_QJGRC, _MASKED)
+        sp_QJGRP = jnp.where(prompt_mask_QJGRP, sp_QJGRP, MASKED)
+        sc_QJGRC = jnp.where(slot_mask_C, sc_QJGRC, MASKED)
         max_QJGR1 = jnp.maximum(
             jnp.max(sp_QJGRP, axis=-1, keepdims=True), jnp.max(sc_QJGRC, axis=-1, keepdims=True)
         )
@@ -333,27 +298,19 @@ def _decode_step(model, weights, prompt_kv, prompt_valid_QP, kv, token_N, t, cos
             "qjgrc,qjgce->qjgre", ec_QJGRC.astype(cd), vc_QJGCE, preferred_element_type=f32
         )
         o_QJGRE = (o_QJGRE / total_QJGR1).astype(dt)
-        o_QGX = o_QJGRE.transpose(0, 2, 1, 3, 4).reshape(Q, G, H * E)
-        y_QGD = jnp.einsum("qgx,xd->qgd", o_QGX, w.o_XD)
-        if w.o_bias_D is not None:
-            y_QGD = y_QGD + w.o_bias_D
-        x_QGD = x_QGD + y_QGD
+        o_QGHE = o_QJGRE.transpose(0, 2, 1, 3, 4).reshape(Q, G, H, E)
+        x_QGD = layer.mlp_residual(x_QGD + layer.attn.out(o_QGHE))
+        return x_QGD, kc_LQJGEC, vc_LQJGCE
 
-        m_QGD = layer.mlp_norm(x_QGD)
-        gate_up_QGF2 = jnp.einsum("qgd,df->qgf", m_QGD, w.gate_up_DF2)
-        F = w.down_FD.shape[0]
-        act_QGF = jax.nn.silu(gate_up_QGF2[..., :F]) * gate_up_QGF2[..., F:]
-        x_QGD = x_QGD + jnp.einsum("qgf,fd->qgd", act_QGF, w.down_FD)
+    x_QGD, kc_LQJGEC, vc_LQJGCE = run_layers(cfg, layers, layer_fn, (x_QGD, kc_LQJGEC, vc_LQJGCE))
     h_ND = model.final_norm(x_QGD).reshape(Q * G, -1)
-    return _unembed(model, h_ND), new_kv
+    return _unembed(model, h_ND), (kc_LQJGEC, vc_LQJGCE)
 
 
 def _empty_kv(Q, J, G, C, E, dtype, num_layers):
-    """Per layer: keys [Q, J, G, E, C] (slots last, for the score matmul), values [Q, J, G, C, E]."""
-    return [
-        (jnp.zeros((Q, J, G, E, C), dtype), jnp.zeros((Q, J, G, C, E), dtype))
-        for _ in range(num_layers)
-    ]
+    """Keys [L, Q, J, G, E, C] (slots last, for the score matmul), values [L, Q, J, G, C, E]."""
+    L = num_layers
+    return jnp.zeros((L, Q, J, G, E, C), dtype), jnp.zeros((L, Q, J, G, C, E), dtype)
 
 
 def _grow_kv(kv, slots: int):
@@ -363,7 +320,8 @@ def _grow_kv(kv, slots: int):
         pad = [(0, slots - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)]
         return jnp.pad(x, pad)
 
-    return [(grow(k, 4), grow(v, 3)) for k, v in kv]
+    k, v = kv
+    return grow(k, 5), grow(v, 4)
 
 
 def _segment_ends(C: int, first: int) -> list[int]:
@@ -439,14 +397,11 @@ def sample_with_uniforms(
     pos_QP = positions_from_valid(prompt_valid_QP)
     h_QPD, cache = model.hidden(prompt_QP, pos_QP, prompt_valid_QP, cache=init_cache(cfg, Q, P, cd))
     logits_QV = _unembed(model, h_QPD[:, -1])
-    prompt_kv = [
-        (cache.k_LBSJE[i].transpose(0, 2, 1, 3), cache.v_LBSJE[i].transpose(0, 2, 1, 3))
-        for i in range(cfg.num_layers)
-    ]
+    prompt_kv = (cache.k_LBSJE.transpose(0, 1, 3, 2, 4), cache.v_LBSJE.transpose(0, 1, 3, 2, 4))
     # Completion t sits at position (prompt length) + t; cos/sin for every position, once.
     first_pos_Q = jnp.sum(prompt_valid_QP, axis=-1, dtype=jnp.int32)
     cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], E, cfg.rope_theta))
-    weights = _layer_weights(model)
+    layers = _decode_layers(model)
 
     def emit(t, logits_NV, tokens_NC, logp_NC, done_N):
         token_N, logp_N = _choose(logits_NV, jax.lax.dynamic_index_in_dim(u_NC, t, 1, False), sp)
@@ -464,7 +419,7 @@ def sample_with_uniforms(
         pos_Q = first_pos_Q + t
         logits_NV, kv = _decode_step(
             model,
-            weights,
+            layers,
             prompt_kv,
             prompt_valid_QP,
             kv,

@@ -29,6 +29,7 @@ DATA_AXES = ("data", "fsdp")  # the axes questions (and so sequences) are split 
 # Logical axis name -> mesh axes, in the order they are tried. None: never sharded.
 RULES: dict[str, tuple[str, ...] | None] = {
     # parameters
+    "layers": None,  # the stacked decoder layers' leading axis (scanned over, never split)
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "mlp": ("tensor",),

@@ -225,6 +225,7 @@ class Trainer:
             mesh=self.mesh,
             param_dtype=cfg.model.param_dtype,
             remat=cfg.model.remat,
+            scan_layers=cfg.model.scan_layers,
         )
         check_vocab(self.tokenizer, model.cfg.vocab_size, path)
         self.graphdef, params = nnx.split(model)

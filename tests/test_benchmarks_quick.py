@@ -176,3 +176,20 @@ def test_paper_table_quick(tmp_path):
     assert all(run["kept_per_question"] == [run["k"]] for run in raw["runs"])
     png = (tmp_path / "paper_table.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_compile_quick(tmp_path):
+    """Compile seconds per program, unrolled and scanned; the table names both and their growth."""
+    rows = load_script("compile").main(["--quick", "--out", str(tmp_path)])
+    assert [(r["layers"], r["scan"]) for r in rows] == [
+        (1, True),
+        (1, False),
+        (2, True),
+        (2, False),
+    ]
+    for r in rows:
+        assert set(r["compile_s"]) == {"train_step", "logps", "sampler"}
+        assert all(s > 0 for s in r["compile_s"].values()) and r["step_s"] > 0
+    report = (tmp_path / "compile.md").read_text()
+    assert "| 2 | scanned |" in report and "| 2 | unrolled |" in report
+    assert "- scanned:" in report and "- unrolled:" in report

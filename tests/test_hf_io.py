@@ -99,9 +99,9 @@ def test_bf16_checkpoint_loads_and_saves(tmp_path, monkeypatch):
             read_raw_tensor(file, "model.norm.weight"), f.get_tensor("model.norm.weight")
         )
     model = load_hf(src)
-    assert model.layers[0].attn.q_DHE[...].dtype == np.float32
+    assert model.layers.attn.q_DHE[...].dtype == np.float32
     np.testing.assert_array_equal(
-        np.asarray(model.layers[0].attn.q_DHE[...]).reshape(37, 40).T, raw.astype(np.float32)
+        np.asarray(model.layers.attn.q_DHE[0]).reshape(37, 40).T, raw.astype(np.float32)
     )
 
     # Older safetensors cannot hand out bf16 as numpy: the raw reader takes over.

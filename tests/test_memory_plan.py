@@ -33,18 +33,26 @@ def _device_bytes(tree, device) -> int:
     )
 
 
-def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path):
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layers):
     model_dir = build_arith_model_dir(tmp_path / "model", hidden=64, layers=2)
     cfg = small_config(
         tmp_path / "runs",
         model_dir,
         "rollout.max_new_tokens=24",
         "cppo.questions_per_step=4",  # Q = 8 with p = 0.5 and allocation: M = 16 kept sequences
+        f"model.scan_layers={str(scan_layers).lower()}",
     )
     trainer = Trainer(cfg)
     try:
         sh, m = trainer.shapes, cfg.model
-        tcfg = read_hf_config(model_dir, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+        tcfg = read_hf_config(
+            model_dir,
+            dtype=m.dtype,
+            param_dtype=m.param_dtype,
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+        )
         mp = plan.memory_plan(
             tcfg,
             plan.resolve_mesh(cfg, len(jax.devices())),

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - run as a package
     from tests import helpers
 
 PROMPTS = [[5, 17, 33, 101, 250, 7, 64], [9, 200, 3], [44, 45, 46, 47, 48], [128]]
-LOGICAL_AXES = {"vocab", "embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm"}
+LOGICAL_AXES = {"layers", "vocab", "embed", "mlp", "q_heads", "kv_heads", "head_dim", "norm"}
 
 
 small_config = helpers.tiny_config
@@ -244,6 +244,10 @@ def test_unembed_weight_and_logical_axes():
             names = var.get_metadata()["out_sharding"]
             assert len(names) == var.get_value().ndim, path
             assert set(names) <= LOGICAL_AXES, path
+            # Decoder layers' params are stacked: a leading [L] "layers" axis, nothing else has one.
+            stacked = path[0] == "layers"
+            assert (names[0] == "layers") == stacked, path
+            assert not stacked or var.get_value().shape[0] == model.cfg.num_layers, path
 
 
 def test_config_validation_names_the_field():
@@ -279,3 +283,32 @@ def test_config_hf_dict_roundtrip_and_rejections():
         TransformerConfig.from_hf_dict(dict(d, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ValueError, match="llama3"):
         TransformerConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "llama3"}))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_and_unrolled_layers_compute_the_same(remat):
+    """One param layout, two programs: `scan_layers` changes how the layers run, not what they compute."""
+    import dataclasses
+
+    cfg = small_config(num_layers=3, remat=remat)
+    assert cfg.scan_layers  # the default
+    scanned = scrambled_model(cfg, seed=4)
+    unrolled = nnx.merge(
+        nnx.graphdef(init_model(dataclasses.replace(cfg, scan_layers=False))), nnx.state(scanned)
+    )
+    tokens_BP, valid_BP, positions_BP = helpers.left_pad(PROMPTS)
+
+    def loss(model):
+        logits_BTV, _ = model(tokens_BP, positions_BP, valid_BP)
+        return jnp.mean(jnp.where(valid_BP[..., None], logits_BTV, 0.0) ** 2), logits_BTV
+
+    (_, logits_s), g_s = nnx.value_and_grad(loss, has_aux=True)(scanned)
+    (_, logits_u), g_u = nnx.value_and_grad(loss, has_aux=True)(unrolled)
+    eps = np.finfo(np.float32).eps
+    scale = np.abs(np.asarray(logits_u)).max()
+    np.testing.assert_allclose(logits_s, logits_u, rtol=0, atol=100 * eps * scale)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_s), nnx.to_flat_state(g_u)):
+        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+        np.testing.assert_allclose(
+            a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=str(path)
+        )

@@ -191,8 +191,8 @@ def _worker() -> dict:
                 if op in hlo
             ],
             "specs": {
-                "q_DHE": str(p_sh["layers"][0]["attn"]["q_DHE"].get_value().spec),
-                "k_DJE": str(p_sh["layers"][0]["attn"]["k_DJE"].get_value().spec),
+                "q_DHE": str(p_sh["layers"]["attn"]["q_DHE"].get_value().spec),
+                "k_DJE": str(p_sh["layers"]["attn"]["k_DJE"].get_value().spec),
                 "embed_VD": str(p_sh["embed_VD"].get_value().spec),
             },
         }
@@ -260,13 +260,13 @@ def test_sharded_step_equals_single_device(mesh_results, shape):
 
 def test_rules_place_params_with_fallback(mesh_results):
     specs = {shape: mesh_results["meshes"][str(shape)]["specs"] for shape in MESHES}
-    assert specs[(2, 2, 2)] == {
-        "q_DHE": "P('fsdp', 'tensor')",
-        "k_DJE": "P('fsdp', 'tensor')",
+    assert specs[(2, 2, 2)] == {  # decoder params are stacked [L, ...]: the layers axis is whole
+        "q_DHE": "P(None, 'fsdp', 'tensor')",
+        "k_DJE": "P(None, 'fsdp', 'tensor')",
         "embed_VD": "P(None, 'fsdp')",  # vocab 61 does not divide: replicated
     }
     assert specs[(1, 1, 8)] == {
-        "q_DHE": "P(None, 'tensor')",
+        "q_DHE": "P(None, None, 'tensor')",
         "k_DJE": "P()",  # 2 kv heads on 8 tensor devices: replicated
         "embed_VD": "P()",
     }

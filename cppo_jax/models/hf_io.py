@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.models.transformer import Transformer, TransformerConfig
+from cppo_jax.models.transformer import Transformer, TransformerConfig, has_o_bias
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -52,7 +52,9 @@ class _Entry:
     """One HF tensor and the NNX parameter it becomes.
 
     `n_in` is None for a plain reshape (embeddings, norms, biases); otherwise the entry is a
-    torch linear weight [out, in] whose NNX layout puts the first `n_in` dims as inputs.
+    torch linear weight [out, in] whose NNX layout puts the first `n_in` dims as inputs. Decoder
+    layers' params are stacked [L, ...]: `layer` is this tensor's index in its parameter's stack
+    (`nnx_shape` is one layer's shape).
     """
 
     hf_name: str
@@ -60,6 +62,7 @@ class _Entry:
     nnx_shape: tuple[int, ...]
     hf_shape: tuple[int, ...]
     n_in: int | None = None
+    layer: int | None = None
 
     def to_nnx(self, w: np.ndarray) -> np.ndarray:
         return (w.T if self.n_in else w).reshape(self.nnx_shape)
@@ -70,13 +73,13 @@ class _Entry:
         return np.ascontiguousarray(p.reshape(self.hf_shape))
 
 
-def _linear(hf_name, path, nnx_shape, n_in) -> _Entry:
+def _linear(hf_name, path, nnx_shape, n_in, layer=None) -> _Entry:
     hf_shape = (math.prod(nnx_shape[n_in:]), math.prod(nnx_shape[:n_in]))
-    return _Entry(hf_name, path, tuple(nnx_shape), hf_shape, n_in)
+    return _Entry(hf_name, path, tuple(nnx_shape), hf_shape, n_in, layer)
 
 
-def _plain(hf_name, path, nnx_shape, hf_shape=None) -> _Entry:
-    return _Entry(hf_name, path, tuple(nnx_shape), tuple(hf_shape or nnx_shape))
+def _plain(hf_name, path, nnx_shape, hf_shape=None, layer=None) -> _Entry:
+    return _Entry(hf_name, path, tuple(nnx_shape), tuple(hf_shape or nnx_shape), None, layer)
 
 
 def name_table(cfg: TransformerConfig) -> list[_Entry]:
@@ -90,27 +93,29 @@ def name_table(cfg: TransformerConfig) -> list[_Entry]:
     if not cfg.tie_word_embeddings:
         table.append(_linear("lm_head.weight", ("lm_head_DV",), (D, V), 1))
     for i in range(cfg.num_layers):
-        hf, nn = f"model.layers.{i}.", ("layers", i)
+        hf, nn = f"model.layers.{i}.", ("layers",)
         attn, mlp = hf + "self_attn.", hf + "mlp."
         table += [
-            _plain(hf + "input_layernorm.weight", (*nn, "attn_norm", "scale_D"), (D,)),
-            _plain(hf + "post_attention_layernorm.weight", (*nn, "mlp_norm", "scale_D"), (D,)),
-            _linear(attn + "q_proj.weight", (*nn, "attn", "q_DHE"), (D, H, E), 1),
-            _linear(attn + "k_proj.weight", (*nn, "attn", "k_DJE"), (D, J, E), 1),
-            _linear(attn + "v_proj.weight", (*nn, "attn", "v_DJE"), (D, J, E), 1),
-            _linear(attn + "o_proj.weight", (*nn, "attn", "o_HED"), (H, E, D), 2),
-            _linear(mlp + "gate_proj.weight", (*nn, "mlp", "gate_DF"), (D, F), 1),
-            _linear(mlp + "up_proj.weight", (*nn, "mlp", "up_DF"), (D, F), 1),
-            _linear(mlp + "down_proj.weight", (*nn, "mlp", "down_FD"), (F, D), 1),
+            _plain(hf + "input_layernorm.weight", (*nn, "attn_norm", "scale_D"), (D,), layer=i),
+            _plain(
+                hf + "post_attention_layernorm.weight", (*nn, "mlp_norm", "scale_D"), (D,), layer=i
+            ),
+            _linear(attn + "q_proj.weight", (*nn, "attn", "q_DHE"), (D, H, E), 1, i),
+            _linear(attn + "k_proj.weight", (*nn, "attn", "k_DJE"), (D, J, E), 1, i),
+            _linear(attn + "v_proj.weight", (*nn, "attn", "v_DJE"), (D, J, E), 1, i),
+            _linear(attn + "o_proj.weight", (*nn, "attn", "o_HED"), (H, E, D), 2, i),
+            _linear(mlp + "gate_proj.weight", (*nn, "mlp", "gate_DF"), (D, F), 1, i),
+            _linear(mlp + "up_proj.weight", (*nn, "mlp", "up_DF"), (D, F), 1, i),
+            _linear(mlp + "down_proj.weight", (*nn, "mlp", "down_FD"), (F, D), 1, i),
         ]
         if cfg.attention_bias:
             table += [
-                _plain(attn + "q_proj.bias", (*nn, "attn", "q_bias_HE"), (H, E), (H * E,)),
-                _plain(attn + "k_proj.bias", (*nn, "attn", "k_bias_JE"), (J, E), (J * E,)),
-                _plain(attn + "v_proj.bias", (*nn, "attn", "v_bias_JE"), (J, E), (J * E,)),
+                _plain(attn + "q_proj.bias", (*nn, "attn", "q_bias_HE"), (H, E), (H * E,), i),
+                _plain(attn + "k_proj.bias", (*nn, "attn", "k_bias_JE"), (J, E), (J * E,), i),
+                _plain(attn + "v_proj.bias", (*nn, "attn", "v_bias_JE"), (J, E), (J * E,), i),
             ]
-        if cfg.attention_bias and cfg.arch == "llama":
-            table.append(_plain(attn + "o_proj.bias", (*nn, "attn", "o_bias_D"), (D,)))
+        if has_o_bias(cfg):
+            table.append(_plain(attn + "o_proj.bias", (*nn, "attn", "o_bias_D"), (D,), layer=i))
     return table
 
 
@@ -141,7 +146,11 @@ def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     several processes every process must call this (parameters are gathered across them).
     """
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {e.hf_name: e.to_hf(_host(params[e.path].get_value())) for e in name_table(model.cfg)}
+    host = {path: _host(var.get_value()) for path, var in params.items()}
+    tensors = {
+        e.hf_name: e.to_hf(host[e.path] if e.layer is None else host[e.path][e.layer])
+        for e in name_table(model.cfg)
+    }
     if model.cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     return tensors
@@ -184,13 +193,20 @@ def hf_tensors_to_model(
     if mesh is not None:
         placed = sharding_lib.param_shardings(abstract_state, mesh)
         shardings = {path: var.get_value() for path, var in nnx.to_flat_state(placed)}
-    values = {}
+    host: dict[tuple, np.ndarray | list] = {}
     for e in table:
-        value = e.to_nnx(np.asarray(tensors[e.hf_name]))
+        value = e.to_nnx(np.asarray(tensors[e.hf_name])).astype(dtype)
+        if e.layer is None:
+            host[e.path] = value
+        else:  # layers' tensors in order, stacked below
+            host.setdefault(e.path, []).append(value)
+    values = {}
+    for path, value in host.items():
+        value = np.stack(value) if isinstance(value, list) else value
         if mesh is None:
-            values[e.path] = jnp.asarray(value, dtype=dtype)
+            values[path] = jnp.asarray(value, dtype=dtype)
         else:  # each device receives only its shard
-            values[e.path] = jax.device_put(value.astype(dtype), shardings[e.path])
+            values[path] = jax.device_put(value, shardings[path])
     flat = [(path, var.replace(values[path])) for path, var in nnx.to_flat_state(abstract_state)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -289,14 +305,18 @@ def load_hf(
     *,
     param_dtype: str = "float32",
     remat: bool = False,
+    scan_layers: bool = True,
 ) -> Transformer:
     """Loads a local HF folder (single or sharded safetensors) as a `Transformer`.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters, `remat`
-    recomputes each layer's activations in the backward pass; with a `mesh` the parameters are
-    sharded on it by the rules of `cppo_jax.sharding`.
+    recomputes each layer's activations in the backward pass, `scan_layers` runs the layers under
+    one scan (else unrolled); with a `mesh` the parameters are sharded on it by the rules of
+    `cppo_jax.sharding`.
     """
-    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    cfg = read_hf_config(
+        path, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers
+    )
     tensors, sources = read_hf_tensors(path)
     index = Path(path) / INDEX_FILE
     default = index if index.is_file() else Path(path) / SINGLE_FILE

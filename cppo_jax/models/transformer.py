@@ -11,9 +11,6 @@ tokens occupy slots [index, index + T).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -21,11 +18,22 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax import sharding
+from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+__all__ = [
+    "DTYPES",
+    "HF_ARCHITECTURES",
+    "Cache",
+    "Transformer",
+    "TransformerConfig",
+    "has_o_bias",
+    "init_cache",
+    "init_model",
+    "run_layers",
+]
+
 # Large finite negative for masked scores: fully masked rows (padding queries) stay finite.
-_MASKED = -1e30
+MASKED = -1e30
 _INIT_STD = 0.02
 # Logical names of activations (mapped onto the mesh by cppo_jax.sharding.RULES).
 _ACT_EMBED = ("batch", "length", "act_embed")
@@ -33,156 +41,6 @@ _ACT_HEADS = ("batch", "length", "act_heads", "head_dim")
 _ACT_KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
 _ACT_MLP = ("batch", "length", "act_mlp")
 _ACT_VOCAB = ("batch", "length", "act_vocab")
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Architecture and numerics of a Qwen2 or Llama decoder.
-
-    `attention_bias` defaults to the architecture's choice (qwen2: q/k/v biases; llama: none).
-    For llama, `attention_bias=True` also adds an o_proj bias, as Hugging Face does.
-    """
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    attention_bias: bool | None = None
-    max_position_embeddings: int = 32768
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: bool = False
-
-    def __post_init__(self):
-        if self.arch not in HF_ARCHITECTURES:
-            raise ValueError(f"arch: unknown {self.arch!r}; supported: {sorted(HF_ARCHITECTURES)}")
-        if self.attention_bias is None:
-            object.__setattr__(self, "attention_bias", self.arch == "qwen2")
-        if self.arch == "qwen2" and not self.attention_bias:
-            raise ValueError("attention_bias: qwen2 always has q/k/v biases; it must be True")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads: {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(
-                    f"{name}: unknown {getattr(self, name)!r}; supported: {sorted(DTYPES)}"
-                )
-
-    @property
-    def compute_dtype(self) -> Any:
-        return DTYPES[self.dtype]
-
-    @property
-    def weight_dtype(self) -> Any:
-        return DTYPES[self.param_dtype]
-
-    @classmethod
-    def from_hf_dict(cls, d: dict, **overrides) -> TransformerConfig:
-        """Builds a config from a Hugging Face `config.json` dict; `overrides` replace fields."""
-        model_type = d.get("model_type")
-        archs = list(d.get("architectures") or [])
-        supported = ", ".join(f"{a} ({t})" for t, a in HF_ARCHITECTURES.items())
-        if model_type not in HF_ARCHITECTURES or any(
-            a != HF_ARCHITECTURES[model_type] for a in archs
-        ):
-            raise ValueError(
-                f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}); "
-                f"supported: {supported}"
-            )
-        if d.get("rope_scaling") is not None:
-            raise ValueError(f"rope_scaling {d['rope_scaling']!r} is not supported (only None)")
-        rope_theta = d.get("rope_theta", 10000.0)
-        rope_parameters = d.get("rope_parameters")
-        if rope_parameters:
-            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(f"rope_parameters: rope_type {rope_type!r} is not supported")
-            rope_theta = rope_parameters.get("rope_theta", rope_theta)
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("use_sliding_window"):
-            raise ValueError("use_sliding_window: sliding-window attention is not supported")
-        if d.get("mlp_bias"):
-            raise ValueError("mlp_bias: MLP biases are not supported")
-
-        def need(key):
-            if key not in d:
-                raise ValueError(f"config is missing {key!r}")
-            return d[key]
-
-        heads = need("num_attention_heads")
-        kwargs = dict(
-            arch=model_type,
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or need("hidden_size") // heads,
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-        )
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    def to_hf_dict(self, **extra) -> dict:
-        """A `config.json` dict that transformers and vLLM load; `extra` keys are added last."""
-        d = {
-            "architectures": [HF_ARCHITECTURES[self.arch]],
-            "model_type": self.arch,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": self.param_dtype,
-            "use_cache": True,
-        }
-        if self.arch == "llama":
-            d.update(attention_bias=self.attention_bias, mlp_bias=False)
-        else:
-            d.update(use_sliding_window=False, sliding_window=None)
-        d.update(extra)
-        return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +60,11 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 def _param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
     """A parameter annotated with logical axis names (metadata only; placed by a later pass)."""
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _stacked(layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Leading shape and logical names of a parameter stacked over `layers` (0: not stacked)."""
+    return ((layers,), ("layers",)) if layers else ((), ())
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
@@ -233,7 +96,7 @@ def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
     scores_BJRTS = jnp.einsum(
         "btjre,bsje->bjrts", q_BTJRE, k_BSJE, preferred_element_type=jnp.float32
     ) * (E**-0.5)
-    scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, _MASKED)
+    scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, MASKED)
     probs_BJRTS = jax.nn.softmax(scores_BJRTS, axis=-1).astype(v_BSJE.dtype)
     out_BTJRE = jnp.einsum("bjrts,bsje->btjre", probs_BJRTS, v_BSJE)
     return out_BTJRE.reshape(B, T, H, E)
@@ -296,9 +159,12 @@ def repeat_cache(cache: Cache, n: int) -> Cache:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, layers: int = 0):
+        lead, names = _stacked(layers)
         self.eps = cfg.rms_norm_eps
-        self.scale_D = _param(jnp.ones((cfg.hidden_size,), cfg.weight_dtype), ("norm",))
+        self.scale_D = _param(
+            jnp.ones((*lead, cfg.hidden_size), cfg.weight_dtype), (*names, "norm")
+        )
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x32 = x_BTD.astype(jnp.float32)
@@ -307,7 +173,10 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    """Projections of grouped-query attention; `qkv` and `out` are shared by the full forward and
+    the sampler's decode step, which differ only in how scores are taken over the cache."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
         D, H, J, E, pdt = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -315,19 +184,25 @@ class Attention(nnx.Module):
             cfg.head_dim,
             cfg.weight_dtype,
         )
+        L, n = _stacked(layers)
         self.cfg = cfg
-        self.q_DHE = _param(_normal(rngs, (D, H, E), pdt), ("embed", "q_heads", "head_dim"))
-        self.k_DJE = _param(_normal(rngs, (D, J, E), pdt), ("embed", "kv_heads", "head_dim"))
-        self.v_DJE = _param(_normal(rngs, (D, J, E), pdt), ("embed", "kv_heads", "head_dim"))
-        self.o_HED = _param(_normal(rngs, (H, E, D), pdt), ("q_heads", "head_dim", "embed"))
+        self.q_DHE = _param(_normal(rngs, (*L, D, H, E), pdt), (*n, "embed", "q_heads", "head_dim"))
+        self.k_DJE = _param(
+            _normal(rngs, (*L, D, J, E), pdt), (*n, "embed", "kv_heads", "head_dim")
+        )
+        self.v_DJE = _param(
+            _normal(rngs, (*L, D, J, E), pdt), (*n, "embed", "kv_heads", "head_dim")
+        )
+        self.o_HED = _param(_normal(rngs, (*L, H, E, D), pdt), (*n, "q_heads", "head_dim", "embed"))
         if cfg.attention_bias:
-            self.q_bias_HE = _param(jnp.zeros((H, E), pdt), ("q_heads", "head_dim"))
-            self.k_bias_JE = _param(jnp.zeros((J, E), pdt), ("kv_heads", "head_dim"))
-            self.v_bias_JE = _param(jnp.zeros((J, E), pdt), ("kv_heads", "head_dim"))
-        if cfg.attention_bias and cfg.arch == "llama":
-            self.o_bias_D = _param(jnp.zeros((D,), pdt), ("embed",))
+            self.q_bias_HE = _param(jnp.zeros((*L, H, E), pdt), (*n, "q_heads", "head_dim"))
+            self.k_bias_JE = _param(jnp.zeros((*L, J, E), pdt), (*n, "kv_heads", "head_dim"))
+            self.v_bias_JE = _param(jnp.zeros((*L, J, E), pdt), (*n, "kv_heads", "head_dim"))
+        if has_o_bias(cfg):
+            self.o_bias_D = _param(jnp.zeros((*L, D), pdt), (*n, "embed"))
 
-    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer: int):
+    def qkv(self, x_BTD, cos_BTE, sin_BTE):
+        """Rotated queries [B, T, H, E], rotated keys and values [B, T, J, E] of a normed input."""
         dt = x_BTD.dtype
         q_BTHE = jnp.einsum("btd,dhe->bthe", x_BTD, self.q_DHE[...].astype(dt))
         k_BTJE = jnp.einsum("btd,dje->btje", x_BTD, self.k_DJE[...].astype(dt))
@@ -338,26 +213,35 @@ class Attention(nnx.Module):
             v_BTJE = v_BTJE + self.v_bias_JE[...].astype(dt)
         q_BTHE = constrain(apply_rope(q_BTHE, cos_BTE, sin_BTE), _ACT_HEADS)
         k_BTJE = constrain(apply_rope(k_BTJE, cos_BTE, sin_BTE), _ACT_KV_HEADS)
-        v_BTJE = constrain(v_BTJE, _ACT_KV_HEADS)
+        return q_BTHE, k_BTJE, constrain(v_BTJE, _ACT_KV_HEADS)
+
+    def out(self, out_BTHE: jax.Array) -> jax.Array:
+        """The output projection of the attended values [B, T, H, E] -> [B, T, D]."""
+        dt = out_BTHE.dtype
+        y_BTD = jnp.einsum("bthe,hed->btd", out_BTHE, self.o_HED[...].astype(dt))
+        if has_o_bias(self.cfg):
+            y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
+        return y_BTD
+
+    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer):
+        q_BTHE, k_BTJE, v_BTJE = self.qkv(x_BTD, cos_BTE, sin_BTE)
         if cache is None:
             k_BSJE, v_BSJE = k_BTJE, v_BTJE
         else:
+            dt = x_BTD.dtype
             cache = cache.write_kv(layer, k_BTJE, v_BTJE)
-            k_BSJE = cache.k_LBSJE[layer].astype(dt)
-            v_BSJE = cache.v_LBSJE[layer].astype(dt)
-        out_BTHE = attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS)
-        y_BTD = jnp.einsum("bthe,hed->btd", out_BTHE, self.o_HED[...].astype(dt))
-        if self.cfg.attention_bias and self.cfg.arch == "llama":
-            y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
-        return y_BTD, cache
+            k_BSJE = jax.lax.dynamic_index_in_dim(cache.k_LBSJE, layer, 0, False).astype(dt)
+            v_BSJE = jax.lax.dynamic_index_in_dim(cache.v_LBSJE, layer, 0, False).astype(dt)
+        return self.out(attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS)), cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
         D, F, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
-        self.gate_DF = _param(_normal(rngs, (D, F), pdt), ("embed", "mlp"))
-        self.up_DF = _param(_normal(rngs, (D, F), pdt), ("embed", "mlp"))
-        self.down_FD = _param(_normal(rngs, (F, D), pdt), ("mlp", "embed"))
+        L, n = _stacked(layers)
+        self.gate_DF = _param(_normal(rngs, (*L, D, F), pdt), (*n, "embed", "mlp"))
+        self.up_DF = _param(_normal(rngs, (*L, D, F), pdt), (*n, "embed", "mlp"))
+        self.down_FD = _param(_normal(rngs, (*L, F, D), pdt), (*n, "mlp", "embed"))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
@@ -370,26 +254,50 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MLP(cfg, rngs)
+    """One pre-norm decoder layer; built with `layers=L` it holds all L layers' params stacked."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
+        self.attn_norm = RMSNorm(cfg, layers)
+        self.attn = Attention(cfg, rngs, layers)
+        self.mlp_norm = RMSNorm(cfg, layers)
+        self.mlp = MLP(cfg, rngs, layers)
+
+    def mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
+        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
 
     def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer):
         y_BTD, cache = self.attn(self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer)
         x_BTD = constrain(x_BTD + y_BTD, _ACT_EMBED)
-        x_BTD = constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
-        return x_BTD, cache
+        return self.mlp_residual(x_BTD), cache
 
 
-def _layer_fn(index: int, remat: bool):
-    """Calls layer `index` (a static int), optionally under nnx.remat."""
+def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, remat: bool = False):
+    """`carry = body(layer_i, i, carry)` for each of the L layers stacked in `layers`, in order.
 
-    def run(layer: DecoderLayer, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache):
-        return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index)
+    Under one `lax.scan` over the stacked params when `cfg.scan_layers` (every program holds one
+    copy of the layer), else unrolled (layer i is a static slice of the stack). `body` may close
+    over traced values; with `remat` each layer's activations are recomputed in the backward pass
+    (scanned without remat: only its matmul outputs are kept).
+    """
+    graphdef, state = nnx.split(layers)
 
-    return nnx.remat(run) if remat else run
+    def step(carry, xs):
+        state_l, index = xs
+        return body(nnx.merge(graphdef, state_l), index, carry), None
+
+    if remat:
+        step = jax.checkpoint(step)
+    elif cfg.scan_layers:
+        # A scan keeps every residual of every layer for the backward pass, some of them per layer
+        # where the unrolled program shares one copy; keeping the matmul outputs only (elementwise
+        # work is recomputed) makes the scanned step need less memory than the unrolled one.
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.dots_saveable)
+    if cfg.scan_layers:
+        carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        return carry
+    for i in range(cfg.num_layers):
+        carry, _ = step(carry, (jax.tree.map(lambda x, i=i: x[i], state), i))
+    return carry
 
 
 class Transformer(nnx.Module):
@@ -399,7 +307,7 @@ class Transformer(nnx.Module):
         V, D, pdt = cfg.vocab_size, cfg.hidden_size, cfg.weight_dtype
         self.cfg = cfg
         self.embed_VD = _param(_normal(rngs, (V, D), pdt), ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = DecoderLayer(cfg, rngs, layers=cfg.num_layers)  # params stacked [L, ...]
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head_DV = _param(_normal(rngs, (D, V), pdt), ("embed", "vocab"))
@@ -439,9 +347,12 @@ class Transformer(nnx.Module):
         causal_TS = key_slot_S[None, :] <= query_slot_T[:, None]
         mask_BTS = causal_TS[None] & valid_BS[:, None, :]
         cos_BTE, sin_BTE = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
-        for index, layer in enumerate(self.layers):
-            run = _layer_fn(index, cfg.remat)
-            x_BTD, cache = run(layer, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache)
+
+        def layer_fn(layer, index, carry):
+            x_BTD, cache = carry
+            return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index)
+
+        x_BTD, cache = run_layers(cfg, self.layers, layer_fn, (x_BTD, cache), remat=cfg.remat)
         h_BTD = self.final_norm(x_BTD)
         if cache is not None:
             cache = cache.replace(index=cache.index + T)
