@@ -184,10 +184,10 @@ def memory_plan(
     no_fsdp = {**axis, "fsdp": 1}
     gathered = 0
     if axis["fsdp"] > 1:
-        gathered = sum(
-            _shard_bytes(shape, names, no_fsdp, pb)
+        gathered = sum(  # the decoder layers' params are stacked [L, ...]: one layer is 1/L
+            _shard_bytes(shape, names, no_fsdp, pb) // (shape[0] if path[0] == "layers" else 1)
             for path, shape, names in shapes
-            if path[:2] == ("layers", 0) or path[0] in ("embed_VD", "lm_head_DV")
+            if path[0] in ("layers", "embed_VD", "lm_head_DV")
         )
     m = micro_batch if 0 < micro_batch < rows else rows
     n = _split(m, dp) if m % dp == 0 else m  # sequences per device (replicated if uneven)
@@ -196,7 +196,12 @@ def memory_plan(
     H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
     F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
     scores = 4 * H * T  # one float32 [H, T] row of scores per token
-    layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores  # per token
+    if (
+        tcfg.scan_layers
+    ):  # per token: matmul outputs kept (run_layers), scores twice (fitted on CPU)
+        layer = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
+    else:  # per token, unrolled: XLA keeps the elementwise results too
+        layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
     work = 3 * scores  # per token, one layer's backward
     edges = cb * D + 4 * D  # embeddings out and the final norm, per token
     batch = (T + 1) * 5 + completion_len * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv per row
