@@ -7,7 +7,7 @@ One CPPO step, in order (docs/CPPO_SPEC.md section 1):
 3. Score them: rewards_QG (`check_rewards` on the host, `nonfinite_questions` in the graph).
 4. Group advantages A = (r - group mean) / (std + eps), std with ddof=1 (`group_advantages`).
 5. Prune: keep per question the k = max(1, floor(G (1 - p))) completions with the largest |A|
-   (`num_kept`, `keep_indices`, `gather_kept`). The released code ranks wider: the TRL fork one top-k
+   (`num_kept`, `keep_indices`; `prune` runs steps 4-5 as one program). The released code ranks wider: the TRL fork one top-k
    over each process's slice of the step (`keep_indices_process`, `cppo.scope = "process"`), the verl
    recipe one over the whole flattened batch (`keep_indices_batch`, `cppo.scope = "batch"`).
 6. Reference and old-policy forward passes on the kept Q * k completions only.
@@ -22,12 +22,18 @@ the lower index wins, and the returned indices are sorted ascending within each 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from fractions import Fraction
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from cppo_jax import sharding as sharding_lib
+from cppo_jax.config import Config, ConfigError, CPPOConfig
 
 METRICS = ("smallest", "largest", "random")
 SCALES = ("group", "batch", "none")
@@ -208,16 +214,112 @@ def keep_indices_process(
     return (idx_SK + jnp.arange(processes, dtype=jnp.int32)[:, None] * adv_SX.shape[1]).reshape(-1)
 
 
-def gather_kept(*xs_QG, idx_QK: jax.Array):
-    """Gather kept completions: each [Q, G, ...] -> [Q, K, ...] (trailing dims carried along).
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The static shapes of one step, fixed by the config: every compiled program keeps them."""
 
-    Returns one array for one input, else a tuple in input order.
+    Q: int  # questions per step
+    G: int  # completions per question
+    k: int  # kept per question (question scope)
+    M: int  # kept sequences per step (the trained batch)
+    P: int  # prompt slots
+    C: int  # completion slots
+
+
+def step_shapes(algo: CPPOConfig, prompt_len: int, completion_len: int) -> Shapes:
+    """Q, G, k and M of `algo` (exact arithmetic) with P prompt and C completion slots."""
+    Q = num_questions(algo.questions_per_step, algo.pruning_rate, algo.allocation)
+    G = algo.num_generations
+    k = num_kept(G, algo.pruning_rate)
+    if algo.scope == "question":
+        M = Q * k
+    elif algo.scope == "process":
+        if Q % algo.processes:
+            raise ConfigError(
+                f"config key 'cppo.processes' = {algo.processes} is invalid: allowed a divisor of "
+                f"the Q = {Q} questions per step (scope='process' cuts the step into equal slices)"
+            )
+        M = algo.processes * num_kept_process(Q, G, algo.processes, algo.pruning_rate)
+    else:
+        M = num_kept(Q * G, algo.pruning_rate)
+    return Shapes(Q, G, k, M, prompt_len, completion_len)
+
+
+def shapes_of(cfg: Config) -> Shapes:
+    """The step shapes of a run config."""
+    return step_shapes(cfg.cppo, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens)
+
+
+class Pruned(NamedTuple):
+    """What `prune` keeps of a rolled-out step: the trained batch and how it was chosen."""
+
+    adv_QG: jax.Array  # every completion's advantage
+    kept: jax.Array  # flat indices into Q * G: [Q, k] (question scope) or [M]
+    tokens_MT: jax.Array  # prompt then completion of each kept sequence
+    valid_MT: jax.Array
+    mask_MC: jax.Array  # float32: completion tokens that count in the loss
+    adv_M: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "algo", "mesh"))
+def prune(
+    rewards_QG,
+    key,
+    prompt_QP,
+    pvalid_QP,
+    tokens_NC,
+    cvalid_NC,
+    finished_N,
+    *,
+    shapes: Shapes,
+    algo: CPPOConfig,
+    mesh=None,
+) -> Pruned:
+    """Steps 4-5 of a CPPO step as one compiled program: advantages, selection, the kept batch.
+
+    Question scope keeps k per question inside its own group: with the questions split over the
+    mesh's data axes every device prunes its own questions and nothing crosses devices. Process
+    scope ranks each of `algo.processes` slices of the step together, batch scope the whole step
+    (a global gather). `key` drives `metric="random"`. Shapes are static: new data never compiles.
     """
-    out = []
-    for x in xs_QG:
-        idx = idx_QK.reshape(idx_QK.shape + (1,) * (x.ndim - 2))
-        out.append(jnp.take_along_axis(x, idx, axis=1))
-    return out[0] if len(out) == 1 else tuple(out)
+    Q, G, M = shapes.Q, shapes.G, shapes.M
+    with sharding_lib.use_mesh(mesh):
+        by_row = lambda x: sharding_lib.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
+        rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N = map(
+            by_row, (rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N)
+        )
+        adv_QG = group_advantages(rewards_QG, scale=algo.adv_scale, eps=algo.adv_eps)
+        if algo.scope == "question":
+            idx_QK = keep_indices(adv_QG, shapes.k, metric=algo.metric, rng=key)
+            kept = by_row(idx_QK + jnp.arange(Q)[:, None] * G)
+
+            def pick(x_N):  # [Q*G, ...] -> [Q*k, ...], a gather batched over Q
+                x_QG = x_N.reshape(Q, G, *x_N.shape[1:])
+                idx = idx_QK.reshape(Q, shapes.k, *(1,) * (x_N.ndim - 1))
+                return jnp.take_along_axis(x_QG, idx, axis=1).reshape(M, *x_N.shape[1:])
+
+            rows = lambda x_QP: jnp.repeat(x_QP, shapes.k, axis=0)  # noqa: E731
+        else:
+            if algo.scope == "process":
+                per = M // algo.processes
+                kept = keep_indices_process(adv_QG, algo.processes, per, algo.metric, key)
+            else:
+                kept = keep_indices_batch(adv_QG.reshape(-1), M, metric=algo.metric, rng=key)
+            pick = lambda x_N: x_N[kept]  # noqa: E731
+            rows = lambda x_QP: x_QP[kept // G]  # noqa: E731
+        mask_MC = pick(cvalid_NC).astype(jnp.float32)
+        if algo.mask_truncated:
+            mask_MC = mask_MC * pick(finished_N)[:, None].astype(jnp.float32)
+        out = (
+            jnp.concatenate([rows(prompt_QP), pick(tokens_NC)], axis=1),
+            jnp.concatenate([rows(pvalid_QP), pick(cvalid_NC)], axis=1),
+            mask_MC,
+            pick(adv_QG.reshape(-1)),
+        )
+        if mesh is not None:
+            b_sh = sharding_lib.batch_sharding(mesh, M)
+            out = tuple(jax.lax.with_sharding_constraint(x, b_sh) for x in out)
+    return Pruned(adv_QG, kept, *out)
 
 
 def nonfinite_questions(rewards_QG: jax.Array) -> jax.Array:

@@ -151,7 +151,7 @@ def check_startable(cfg: Config) -> None:
 
 
 def _describe(cfg: Config) -> str:
-    from cppo_jax.trainer import shapes_of
+    from cppo_jax.cppo import shapes_of
 
     sh = shapes_of(cfg)
     a = cfg.cppo

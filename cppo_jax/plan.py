@@ -332,7 +332,7 @@ def plan_run(
     """
     import jax
 
-    from cppo_jax.trainer import shapes_of
+    from cppo_jax.cppo import shapes_of
 
     sh = shapes_of(cfg)
     processes = jax.process_count()
@@ -387,7 +387,7 @@ def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> Memor
     layouts that fit when nothing does.
     """
     from cppo_jax.config import MeshConfig
-    from cppo_jax.trainer import shapes_of
+    from cppo_jax.cppo import shapes_of
 
     sh = shapes_of(cfg)
     size = _model_plan(cfg)

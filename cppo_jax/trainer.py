@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import math
 import time
 from pathlib import Path
 
@@ -80,113 +79,6 @@ def _block(x):
     return jax.block_until_ready(x)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("k", "metric", "scope", "scale", "eps", "n_keep", "processes", "mesh"),
-)
-def _select(rewards_QG, key, *, k, metric, scope, scale, eps, n_keep, processes=1, mesh=None):
-    """Advantages, then the flat indices (into Q*G) of the kept completions.
-
-    Question scope: [Q, k], row q holding question q's kept completions, split over the data axes
-    with its question (each device prunes its own groups). Process scope: [M], a top-k within each
-    of `processes` slices of the step. Batch scope: [M], a global top-k.
-    """
-    Q, G = rewards_QG.shape
-    with sharding_lib.use_mesh(mesh):
-        rewards_QG = sharding_lib.constrain(rewards_QG, ("batch", None))
-        adv_QG = cppo.group_advantages(rewards_QG, scale=scale, eps=eps)
-        if scope == "question":
-            idx_QK = cppo.keep_indices(adv_QG, k, metric=metric, rng=key)
-            flat_QK = sharding_lib.constrain(idx_QK + jnp.arange(Q)[:, None] * G, ("batch", None))
-            return adv_QG, flat_QK
-        if scope == "process":
-            per = n_keep // processes
-            return adv_QG, cppo.keep_indices_process(adv_QG, processes, per, metric=metric, rng=key)
-        flat_M = cppo.keep_indices_batch(adv_QG.reshape(-1), n_keep, metric=metric, rng=key)
-    return adv_QG, flat_M
-
-
-@functools.partial(jax.jit, static_argnames=("G", "mask_truncated", "mesh"))
-def _gather_batch(
-    prompt_QP,
-    pvalid_QP,
-    tokens_NC,
-    cvalid_NC,
-    finished_N,
-    adv_QG,
-    flat,
-    *,
-    G,
-    mask_truncated,
-    mesh=None,
-):
-    """The kept sequences as one [M, P + C] training batch, split over the data axes by row.
-
-    `flat` from `_select`: [Q, k] (question scope) gathers inside each question's group, so with
-    the questions split over the data axes every device keeps k of each of its own questions and
-    nothing crosses devices; [M] (batch scope) is a global gather.
-    """
-    Q = prompt_QP.shape[0]
-    with sharding_lib.use_mesh(mesh):
-        by_row = lambda x: sharding_lib.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
-        prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG = map(
-            by_row, (prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG)
-        )
-        if flat.ndim == 2:
-            K = flat.shape[1]
-            idx_QK = flat - jnp.arange(Q)[:, None] * G
-
-            def pick(x_N):  # [Q*G, ...] -> [Q*K, ...], a gather batched over Q
-                x_QG = x_N.reshape(Q, G, *x_N.shape[1:])
-                idx = idx_QK.reshape(Q, K, *(1,) * (x_N.ndim - 1))
-                return jnp.take_along_axis(x_QG, idx, axis=1).reshape(Q * K, *x_N.shape[1:])
-
-            rows = lambda x_QP: jnp.repeat(x_QP, K, axis=0)  # noqa: E731
-        else:
-            pick = lambda x_N: x_N[flat]  # noqa: E731
-            rows = lambda x_QP: x_QP[flat // G]  # noqa: E731
-        tokens_MT = jnp.concatenate([rows(prompt_QP), pick(tokens_NC)], axis=1)
-        valid_MT = jnp.concatenate([rows(pvalid_QP), pick(cvalid_NC)], axis=1)
-        mask_MC = pick(cvalid_NC).astype(jnp.float32)
-        if mask_truncated:
-            mask_MC = mask_MC * pick(finished_N)[:, None].astype(jnp.float32)
-        adv_M = pick(adv_QG.reshape(-1))
-        out = (tokens_MT, valid_MT, mask_MC, adv_M)
-        if mesh is None:
-            return out
-        b_sh = sharding_lib.batch_sharding(mesh, tokens_MT.shape[0])
-        return tuple(jax.lax.with_sharding_constraint(x, b_sh) for x in out)
-
-
-@dataclasses.dataclass
-class Shapes:
-    Q: int  # questions per step
-    G: int  # completions per question
-    k: int  # kept per question (question scope)
-    M: int  # kept sequences per step
-    P: int  # prompt slots
-    C: int  # completion slots
-
-
-def shapes_of(cfg: Config) -> Shapes:
-    a = cfg.cppo
-    Q = cppo.num_questions(a.questions_per_step, a.pruning_rate, a.allocation)
-    G = a.num_generations
-    k = cppo.num_kept(G, a.pruning_rate)
-    if a.scope == "question":
-        M = Q * k
-    elif a.scope == "process":
-        if Q % a.processes:
-            raise ConfigError(
-                f"config key 'cppo.processes' = {a.processes} is invalid: allowed a divisor of the "
-                f"Q = {Q} questions per step (scope='process' cuts the step into equal slices)"
-            )
-        M = a.processes * cppo.num_kept_process(Q, G, a.processes, a.pruning_rate)
-    else:
-        M = max(1, math.floor(Q * G * (1 - a.pruning_rate) + 1e-9))
-    return Shapes(Q, G, k, M, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens)
-
-
 @dataclasses.dataclass
 class _Rollout:
     """One step's questions and their sampled completions."""
@@ -213,7 +105,7 @@ class Trainer:
         self.main = distributed.is_main()  # process 0 writes logs and exports
         if self.main:
             save_config(cfg, self.out_dir / "config.json")
-        self.shapes = shapes_of(cfg)
+        self.shapes = cppo.shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
         # The mesh: questions split whole over (data, fsdp); params sharded by the rules.
@@ -389,30 +281,19 @@ class Trainer:
 
         # 4-5. Advantages and pruning.
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
-        adv_QG, flat_M = _select(
+        pruned = cppo.prune(
             distributed.global_array(rewards_QG.astype(np.float32), self.mesh),
             key,
-            k=sh.k,
-            metric=cfg.cppo.metric,
-            scope=cfg.cppo.scope,
-            scale=cfg.cppo.adv_scale,
-            eps=cfg.cppo.adv_eps,
-            n_keep=sh.M,
-            processes=cfg.cppo.processes,
-            mesh=self.mesh,
-        )
-        tokens_MT, valid_MT, mask_MC, adv_M = _gather_batch(
             prompt_QP,
             pvalid_QP,
             samples.tokens_NC,
             samples.valid_NC,
             samples.finished_N,
-            adv_QG,
-            flat_M,
-            G=sh.G,
-            mask_truncated=cfg.cppo.mask_truncated,
+            shapes=sh,
+            algo=cfg.cppo,
             mesh=self.mesh,
         )
+        tokens_MT, valid_MT = pruned.tokens_MT, pruned.valid_MT
 
         # 6. Reference and old-policy log-probs, kept completions only.
         ref = old = None
@@ -427,7 +308,7 @@ class Trainer:
                 old = _block(self.logps(self.params, tokens_MT, valid_MT))
 
         # 7. mu updates.
-        train_batch = step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, old, ref)
+        train_batch = step_lib.Batch(tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref)
         if self.tracer.active and not self._hlo_dumped:  # before the donating call
             like = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
@@ -452,7 +333,7 @@ class Trainer:
             with prof.phase("weight_sync", times):
                 metrics.update(self.backend.sync_weights(self.params, step + 1))
         metrics.update({k: float(v) for k, v in m.items()})
-        metrics.update(self._step_counts(mask_MC))
+        metrics.update(self._step_counts(pruned.mask_MC))
         if skipped:
             self.log.event("nonfinite_update", step=step, loss=metrics.get("loss"))
             return self._skip(step, metrics, times, t0, reason="non-finite loss or gradient")

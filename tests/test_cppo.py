@@ -297,14 +297,69 @@ def test_random_metric_needs_rng():
         cppo.keep_indices_batch(jnp.zeros(8), 2, metric="random")
 
 
-def test_gather_kept_carries_trailing_dims():
-    x_QGT = jnp.arange(2 * 4 * 3).reshape(2, 4, 3)
-    y_QG = jnp.arange(8.0).reshape(2, 4)
-    idx_QK = jnp.array([[1, 3], [0, 2]], dtype=jnp.int32)
-    x_QKT, y_QK = cppo.gather_kept(x_QGT, y_QG, idx_QK=idx_QK)
-    np.testing.assert_array_equal(x_QKT, np.asarray(x_QGT)[[[0], [1]], idx_QK])
-    np.testing.assert_array_equal(y_QK, [[1.0, 3.0], [4.0, 6.0]])
-    assert cppo.gather_kept(y_QG, idx_QK=idx_QK).shape == (2, 2)
+@pytest.mark.parametrize("scope", ["question", "process", "batch"])
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_truncated):
+    """The trainer's prune step: each kept row is its completion behind its own question's prompt."""
+    from cppo_jax.config import CPPOConfig
+
+    Q, G, P, C = 6, 4, 3, 5
+    algo = CPPOConfig(
+        num_generations=G,
+        questions_per_step=Q,
+        pruning_rate=0.5,
+        scope=scope,
+        processes=3,
+        mask_truncated=mask_truncated,
+    )
+    shapes = cppo.step_shapes(algo, P, C)
+    gen = np.random.default_rng(1)
+    rewards_QG = gen.choice([0.0, 1.0, 2.0], size=(Q, G)).astype(np.float32)
+    prompt_QP = 100 + np.repeat(np.arange(Q, dtype=np.int32)[:, None], P, axis=1)
+    pvalid_QP = gen.random((Q, P)) < 0.8
+    tokens_NC = np.repeat(np.arange(Q * G, dtype=np.int32)[:, None], C, axis=1)
+    cvalid_NC = np.cumsum(gen.random((Q * G, C)) < 0.3, axis=1) == 0
+    finished_N = gen.random(Q * G) < 0.5
+    out = cppo.prune(
+        rewards_QG,
+        jax.random.PRNGKey(0),
+        prompt_QP,
+        pvalid_QP,
+        tokens_NC,
+        cvalid_NC,
+        finished_N,
+        shapes=shapes,
+        algo=algo,
+    )
+    adv_QG = cppo.group_advantages(jnp.asarray(rewards_QG))
+    if scope == "question":
+        want = np.asarray(cppo.keep_indices(adv_QG, shapes.k)) + np.arange(Q)[:, None] * G
+    elif scope == "process":
+        want = cppo.keep_indices_process(adv_QG, 3, shapes.M // 3)
+    else:
+        want = cppo.keep_indices_batch(adv_QG.reshape(-1), shapes.M)
+    kept = np.asarray(want).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(out.kept).reshape(-1), kept)
+    assert out.tokens_MT.shape == (shapes.M, P + C) == out.valid_MT.shape
+    np.testing.assert_array_equal(out.tokens_MT[:, :P], prompt_QP[kept // G])
+    np.testing.assert_array_equal(out.tokens_MT[:, P:], tokens_NC[kept])
+    np.testing.assert_array_equal(out.valid_MT[:, :P], pvalid_QP[kept // G])
+    np.testing.assert_array_equal(out.valid_MT[:, P:], cvalid_NC[kept])
+    mask = cvalid_NC[kept] & (finished_N[kept][:, None] if mask_truncated else True)
+    np.testing.assert_array_equal(out.mask_MC, mask.astype(np.float32))
+    np.testing.assert_array_equal(out.adv_M, np.asarray(adv_QG).reshape(-1)[kept])
+
+
+def test_step_shapes_count_exactly():
+    """Q and M in every scope; a process count that does not divide Q is refused naming the key."""
+    from cppo_jax.config import ConfigError, CPPOConfig
+
+    batch = CPPOConfig(num_generations=16, questions_per_step=3, pruning_rate=0.9, scope="batch")
+    assert cppo.step_shapes(batch, 4, 4).M == 4  # floor(48 * (1 - 0.9))
+    q = CPPOConfig(num_generations=16, questions_per_step=2, pruning_rate=0.875, allocation=True)
+    assert (cppo.step_shapes(q, 4, 4).Q, cppo.step_shapes(q, 4, 4).M) == (16, 32)
+    with pytest.raises(ConfigError, match="cppo.processes"):
+        cppo.step_shapes(CPPOConfig(questions_per_step=4, scope="process", processes=3), 4, 4)
 
 
 def test_keep_indices_does_not_recompile_for_new_data():
@@ -433,7 +488,7 @@ def test_paper_configs_match_the_released_settings(name, processes, p):
     16 / int(G (1 - p)) questions of G = 16 and keeps 16 completions of its slice (drops int(N p)).
     """
     from cppo_jax.config import load_config
-    from cppo_jax.trainer import shapes_of
+    from cppo_jax.cppo import shapes_of
 
     cfg = load_config(name, [f"cppo.pruning_rate={p}"])
     a = cfg.cppo

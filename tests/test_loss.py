@@ -104,14 +104,33 @@ def test_k_equal_g_equals_unpruned_grpo():
     mask_QGT = (gen.uniform(size=(Q, G, T)) < 0.7).astype(np.float64)
     adv_QG = cppo.group_advantages(rewards_QG)
 
-    def flat(x):  # [Q, G or K, ...] -> [N, ...]
-        return jnp.reshape(x, (-1, *x.shape[2:]))
+    def flat(x):  # [Q, G, ...] -> [N, ...]
+        return jnp.reshape(jnp.asarray(x), (-1, *x.shape[2:]))
 
-    k = cppo.num_kept(G, 0.0)
-    idx_QK = cppo.keep_indices(adv_QG, k)
-    kept = cppo.gather_kept(logp_QGT, old_QGT, ref_QGT, adv_QG, mask_QGT, idx_QK=idx_QK)
-    pruned = [flat(x) for x in kept]
-    full = [flat(jnp.asarray(x)) for x in (logp_QGT, old_QGT, ref_QGT, adv_QG, mask_QGT)]
+    # The trainer's prune step with p = 0 (k = G): row n of the completions holds the token n, so the
+    # trained batch says which completion each kept row is; every row must come back, in order.
+    from cppo_jax.config import CPPOConfig
+
+    algo = CPPOConfig(num_generations=G, questions_per_step=Q, pruning_rate=0.0)
+    shapes = cppo.step_shapes(algo, prompt_len=1, completion_len=T)
+    assert shapes.k == G and shapes.M == Q * G
+    out = cppo.prune(
+        jnp.asarray(rewards_QG, jnp.float32),
+        jax.random.PRNGKey(0),
+        jnp.zeros((Q, 1), jnp.int32),
+        jnp.ones((Q, 1), bool),
+        jnp.broadcast_to(jnp.arange(Q * G, dtype=jnp.int32)[:, None], (Q * G, T)),
+        jnp.asarray(flat(mask_QGT) > 0),
+        jnp.ones(Q * G, bool),
+        shapes=shapes,
+        algo=algo,
+    )
+    rows = np.asarray(out.tokens_MT[:, 1])
+    np.testing.assert_array_equal(rows, np.arange(Q * G))
+    np.testing.assert_array_equal(out.mask_MC, flat(mask_QGT))
+    np.testing.assert_allclose(out.adv_M, flat(adv_QG), rtol=np.finfo(np.float32).eps)
+    pruned = [flat(x)[rows] for x in (logp_QGT, old_QGT, ref_QGT, adv_QG, mask_QGT)]
+    full = [flat(x) for x in (logp_QGT, old_QGT, ref_QGT, adv_QG, mask_QGT)]
 
     def both(pruned, full, loss_type):
         kw = dict(loss_type=loss_type, max_completion_len=T)

@@ -76,11 +76,11 @@ def _worker() -> dict:
     import optax
     from flax import nnx
 
+    from cppo_jax import cppo
     from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
     from cppo_jax.config import CPPOConfig, OptimConfig
     from cppo_jax.models.transformer import TransformerConfig, init_model
-    from cppo_jax.trainer import _gather_batch, _select
 
     assert len(jax.devices()) == 8
     # H = 8 divides every mesh axis; J = 2 does not divide tensor = 8, V = 61 divides nothing.
@@ -113,22 +113,24 @@ def _worker() -> dict:
     ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
     tx = step_lib.make_optimizer(ocfg, 10)
 
+    shapes = cppo.Shapes(Q=Q, G=G, k=K, M=M, P=P, C=C)
+    algo = CPPOConfig(num_generations=G, mask_truncated=True)
+
     def prune(mesh):
-        adv_QG, flat = _select(
+        """The trainer's prune step (advantages, top-k, gather) and its compiled program's text."""
+        args = (
             jnp.asarray(rewards_QG),
             key,
-            k=K,
-            metric="smallest",
-            scope="question",
-            scale="group",
-            eps=1e-4,
-            n_keep=M,
-            mesh=mesh,
+            prompt_QP,
+            pvalid_QP,
+            tokens_NC,
+            cvalid_NC,
+            finished_N,
         )
-        args = (prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N, adv_QG, flat)
-        kw = dict(G=G, mask_truncated=True, mesh=mesh)
-        hlo = _gather_batch.lower(*args, **kw).compile().as_text()
-        return _gather_batch(*args, **kw), hlo
+        kw = dict(shapes=shapes, algo=algo, mesh=mesh)
+        hlo = cppo.prune.lower(*args, **kw).compile().as_text()
+        pruned = cppo.prune(*args, **kw)
+        return (pruned.tokens_MT, pruned.valid_MT, pruned.mask_MC, pruned.adv_M), hlo
 
     def run(mesh, micro=0):
         sp = step_lib.StepSpec(**{**spec.__dict__, "micro_batch": micro})
@@ -312,8 +314,8 @@ def test_checkpoint_from_one_mesh_restores_onto_another(mesh_results):
 def test_plan_for_the_paper_configs_on_8_x_80gb(tmp_path, capsys):
     from test_launch import QWEN25_1P5B, QWEN25_7B
 
+    from cppo_jax.cppo import shapes_of
     from cppo_jax.models.transformer import TransformerConfig
-    from cppo_jax.trainer import shapes_of
 
     verdicts = {}
     for name, hf, config in [

@@ -29,7 +29,8 @@ from cppo_jax.config import (
     apply_overrides,
     to_dict,
 )
-from cppo_jax.trainer import NonFiniteError, Trainer, shapes_of
+from cppo_jax.cppo import shapes_of
+from cppo_jax.trainer import NonFiniteError, Trainer
 
 REQUIRED_METRICS = [
     "step",
