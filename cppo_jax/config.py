@@ -258,6 +258,9 @@ class TrainerConfig:
     max_nan_streak: int = 3
     dry_run: bool = False
     profile_steps: tuple[int, ...] = ()
+    # Persistent XLA compilation cache: "auto" ($JAX_COMPILATION_CACHE_DIR when set, else
+    # ~/.cache/cppo_jax/xla), a folder, or "none". A repeated or resumed run skips its compiles.
+    compile_cache_dir: str = "auto"
 
     def __post_init__(self):
         _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")

@@ -170,8 +170,11 @@ MEANINGS: dict[str, str] = {
     "trainer.dry_run": "Load and check the config, data, tokenizer and shapes, print the plan, train "
     "nothing (no weights needed).",
     "trainer.profile_steps": "`[first, last]`, steps numbered as in metrics.jsonl: record an XLA "
-    "trace of these steps under `<run>/profile` (cppo_jax/profile.py); `[]`: no trace. Planned: "
-    "validated, not yet used by the trainer.",
+    "trace of these steps under `<run>/profile` (cppo_jax/profile.py), and the train step's HLO; "
+    "`[]`: no trace.",
+    "trainer.compile_cache_dir": "Persistent XLA compilation cache: `auto` (`$JAX_COMPILATION_CACHE_DIR` "
+    "when set, else `~/.cache/cppo_jax/xla`), a folder, or `none`. A repeated or resumed run (or "
+    "another run with the same shapes) loads its programs instead of compiling them again.",
     "trainer.steps": "Steps to run; 0: one pass over the training questions (one epoch).",
     "trainer.checkpoint_every": "Save a checkpoint (orbax, under `<run>/checkpoints`) every this many "
     "steps; 0: only at the end. The last step is always saved.",

@@ -293,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(cfg, SFTConfig):
         run_sft(cfg)
         return 0
+    if not cfg.trainer.dry_run:  # before anything compiles
+        from cppo_jax.profile import use_compile_cache
+
+        use_compile_cache(cfg.trainer.compile_cache_dir)
     from cppo_jax.checkpoint import CheckpointError
     from cppo_jax.stopping import SignalStopError
     from cppo_jax.trainer import NonFiniteError

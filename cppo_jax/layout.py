@@ -196,16 +196,14 @@ def memory_plan(
     H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
     F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
     scores = 4 * H * T  # one float32 [H, T] row of scores per token
-    if (
-        tcfg.scan_layers
-    ):  # per token: matmul outputs kept (run_layers), scores twice (fitted on CPU)
-        layer = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
-    else:  # per token, unrolled: XLA keeps the elementwise results too
-        layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
+    # Per token, one layer's activations: all of them (unrolled, or one layer recomputed under
+    # remat), or, scanned without remat, the matmul outputs run_layers keeps (fitted on CPU).
+    layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
+    kept = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
     work = 3 * scores  # per token, one layer's backward
     edges = cb * D + 4 * D  # embeddings out and the final norm, per token
     batch = (T + 1) * 5 + completion_len * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv per row
-    no_remat = n * T * (L * layer + work + edges) + n * batch
+    no_remat = n * T * (L * (kept if tcfg.scan_layers else layer) + work + edges) + n * batch
     remat = n * T * (L * cb * D + layer + work + edges) + n * batch
     grads = params * (2 if m < rows else 1)
     kv_rows = _split(rollout_rows, dp) if rollout_rows % dp == 0 else rollout_rows

@@ -248,19 +248,58 @@ def dump_hlo(
 # ----------------------------------------------------------------------------------------------
 # Compilations (jax.monitoring).
 
+
+def compile_cache_folder(setting: str) -> Path | None:
+    """The persistent compilation cache folder of `trainer.compile_cache_dir` (None: off)."""
+    import os
+
+    if setting in ("", "none"):
+        return None
+    if setting != "auto":
+        return Path(setting).expanduser()
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "cppo_jax" / "xla"
+
+
+def use_compile_cache(setting: str) -> Path | None:
+    """Point JAX's persistent compilation cache at `compile_cache_folder(setting)`.
+
+    Call it before the first compilation of the process (`cppo_jax.launch` does): JAX decides once,
+    at its first compile, whether a cache is used. Programs that compile in under a second are not
+    stored (JAX's default threshold). Returns the folder, or None when off.
+    """
+    folder = compile_cache_folder(setting)
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    return folder
+
+
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+# A program loaded from the persistent cache reports this, then a "backend compile" that was none.
+_CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
 _LOCK = threading.Lock()
 _PROGRAMS: dict[str, dict[str, float]] = {}
-_TOTALS = {"compilations": 0, "compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0}
+_TOTALS = {"compilations": 0, "cache_hits": 0, "compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0}
+_PENDING_HIT = threading.local()
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
-    if event not in (_BACKEND_COMPILE, _TRACE, _LOWER):
+    if event not in (_BACKEND_COMPILE, _TRACE, _LOWER, _CACHE_HIT):
         return
     with _LOCK:
-        if event == _BACKEND_COMPILE:
+        if event == _CACHE_HIT:
+            _TOTALS["cache_hits"] += 1
+            _PENDING_HIT.value = True
+        elif event == _BACKEND_COMPILE:
+            if getattr(_PENDING_HIT, "value", False):  # loaded, not compiled
+                _PENDING_HIT.value = False
+                return
             name = str(kwargs.get("fun_name", "?"))
             entry = _PROGRAMS.setdefault(name, {"compilations": 0, "compile_s": 0.0})
             entry["compilations"] += 1
@@ -281,13 +320,19 @@ def reset_compiled_programs() -> None:
     with _LOCK:
         _PROGRAMS.clear()
         _DUMPED.clear()
-        _TOTALS.update(compilations=0, compile_s=0.0, trace_s=0.0, lower_s=0.0)
+        _TOTALS.update(compilations=0, cache_hits=0, compile_s=0.0, trace_s=0.0, lower_s=0.0)
+
+
+def compilations() -> tuple[int, int]:
+    """(XLA compilations, programs loaded from the persistent cache) in this process so far."""
+    with _LOCK:
+        return _TOTALS["compilations"], _TOTALS["cache_hits"]
 
 
 def compiled_programs_report() -> dict[str, Any]:
     """XLA compilations in this process since import (or the last reset).
 
-    {"compilations": n, "compile_s": s, "trace_s": s, "lower_s": s,
+    {"compilations": n, "cache_hits": n, "compile_s": s, "trace_s": s, "lower_s": s,
      "programs": [{"name": "jit(train_step)", "compilations": n, "compile_s": s}, ...] (most time first),
      "dumped": [dump_hlo statistics, ...]}.
     A program compiled more than once with the same name usually means new shapes or new static

@@ -45,21 +45,6 @@ from cppo_jax.sampler import SamplingParams
 from cppo_jax.stopping import SignalStopError, StopSignals
 from cppo_jax.vllm_client import RolloutServerError
 
-_COMPILATIONS = [0]
-
-
-def _count_compile(name, *_args, **_kw):
-    if name == "/jax/core/compile/backend_compile_duration":
-        _COMPILATIONS[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
-
-
-def compilations() -> int:
-    """XLA compilations in this process so far."""
-    return _COMPILATIONS[0]
-
 
 def check_vocab(tokenizer: Tokenizer, model_vocab: int, model_path: str) -> None:
     """Refuse a tokenizer with ids the model has no embedding for (the model may have more rows)."""
@@ -404,7 +389,9 @@ class Trainer:
         times["step"] = time.perf_counter() - t0
         metrics.update({f"timing_s/{k}": v for k, v in times.items()})
         metrics["step"] = step + 1
-        metrics["jit/compilations"] = float(compilations())
+        compiled, loaded = prof.compilations()
+        metrics["jit/compilations"] = float(compiled)
+        metrics["jit/cache_hits"] = float(loaded)
         metrics["update_skipped"] = 0.0
         if (
             texts is not None

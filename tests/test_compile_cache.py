@@ -1,0 +1,64 @@
+"""A repeated run loads its programs from the persistent compilation cache instead of compiling them.
+
+`trainer.compile_cache_dir` (default `auto`: ~/.cache/cppo_jax/xla) is set by `cppo_jax.launch` before
+anything compiles. The same command run twice in fresh processes: the first fills the folder, the
+second's first step loads programs (`jit/cache_hits`) and compiles fewer, with the same results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cppo_jax.profile import compile_cache_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path: Path, cache: Path, name: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "cppo_jax.launch",
+        "--config",
+        "tiny_cpu.py",
+        "trainer.steps=1",
+        "trainer.eval_size=4",
+        "cppo.questions_per_step=1",
+        "rollout.max_new_tokens=12",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        f"trainer.out_dir={tmp_path}",
+        f"trainer.run_name={name}",
+        f"trainer.compile_cache_dir={cache}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return rows[0]
+
+
+def test_a_repeated_run_compiles_less(tmp_path):
+    cache = tmp_path / "xla_cache"
+    first = _run(tmp_path, cache, "first")
+    stored = list(cache.rglob("*"))
+    assert stored, "the first run stored no compiled program"
+    second = _run(tmp_path, cache, "second")
+    assert first["jit/cache_hits"] == 0 and second["jit/cache_hits"] > 0, (first, second)
+    assert second["jit/compilations"] < first["jit/compilations"], (first, second)
+    assert second["reward"] == first["reward"] and second["loss"] == first["loss"]
+
+
+def test_cache_folder_setting(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache_folder("auto") == tmp_path / "cppo_jax" / "xla"
+    assert compile_cache_folder("none") is None
+    assert compile_cache_folder("/x/y") == Path("/x/y")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/from/env")
+    assert compile_cache_folder("auto") == Path("/from/env")
