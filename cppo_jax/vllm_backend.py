@@ -209,6 +209,7 @@ class VLLMBackend:
         self.synced_step: int | None = None
         self.last_slot: Path | None = None
         self.unconfirmed: str | None = None  # why the last push failed its check, until one passes
+        self.last_margin = 0.0  # max |diff| / tolerance of the last check (< 1: passed)
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
 
     # ------------------------------------------------------------------------------------------
@@ -349,6 +350,7 @@ class VLLMBackend:
                 f"{token_tol:.3g}",
                 url=self.url,
             )
+        self.last_margin = max(float((diffs / tol).max()), token_diff / token_tol)
         return max(max_diff, token_diff)
 
     def sync_weights(self, params, step: int) -> dict:
@@ -372,6 +374,7 @@ class VLLMBackend:
         return {
             "weight_sync/bytes": metrics["weight_sync/bytes"],
             "weight_sync/probe_max_abs_diff": diff,
+            "weight_sync/probe_diff_over_tol": self.last_margin,
             "weight_sync/write_s": metrics["write_s"],
             "weight_sync/reload_s": metrics["reload_s"],
             "weight_sync/verify_s": time.perf_counter() - t,

@@ -349,8 +349,10 @@ class TestTiedServer:
             f"{time.monotonic() - t0:.1f} s; mean sampled reward {before.mean():.3f} -> "
             f"{after.mean():.3f}"
         )
+        ratios = [m["weight_sync/probe_diff_over_tol"] for m in history]
+        print(f"fp32 probe |diff| / derived tolerance per push: max {max(ratios):.2f}")
         for m in history:
-            assert m["weight_sync/probe_max_abs_diff"] <= 1e-3  # the config's default tolerance
+            assert m["weight_sync/probe_max_abs_diff"] <= 1e-4  # fp32: far below the old 1e-3
             assert m["weight_sync/bytes"] > 0 and m["timing_s/weight_sync"] >= 0
             assert np.isfinite(m["loss"]) and m["update_skipped"] == 0.0
             assert 0.0 < m["completions/mean_length"] <= trainer.shapes.C
