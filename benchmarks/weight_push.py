@@ -3,7 +3,9 @@ load, and the probe check, for the tiny model and a ~100M-parameter one on vllm-
 Qwen2.5-1.5B and 7B (bytes exact from their parameter counts, seconds scaled by bytes from the larger
 measured model: an estimate).
 
-    python benchmarks/weight_push.py [--pushes 3] [--out benchmarks/results]
+    python benchmarks/weight_push.py [--pushes 3] [--out benchmarks/results] [--report-only]
+
+`--report-only` rewrites weight_push.md from the saved weight_push.json (no server).
 
 Each model gets its own server (bf16, --enforce-eager), started from the model's folder; every push writes
 a perturbed policy (so the server really loads new weights) into /dev/shm, as launch/gpu_node.sh does, and
@@ -98,7 +100,8 @@ def report(rows: list[dict], load: tuple[str, str]) -> str:
         f"new perturbed policy, each confirmed by the bf16 probe check). 1-minute load average {load[0]} "
         f"before and {load[1]} after: the 2-core machine was shared with other jobs.",
         "",
-        "| model | parameters | bytes per push | write (s) | server load (s) | check (s) |",
+        "| model | parameters (the tied embedding once) | bytes per push | write (s) | server load (s) "
+        "| check (s) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
@@ -109,10 +112,11 @@ def report(rows: list[dict], load: tuple[str, str]) -> str:
     big = rows[-1]
     write_bps, load_bps = big["bytes"] / big["write_s"], big["bytes"] / big["reload_s"]
     for name, hf in KNOWN_MODELS.items():
-        nbytes = push_bytes(TransformerConfig.from_hf_dict(hf), "bfloat16")
-        n = push_bytes(TransformerConfig.from_hf_dict(hf), "float32") // 4
+        cfg = TransformerConfig.from_hf_dict(hf)
+        nbytes = push_bytes(cfg, "bfloat16")
+        n = nbytes // 2 - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
         lines.append(
-            f"| {name} (projected) | {n:,} written | {nbytes:,} | ~{nbytes / write_bps:.0f} | "
+            f"| {name} (projected) | {n:,} | {nbytes:,} | ~{nbytes / write_bps:.0f} | "
             f"~{nbytes / load_bps:.0f} | - |"
         )
     lines += [
@@ -132,7 +136,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:
+        saved = json.loads((out / "weight_push.json").read_text())
+        text = report(saved["rows"], tuple(saved["load"]))
+        (out / "weight_push.md").write_text(text)
+        print(text)
+        return saved["rows"]
     before = load_average()
     with tempfile.TemporaryDirectory(prefix="cppo_push_bench_") as tmp:
         work = Path(tmp)
@@ -140,11 +152,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             measure(ROOT / "cppo_jax" / "assets" / "tiny_arith", "tiny_arith", args.pushes, work),
             measure(_medium_model(work / "medium"), "random Qwen2 ~100M", args.pushes, work),
         ]
-    text = report(rows, (before, load_average()))
-    out = Path(args.out)
+    load = (before, load_average())
+    text = report(rows, load)
     out.mkdir(parents=True, exist_ok=True)
     (out / "weight_push.md").write_text(text)
-    (out / "weight_push.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "weight_push.json").write_text(json.dumps({"rows": rows, "load": load}, indent=2) + "\n")
     print(text)
     return rows
 

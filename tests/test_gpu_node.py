@@ -28,7 +28,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen2 folder (0.9M parameters, a tokenizer with a chat template): a copy of the shipped
+    """A tiny Qwen2 folder (0.85M parameters, a tokenizer with a chat template): a copy of the shipped
     warm start, which writes the <think>/<answer> format, so that rewards vary and updates are real."""
     return Path(shutil.copytree(SHIPPED_WARM_START, tmp_path_factory.mktemp("gpu_node") / "model"))
 
