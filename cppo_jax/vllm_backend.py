@@ -6,13 +6,15 @@
   `seeds_Q[q] * G` so that the per-sample seeds (seed + j) of different questions never overlap; the answers
   come back as the same `Samples` the embedded sampler returns (tokens padded with `pad_id` after EOS,
   log-probs 0 there, `valid` up to and including EOS, `finished` for "stop" vs "length").
-- `sync_weights(params, step)`: write the policy as a Hugging Face checkpoint into one of two alternating
+- `sync_weights(params, step)`: write the policy as a Hugging Face checkpoint, cast to the dtype the server
+  computes in (`GET /server_info`; bf16 halves the bytes of an fp32 policy), into one of two alternating
   slots under `rollout.weights_dir` (default `<run_dir>/weights`; written to a temporary sibling and renamed
   into place, so the server never reads half a file), ask the server to reload it (`/collective_rpc`
   `reload_weights`), reset its prefix cache, then VERIFY: the server's log-probs of a fixed probe sequence
   (prompt log-probs and the greedy next token, temperature 0) must equal the trainer's own, computed here in
-  JAX from the same params, within `probe_tol`. A mismatch raises `WeightSyncError` (expected vs got, max
-  diff) before any further rollout can use stale weights.
+  JAX from exactly the weights written and in the server's dtype (like with like), within a tolerance
+  derived from that dtype (`probe_tolerance`) or `rollout.probe_tol` when set. A mismatch raises
+  `WeightSyncError` (expected vs got, max diff) before any further rollout can use stale weights.
 
 The server must be reachable by the trainer and must read `weights_dir` at the same path (same machine or a
 shared file system). The dev routes it needs are unauthenticated: keep it on loopback or a private network
@@ -25,7 +27,9 @@ runs with `--logprobs-mode processed_logprobs`); the trainer recomputes the log-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
 import shutil
 import time
 import weakref
@@ -38,6 +42,7 @@ from flax import nnx
 
 from cppo_jax.config import ConfigError, RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
+from cppo_jax.models.transformer import DTYPES, Transformer
 from cppo_jax.sampler import Samples, SamplingParams
 from cppo_jax.vllm_client import (
     Completion,
@@ -48,17 +53,43 @@ from cppo_jax.vllm_client import (
 )
 
 __all__ = [
-    "DEFAULT_PROBE_TOL",
     "ResponseError",
     "RolloutServerError",
     "VLLMBackend",
     "WeightSyncError",
     "default_probe_ids",
+    "probe_tolerance",
+    "push_bytes",
     "samples_from_completions",
 ]
 
-DEFAULT_PROBE_TOL = 1e-3
 PROBE_LEN = 12
+# The derived probe tolerance, in units of the serving dtype's machine epsilon per unit of log-prob:
+# |server - trainer| <= PROBE_EPS_FACTOR[dtype] * eps(dtype) * (1 + |log-prob|). Measured on tiny Qwen2s
+# (docs/vllm.md): a right push differs by at most 1.0 eps (1 + |lp|) in bfloat16 (rounding dominates) and
+# 3.6 eps (1 + |lp|) in float32 (accumulation order dominates); the factors leave 3x and 9x margin.
+PROBE_EPS_FACTOR = {"bfloat16": 3.0, "float32": 32.0}
+
+
+def probe_tolerance(dtype: str, want_T: np.ndarray) -> np.ndarray:
+    """Per-position tolerance [T] for probe log-probs `want_T` computed in `dtype` on both sides.
+
+    Two implementations of the same network in the same dtype differ by rounding: each activation and the
+    logits carry a relative error of order eps(dtype), and log-softmax subtracts logits of the size of the
+    log-prob, so a log-prob's error scales with eps(dtype) times (1 + its magnitude).
+    """
+    eps = float(jnp.finfo(DTYPES[dtype]).eps)
+    return PROBE_EPS_FACTOR[dtype] * eps * (1.0 + np.abs(np.asarray(want_T, np.float64)))
+
+
+def push_bytes(model_cfg, dtype: str) -> int:
+    """Bytes of tensor data one push writes for a model of config `model_cfg` in `dtype` (the safetensors
+    header, a few KB, aside): every parameter, plus the `lm_head.weight` copy of a tied embedding."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    if model_cfg.tie_word_embeddings:
+        n += model_cfg.vocab_size * model_cfg.hidden_size
+    return n * jnp.dtype(DTYPES[dtype]).itemsize
 
 
 def default_probe_ids(vocab_size: int, length: int = PROBE_LEN, seed: int = 1234) -> list[int]:
@@ -116,7 +147,10 @@ def samples_from_completions(
 
 @functools.cache
 def _probe_fn(graphdef):
-    """Jitted log-softmax of the model's logits on one probe row: [T] ids -> [T, V] log-probs."""
+    """Jitted log-softmax of the model's logits on one probe row: [T] ids -> [T, V] log-probs.
+
+    The logits are rounded to the model's compute dtype first, as vLLM's are (its lm_head runs in the
+    model dtype; log-probs are taken in float32 from those logits)."""
 
     def fn(params, ids_T):
         model = nnx.merge(graphdef, params)
@@ -124,9 +158,23 @@ def _probe_fn(graphdef):
         logits_1TV, _ = model(
             ids_T[None], jnp.arange(T, dtype=jnp.int32)[None], jnp.ones((1, T), bool)
         )
-        return jax.nn.log_softmax(logits_1TV[0].astype(jnp.float32), axis=-1)
+        logits_TV = logits_1TV[0].astype(model.cfg.compute_dtype).astype(jnp.float32)
+        return jax.nn.log_softmax(logits_TV, axis=-1)
 
     return jax.jit(fn)
+
+
+@functools.cache
+def serving_graphdef(model_cfg, dtype: str):
+    """The graph of a model of config `model_cfg` whose weights are stored and computed in `dtype`
+    (what the server runs): the trainer's parameters, cast, merge into it."""
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"the vLLM server computes in {dtype}, which the weight push cannot write and check; "
+            f"allowed {sorted(DTYPES)} (launch/vllm_server.sh: VLLM_DTYPE)"
+        )
+    cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype, remat=False)
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
 
 
 class VLLMBackend:
@@ -142,6 +190,7 @@ class VLLMBackend:
         client: VLLMClient | None = None,
         probe_tol: float | None = None,
         probe_ids: list[int] | None = None,
+        serve_dtype: str | None = None,
     ):
         self.cfg = cfg
         self.graphdef = graphdef
@@ -150,13 +199,17 @@ class VLLMBackend:
             cfg.vllm_url, api_key=cfg.vllm_api_key, timeout_s=cfg.timeout_s
         )
         self.weights_dir = push_folder(cfg.weights_dir, run_dir)
-        tol = probe_tol if probe_tol is not None else getattr(cfg, "probe_tol", DEFAULT_PROBE_TOL)
-        self.probe_tol = float(tol)
+        # An absolute tolerance when given (or rollout.probe_tol > 0), else derived from the dtype.
+        tol = probe_tol if probe_tol is not None else cfg.probe_tol
+        self.probe_tol: float | None = float(tol) if tol else None
         self._probe_ids = probe_ids
+        self.serve_dtype = serve_dtype  # None: asked from the server at the first push
+        self._model_cfg = None
         self.pushes = 0
         self.synced_step: int | None = None
         self.last_slot: Path | None = None
         self.unconfirmed: str | None = None  # why the last push failed its check, until one passes
+        self.last_margin = 0.0  # max |diff| / tolerance of the last check (< 1: passed)
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
 
     # ------------------------------------------------------------------------------------------
@@ -165,11 +218,25 @@ class VLLMBackend:
     def url(self) -> str:
         return self.client.url
 
+    def model_cfg(self, params):
+        if self._model_cfg is None:
+            self._model_cfg = nnx.merge(self.graphdef, params).cfg
+        return self._model_cfg
+
     def probe_ids(self, params) -> list[int]:
         if self._probe_ids is None:
-            vocab = nnx.merge(self.graphdef, params).cfg.vocab_size
-            self._probe_ids = default_probe_ids(vocab)
+            self._probe_ids = default_probe_ids(self.model_cfg(params).vocab_size)
         return self._probe_ids
+
+    def serving(self, params) -> tuple:
+        """(graphdef, params) of the model as the server runs it: weights cast to the dtype the server
+        computes in (asked once; the trainer's compute dtype when the server cannot say)."""
+        cfg = self.model_cfg(params)
+        if self.serve_dtype is None:
+            self.serve_dtype = self.client.served_dtype() or cfg.dtype
+        graphdef = serving_graphdef(cfg, self.serve_dtype)
+        dt = DTYPES[self.serve_dtype]
+        return graphdef, jax.tree.map(lambda x: x.astype(dt), params)
 
     def _ensure_synced(self, params) -> None:
         if self.unconfirmed is not None:
@@ -214,18 +281,19 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------------------------------
 
-    def write_weights(self, params) -> tuple[Path, int]:
-        """The policy as an HF checkpoint in the next of two slots (atomic); returns (folder, bytes)."""
+    def write_weights(self, params, graphdef=None) -> tuple[Path, int]:
+        """`params` (as they are; `graphdef` defaults to the trainer's) as an HF checkpoint in the next
+        of two slots (atomic); returns (folder, bytes)."""
         claim_push_folder(self.weights_dir)
         slot = self.weights_dir / f"slot{self.pushes % 2}"
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(graphdef or self.graphdef, params)
         save_hf(model, slot)
         return slot, (slot / SINGLE_FILE).stat().st_size
 
     def push(self, params) -> dict:
-        """Write, reload and reset the prefix cache (no check); returns timings."""
+        """Write (in the serving dtype), reload and reset the prefix cache (no check); returns timings."""
         t0 = time.perf_counter()
-        slot, nbytes = self.write_weights(params)
+        slot, nbytes = self.write_weights(*reversed(self.serving(params)))
         t1 = time.perf_counter()
         self.client.reload_weights(str(slot))
         self.client.reset_prefix_cache()
@@ -234,39 +302,55 @@ class VLLMBackend:
         self.last_slot = slot
         return {"weight_sync/bytes": float(nbytes), "write_s": t1 - t0, "reload_s": t2 - t1}
 
+    def expected_probe(self, params) -> np.ndarray:
+        """The trainer's probe log-probs [T, V], computed from `params` as the server runs them."""
+        graphdef, served = self.serving(params)
+        ids = jnp.asarray(self.probe_ids(params), jnp.int32)
+        return np.asarray(_probe_fn(graphdef)(served, ids))
+
+    def tolerance(self, want_T: np.ndarray) -> np.ndarray:
+        """Per-position tolerance: `probe_tol` when set, else derived from the serving dtype."""
+        if self.probe_tol is not None:
+            return np.full(np.shape(want_T), self.probe_tol)
+        return probe_tolerance(self.serve_dtype, want_T)
+
     def verify(self, params, step: int | None = None) -> float:
-        """Compare the server's probe log-probs with the trainer's; raise `WeightSyncError` on a
-        mismatch. Returns the max absolute difference."""
+        """Compare the server's probe log-probs with the trainer's (same weights, same dtype); raise
+        `WeightSyncError` on a mismatch. Returns the max absolute difference."""
         ids = self.probe_ids(params)
+        lp_TV = self.expected_probe(params)
         got_prompt, got_token, got_token_lp = self.client.prompt_logprobs(ids)
-        lp_TV = np.asarray(_probe_fn(self.graphdef)(params, jnp.asarray(ids, jnp.int32)))
         want_prompt = lp_TV[np.arange(len(ids) - 1), ids[1:]]
         diffs = np.abs(np.asarray(got_prompt, np.float64) - want_prompt)
+        tol = self.tolerance(want_prompt)
         when = f" at step {step}" if step is not None else ""
-        where = f"weight push{when} to {self.url} (slot {self.last_slot})"
-        worst = int(np.argmax(diffs))
-        max_diff = float(diffs[worst])
-        if not np.isfinite(max_diff) or max_diff > self.probe_tol:
+        where = f"weight push{when} to {self.url} (slot {self.last_slot}, {self.serve_dtype})"
+        worst = int(np.argmax(diffs / tol))
+        max_diff = float(diffs.max())
+        if not np.isfinite(max_diff) or diffs[worst] > tol[worst]:
             raise WeightSyncError(
                 f"{where} not confirmed: probe check 'prompt log-probs' failed at position "
                 f"{worst + 1} (token {ids[worst + 1]}): expected {want_prompt[worst]:.6f} (trainer), "
-                f"got {got_prompt[worst]:.6f} (server); max |diff| {max_diff:.3g} > tolerance "
-                f"{self.probe_tol:g}. The server is serving other weights than the trainer's.",
+                f"got {got_prompt[worst]:.6f} (server); |diff| {diffs[worst]:.3g} > tolerance "
+                f"{tol[worst]:.3g} (max |diff| {max_diff:.3g}). The server is serving other weights "
+                f"than the trainer's.",
                 url=self.url,
             )
         # The greedy next token: its log-prob must match, and it must be (tied with) the argmax.
         last = lp_TV[-1]
         token_diff = abs(got_token_lp - float(last[got_token]))
         argmax_gap = float(last.max()) - float(last[got_token])
-        if token_diff > self.probe_tol or argmax_gap > self.probe_tol:
+        token_tol = float(self.tolerance(np.array([last.max()]))[0])
+        if token_diff > token_tol or argmax_gap > token_tol:
             raise WeightSyncError(
                 f"{where} not confirmed: probe check 'greedy next token' failed: the server chose "
                 f"token {got_token} with log-prob {got_token_lp:.6f}; the trainer gives it "
                 f"{float(last[got_token]):.6f} and prefers token {int(last.argmax())} "
                 f"({float(last.max()):.6f}); |diff| {max(token_diff, argmax_gap):.3g} > tolerance "
-                f"{self.probe_tol:g}",
+                f"{token_tol:.3g}",
                 url=self.url,
             )
+        self.last_margin = max(float((diffs / tol).max()), token_diff / token_tol)
         return max(max_diff, token_diff)
 
     def sync_weights(self, params, step: int) -> dict:
@@ -274,9 +358,10 @@ class VLLMBackend:
         docstring). Until a push is confirmed, `generate` and `greedy` refuse to run."""
         self.unconfirmed = "push in progress"
         try:
-            metrics = self.push(params)
+            served = self.serving(params)[1]  # cast once; push and verify cast no further
+            metrics = self.push(served)
             t = time.perf_counter()
-            diff = self.verify(params, step)
+            diff = self.verify(served, step)
         except BaseException as e:
             self.unconfirmed = f"{type(e).__name__}: {e}"
             raise
@@ -289,6 +374,7 @@ class VLLMBackend:
         return {
             "weight_sync/bytes": metrics["weight_sync/bytes"],
             "weight_sync/probe_max_abs_diff": diff,
+            "weight_sync/probe_diff_over_tol": self.last_margin,
             "weight_sync/write_s": metrics["write_s"],
             "weight_sync/reload_s": metrics["reload_s"],
             "weight_sync/verify_s": time.perf_counter() - t,

