@@ -534,28 +534,47 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
 
-    def evaluate(self, step: int, batch_size: int = 64, split: str = "test") -> dict:
-        """Greedy accuracy on the test (or validation) split; every question is scored."""
+    def evaluate(
+        self, step: int, batch_size: int = 64, split: str = "test", sampled: bool = False
+    ) -> dict:
+        """Greedy accuracy on the test (or validation) split; every question is scored.
+
+        With `sampled`, also `sampled_accuracy`: one completion per question at the rollout
+        temperature, from fixed seeds (question i: seed 2**30 + i), so that before and after a run
+        the same random numbers are used.
+        """
         prompts = self.val_set if split == "validation" else self.test_set
+        result = {
+            "step": step,
+            "accuracy": self._score(prompts, batch_size, None),
+            "n": len(prompts),
+        }
+        if sampled:
+            result["sampled_accuracy"] = self._score(prompts, batch_size, 2**30)
+        result["split"] = split
+        self.evals.append(result)
+        self.log.event("eval", **result)
+        return result
+
+    def _score(self, prompts, batch_size: int, seed: int | None) -> float:
+        """Accuracy of greedy (seed None) or one-sample (seeds seed + question index) completions."""
         n = len(prompts)
         texts = []
         for lo in range(0, n, batch_size):
             idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
             part = prompts.take(idx)
-            out = self.backend.greedy(
-                self.params,
-                distributed.rows(part.ids_nP, self.mesh),
-                distributed.rows(part.valid_nP, self.mesh),
-            )
+            ids = distributed.rows(part.ids_nP, self.mesh)
+            valid = distributed.rows(part.valid_nP, self.mesh)
+            if seed is None:
+                out = self.backend.greedy(self.params, ids, valid)
+            else:
+                seeds = distributed.rows((seed + idx).astype(np.uint32), self.mesh)
+                out = self.backend.generate(self.params, ids, valid, seeds, 1)
             got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
             texts.extend(got[: min(batch_size, n - lo)])
         solutions = [ex["solution"] for ex in prompts.examples]
         _, per_fn, _ = self.rewards.score(texts, solutions)
-        acc = float(np.mean(np.asarray(per_fn[self.accuracy_fn]) > 0))
-        result = {"step": step, "accuracy": acc, "n": n, "split": split}
-        self.evals.append(result)
-        self.log.event("eval", **result)
-        return result
+        return float(np.mean(np.asarray(per_fn[self.accuracy_fn]) > 0))
 
     def train(self, progress=None) -> dict:
         """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
@@ -563,7 +582,7 @@ class Trainer:
         self.backend.sync_weights(self.params, self.start_step)
         cfg = self.cfg.trainer
         with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
-            before = self.evaluate(self.start_step)
+            before = self.evaluate(self.start_step, sampled=True)
             self._validate(self.start_step)
             for step in range(self.start_step, self.num_steps):
                 self._stop_if_asked(stop, step)
@@ -584,7 +603,7 @@ class Trainer:
                 self.save(self.num_steps)
             self._stop_if_asked(stop, self.num_steps)
         self._validate(self.num_steps)
-        after = self.evaluate(self.num_steps)
+        after = self.evaluate(self.num_steps, sampled=True)
         table = phase_table(self.log.history)
         if self.main:
             if self.cfg.logging.plot and self.log.history:
