@@ -2,8 +2,9 @@
 
 The demo's own config (configs/tiny_cpu.py: the shipped warm start, CPPO p = 0.875 with allocation,
 G = 16, the format + accuracy reward) with only its step count cut. Figures behind the margin are in
-docs/learning.md: 10 steps take greedy held-out accuracy from 2.3% to 33-36% over trainer seeds 0, 1, 2
-(spread of the gain a few points), so a 15-point floor fails only if learning itself breaks.
+docs/learning.md: 10 steps take greedy held-out accuracy from 2.3% to 35.5% / 30.1% / 32.4% (trainer
+seeds 0, 1, 2: gain +30.4 points, standard deviation 2.7), so a 15-point floor fails only if learning
+itself breaks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from cppo_jax.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
-MIN_GAIN = 0.15  # seed-to-seed spread of the gain (docs/learning.md) is a few points
+MIN_GAIN = 0.15  # 5.6 standard deviations of the seed-to-seed spread of the gain
+MIN_SAMPLED_GAIN = 0.05  # about 2 standard errors of a 256-question one-sample accuracy
 
 
 def test_short_run_raises_held_out_accuracy(tmp_path):
@@ -46,9 +48,18 @@ def test_short_run_raises_held_out_accuracy(tmp_path):
     assert len(trained) == STEPS * trainer.shapes.Q
     assert not trained & set(held_out)
     assert len(held_out) >= 256
-    before, after = summary["before"]["accuracy"], summary["after"]["accuracy"]
-    print(f"\nheld-out greedy accuracy {before:.1%} -> {after:.1%} after {STEPS} steps")
-    assert after >= before + MIN_GAIN, (before, after)
+    before, after = summary["before"], summary["after"]
+    print(
+        f"\nheld-out accuracy after {STEPS} steps: greedy {before['accuracy']:.1%} -> "
+        f"{after['accuracy']:.1%}, sampled {before['sampled_accuracy']:.1%} -> "
+        f"{after['sampled_accuracy']:.1%}"
+    )
+    assert after["accuracy"] >= before["accuracy"] + MIN_GAIN, (before, after)
+    # One T = 1 sample per question, same seeds before and after: +12.5 / +11.8 points measured.
+    assert after["sampled_accuracy"] >= before["sampled_accuracy"] + MIN_SAMPLED_GAIN, (
+        before,
+        after,
+    )
 
 
 def test_direct_style_has_the_r1_layout_and_the_answer():
