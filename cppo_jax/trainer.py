@@ -549,7 +549,7 @@ class Trainer:
             "accuracy": self._score(prompts, batch_size, None),
             "n": len(prompts),
         }
-        if sampled:
+        if sampled:  # after greedy, which pushes `self.params` to a server that lags behind
             result["sampled_accuracy"] = self._score(prompts, batch_size, 2**30)
         result["split"] = split
         self.evals.append(result)
