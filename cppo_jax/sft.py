@@ -128,7 +128,11 @@ def run_sft(cfg: SFTConfig, log=print) -> Path:
         t0 = time.perf_counter()
         for step in range(cfg.steps):
             idx = rng.integers(0, len(train), cfg.batch)
-            style = (rng.random(cfg.batch) < cfg.direct_fraction).astype(np.int64)
+            style = np.zeros(
+                cfg.batch, np.int64
+            )  # no extra draw: direct_fraction 0 is the old stream
+            if cfg.direct_fraction > 0:
+                style = (rng.random(cfg.batch) < cfg.direct_fraction).astype(np.int64)
             params, opt_state, loss = update(
                 params,
                 opt_state,
