@@ -128,9 +128,8 @@ def run_sft(cfg: SFTConfig, log=print) -> Path:
         t0 = time.perf_counter()
         for step in range(cfg.steps):
             idx = rng.integers(0, len(train), cfg.batch)
-            style = np.zeros(
-                cfg.batch, np.int64
-            )  # no extra draw: direct_fraction 0 is the old stream
+            # No extra draw when direct_fraction is 0: the batches of the stepwise-only runs stay.
+            style = np.zeros(cfg.batch, np.int64)
             if cfg.direct_fraction > 0:
                 style = (rng.random(cfg.batch) < cfg.direct_fraction).astype(np.int64)
             params, opt_state, loss = update(
