@@ -39,7 +39,7 @@ def get_config() -> Config:
             beta=0.04,
         ),
         reward=RewardConfig(funcs=("arith_accuracy", "arith_format"), weights=(1.0, 1.0)),
-        optim=OptimConfig(lr=5e-5, schedule="constant", warmup_ratio=0.0),
+        optim=OptimConfig(lr=1e-4, schedule="constant", warmup_ratio=0.0),
         trainer=TrainerConfig(steps=40, out_dir="runs", run_name="tiny_cpu", checkpoint_every=20),
         logging=LoggingConfig(progress=True),
     )

@@ -1,4 +1,9 @@
-"""Supervised warm start of the tiny arith model (what `make demo` runs when no warm start exists)."""
+"""Supervised warm start of the tiny arith model (what `make demo` runs when no warm start exists).
+
+70% of the targets are written in the direct style (expression, then answer: mostly wrong for a tiny
+model) and 30% stepwise, so that greedy decoding starts out direct and RL has a strategy to find
+(docs/learning.md). The shipped cppo_jax/assets/tiny_arith was made in stages (its README).
+"""
 
 from cppo_jax.config import ArchConfig, DataConfig
 from cppo_jax.sft import SFTConfig
@@ -24,4 +29,5 @@ def get_config() -> SFTConfig:
         steps=600,
         lr=3e-3,
         seed=0,
+        direct_fraction=0.7,
     )

@@ -202,6 +202,8 @@ MEANINGS: dict[str, str] = {
     "sft.seed": "Seed of the initialisation and of the batches.",
     "sft.log_every": "Print the loss every this many updates.",
     "sft.eval_size": "Held-out questions answered greedily at the end (accuracy printed).",
+    "sft.direct_fraction": "Share of targets in the direct style (expression, then answer, no worked "
+    "steps; `arith.direct_completion`), drawn per row of every batch; the rest are stepwise.",
 }
 
 SECTION_NOTES: dict[str, str] = {

@@ -224,8 +224,12 @@ def run(
         summary = trainer.train(progress=bar)
     finally:
         trainer.close()
-    b, a = summary["before"]["accuracy"], summary["after"]["accuracy"]
-    log(f"\nheld-out accuracy: before {b:.1%} -> after {a:.1%} ({summary['after']['n']} questions)")
+    before, after = summary["before"], summary["after"]
+    log(
+        f"\nheld-out accuracy ({after['n']} questions): greedy {before['accuracy']:.1%} -> "
+        f"{after['accuracy']:.1%}, sampled (T = {cfg.rollout.temperature:g}, one each) "
+        f"{before['sampled_accuracy']:.1%} -> {after['sampled_accuracy']:.1%}"
+    )
     if summary["phases"]:
         log("\n" + summary["phases"])
     log(f"outputs: {trainer.out_dir}")

@@ -41,10 +41,17 @@ class SFTConfig:
     seed: int = 0
     log_every: int = 50
     eval_size: int = 128
+    # Share of targets written in the direct style (`arith.direct_completion`: the expression, then
+    # the answer, no worked steps), drawn afresh for every row of every batch; the rest are stepwise.
+    direct_fraction: float = 0.0
 
     def __post_init__(self):
         if self.batch < 1 or self.steps < 1 or self.lr <= 0:
             raise ConfigError("sft: batch, steps must be >= 1 and lr > 0")
+        if not 0.0 <= self.direct_fraction <= 1.0:
+            raise ConfigError(
+                f"config key 'sft.direct_fraction' = {self.direct_fraction!r}: must be in [0, 1]"
+            )
 
 
 def arch_to_model_config(arch: ArchConfig, vocab_size: int) -> TransformerConfig:
@@ -54,11 +61,11 @@ def arch_to_model_config(arch: ArchConfig, vocab_size: int) -> TransformerConfig
     return TransformerConfig(**fields)
 
 
-def _completion_arrays(tokenizer: Tokenizer, examples, C: int):
+def _completion_arrays(tokenizer: Tokenizer, examples, C: int, style=arith.reference_completion):
     ids = np.full((len(examples), C), tokenizer.pad_id, np.int32)
     valid = np.zeros((len(examples), C), bool)
     for i, ex in enumerate(examples):
-        row = tokenizer.encode(arith.reference_completion(ex))[: C - 1] + [tokenizer.eos_id]
+        row = tokenizer.encode(style(ex))[: C - 1] + [tokenizer.eos_id]
         ids[i, : len(row)] = row
         valid[i, : len(row)] = True
     return ids, valid
@@ -81,9 +88,13 @@ def run_sft(cfg: SFTConfig, log=print) -> Path:
         P, C = cfg.data.max_prompt_len, cfg.completion_len
         train, _ = pipeline.load_examples(cfg.data, "train")
         prompts = pipeline.encode_prompts(train, tokenizer, cfg.data.task, P, "truncate")
-        comp_ids, comp_valid = _completion_arrays(tokenizer, train, C)
-        tokens_nT = np.concatenate([prompts.ids_nP, comp_ids], axis=1)
-        valid_nT = np.concatenate([prompts.valid_nP, comp_valid], axis=1)
+        # [2, n, T]: every training question written stepwise (style 0) and direct (style 1).
+        tokens, valids = [], []
+        for style in (arith.reference_completion, arith.direct_completion):
+            ids, valid = _completion_arrays(tokenizer, train, C, style)
+            tokens.append(np.concatenate([prompts.ids_nP, ids], axis=1))
+            valids.append(np.concatenate([prompts.valid_nP, valid], axis=1))
+        tokens_SnT, valid_SnT = np.stack(tokens), np.stack(valids)
 
         spec = step_lib.StepSpec(
             prompt_len=P,
@@ -117,8 +128,15 @@ def run_sft(cfg: SFTConfig, log=print) -> Path:
         t0 = time.perf_counter()
         for step in range(cfg.steps):
             idx = rng.integers(0, len(train), cfg.batch)
+            # No extra draw when direct_fraction is 0: the batches of the stepwise-only runs stay.
+            style = np.zeros(cfg.batch, np.int64)
+            if cfg.direct_fraction > 0:
+                style = (rng.random(cfg.batch) < cfg.direct_fraction).astype(np.int64)
             params, opt_state, loss = update(
-                params, opt_state, jnp.asarray(tokens_nT[idx]), jnp.asarray(valid_nT[idx])
+                params,
+                opt_state,
+                jnp.asarray(tokens_SnT[style, idx]),
+                jnp.asarray(valid_SnT[style, idx]),
             )
             if (step + 1) % cfg.log_every == 0 or step == 0:
                 log(

@@ -421,35 +421,52 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
 
-    def evaluate(self, step: int, batch_size: int = 64, split: str = "test") -> dict:
+    def evaluate(
+        self, step: int, batch_size: int = 64, split: str = "test", sampled: bool = False
+    ) -> dict:
         """Greedy accuracy on the test (or validation) split under both rules; every question is scored.
 
         `accuracy` is the headline rule's (`eval.rule`), `accuracy_released` and `accuracy_strict` both.
+        With `sampled`, also `sampled_accuracy` (and per rule): one completion per question at the
+        rollout temperature, from fixed seeds (question i: seed 2**30 + i), so that before and after
+        a run the same random numbers are used.
         """
         prompts = self.val_set if split == "validation" else self.test_set
+        rule = self.cfg.eval.rule
+        acc = self._score(prompts, batch_size, None)
+        result = {"step": step, "accuracy": acc[f"accuracy_{rule}"], **acc, "n": len(prompts)}
+        if sampled:  # after greedy, which pushes `self.params` to a server that lags behind
+            sampled_acc = self._score(prompts, batch_size, 2**30)
+            result["sampled_accuracy"] = sampled_acc[f"accuracy_{rule}"]
+            result.update({f"sampled_{k}": v for k, v in sampled_acc.items()})
+        result.update(split=split, rule=rule)
+        self.evals.append(result)
+        self.log.event("eval", **result)
+        return result
+
+    def _score(self, prompts, batch_size: int, seed: int | None) -> dict[str, float]:
+        """Accuracy under each evaluation rule (`accuracy_<rule>`) of greedy (seed None) or
+        one-sample (seeds seed + question index) completions."""
         n = len(prompts)
         texts = []
         for lo in range(0, n, batch_size):
             idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
             part = prompts.take(idx)
-            out = self.backend.greedy(
-                self.params,
-                distributed.rows(part.ids_nP, self.mesh),
-                distributed.rows(part.valid_nP, self.mesh),
-            )
+            ids = distributed.rows(part.ids_nP, self.mesh)
+            valid = distributed.rows(part.valid_nP, self.mesh)
+            if seed is None:
+                out = self.backend.greedy(self.params, ids, valid)
+            else:
+                seeds = distributed.rows((seed + idx).astype(np.uint32), self.mesh)
+                out = self.backend.generate(self.params, ids, valid, seeds, 1)
             got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
             texts.extend(got[: min(batch_size, n - lo)])
         solutions = [ex["solution"] for ex in prompts.examples]
         _, per_fn, _ = self.rewards.score(texts, solutions, list(self.eval_rules))
-        acc = {
+        return {
             f"accuracy_{name.split('/')[1]}": float(np.mean(np.asarray(v) > 0))
             for name, v in per_fn.items()
         }
-        result = {"step": step, "accuracy": acc[f"accuracy_{self.cfg.eval.rule}"], **acc}
-        result.update(n=n, split=split, rule=self.cfg.eval.rule)
-        self.evals.append(result)
-        self.log.event("eval", **result)
-        return result
 
     def train(self, progress=None) -> dict:
         """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
@@ -457,7 +474,7 @@ class Trainer:
         self.backend.sync_weights(self.params, self.start_step)
         cfg = self.cfg.trainer
         with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
-            before = self.evaluate(self.start_step)
+            before = self.evaluate(self.start_step, sampled=True)
             self._validate(self.start_step)
             for step in range(self.start_step, self.num_steps):
                 self._stop_if_asked(stop, step)
@@ -478,7 +495,7 @@ class Trainer:
                 self.save(self.num_steps)
             self._stop_if_asked(stop, self.num_steps)
         self._validate(self.num_steps)
-        after = self.evaluate(self.num_steps)
+        after = self.evaluate(self.num_steps, sampled=True)
         table = phase_table(self.log.history)
         if self.main:
             if self.cfg.logging.plot and self.log.history:

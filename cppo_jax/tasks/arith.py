@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 
-__all__ = ["SPLITS", "generate", "reference_completion", "split_of", "steps_of"]
+__all__ = [
+    "SPLITS",
+    "direct_completion",
+    "generate",
+    "reference_completion",
+    "split_of",
+    "steps_of",
+]
 
 SPLITS = ("train", "validation", "test")
 _NAMES = (
@@ -114,3 +122,18 @@ def steps_of(example: dict) -> list[str]:
 def reference_completion(example: dict) -> str:
     """The target completion for the supervised warm start: `<think>a+b=c;c-d=e</think>\\n<answer>e</answer>`."""
     return f"<think>{';'.join(steps_of(example))}</think>\n<answer>{example['answer']}</answer>"
+
+
+_STEP_RE = re.compile(r"(\d+)([+-])(\d+)=(\d+)")
+
+
+def direct_completion(example: dict) -> str:
+    """The answer without the worked steps: `<think>12+7-5</think>\\n<answer>14</answer>`.
+
+    The warm start's second style (`sft.direct_fraction`): the whole expression, then the answer,
+    which a tiny model has to compute in one go and so mostly gets wrong, where the stepwise
+    `reference_completion` is within its reach. Both have the R1 layout (format reward 1).
+    """
+    parts = [_STEP_RE.fullmatch(step).groups() for step in steps_of(example)]
+    expression = parts[0][0] + "".join(op + amount for _, op, amount, _ in parts)
+    return f"<think>{expression}</think>\n<answer>{example['answer']}</answer>"
