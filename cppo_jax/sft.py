@@ -46,8 +46,16 @@ class SFTConfig:
     direct_fraction: float = 0.0
 
     def __post_init__(self):
-        if self.batch < 1 or self.steps < 1 or self.lr <= 0:
-            raise ConfigError("sft: batch, steps must be >= 1 and lr > 0")
+        for key, ok, allowed in (
+            ("batch", self.batch >= 1, ">= 1"),
+            ("steps", self.steps >= 1, ">= 1"),
+            ("lr", self.lr > 0, "> 0"),
+            ("warmup", 0 <= self.warmup < self.steps, f"in [0, steps={self.steps})"),
+        ):
+            if not ok:
+                raise ConfigError(
+                    f"config key 'sft.{key}' = {getattr(self, key)!r} is invalid: allowed {allowed}"
+                )
         if not 0.0 <= self.direct_fraction <= 1.0:
             raise ConfigError(
                 f"config key 'sft.direct_fraction' = {self.direct_fraction!r}: must be in [0, 1]"

@@ -81,3 +81,20 @@ def test_direct_fraction_out_of_range_names_the_key():
 
     with pytest.raises(ConfigError, match=r"sft\.direct_fraction.*1\.5.*\[0, 1\]"):
         SFTConfig(direct_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    "fields, key",
+    [
+        (dict(steps=20, warmup=30), "sft.warmup"),  # optax's cosine decay needs steps > warmup
+        (dict(steps=0), "sft.steps"),
+        (dict(batch=0), "sft.batch"),
+        (dict(lr=0.0), "sft.lr"),
+    ],
+)
+def test_sft_settings_out_of_range_name_the_key(fields, key):
+    from cppo_jax.config import ConfigError
+    from cppo_jax.sft import SFTConfig
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        SFTConfig(**fields)
