@@ -17,6 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+REQUIRED_PREFIX = "<required"  # a config value starting with this must be overridden before a run
+
 
 class ConfigError(ValueError):
     """A config value, key or file is wrong; the message names the culprit."""

@@ -23,10 +23,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cppo_jax.config import Config, ConfigError, load_config
+from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, load_config
 
 MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"
-REQUIRED_PREFIX = "<required"  # config values starting with this must be overridden
 
 
 def _placeholders(section, prefix: str = "") -> list[tuple[str, str]]:

@@ -155,7 +155,7 @@ def _model_plan(cfg: Config) -> ModelSize | None:
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
     """Load, count and (when possible) tokenize the data; returns the number of training questions."""
-    from cppo_jax.launch import REQUIRED_PREFIX
+    from cppo_jax.config import REQUIRED_PREFIX
 
     d = cfg.data
     missing_train = d.train.startswith(REQUIRED_PREFIX)

@@ -1,0 +1,91 @@
+"""The package's shape: no import cycle between its modules, imports inside functions included.
+
+The graph is built from the source with `ast` (nothing is imported): an edge m -> n for every
+`import n` / `from n import x` in m, at any depth (a function-level import is an import too). Importing a
+submodule of one's own package (`from cppo_jax.rewards import registry`) is an edge to that submodule,
+not to the package. A cycle is reported as the modules on it, in order.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cppo_jax"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    files = {module_name(p, package.parent): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package upwards
+                    here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    anchor = here[: len(here) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
+                targets = subs if len(subs) == len(node.names) else [base, *subs]
+            else:
+                continue
+            for target in targets:
+                # `import a.b.c` needs a.b.c; `from a.b import c` (c not a module) needs a.b.
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != mod:
+                    graph[mod].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [m0, m1, ..., m0], or None (depth-first search with colours)."""
+    colour = dict.fromkeys(graph, 0)  # 0 new, 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        colour[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if colour[n] == 1:
+                return [*path[path.index(n) :], n]
+            if colour[n] == 0 and (found := visit(n)):
+                return found
+        path.pop()
+        colour[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if colour[m] == 0 and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    graph = import_graph()
+    assert len(graph) > 20 and graph["cppo_jax.trainer"]  # the graph was really built
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_function_level_cycle(tmp_path):
+    pkg = tmp_path / "cppo_jax"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from cppo_jax.sub import b\n")
+    (pkg / "a.py").write_text("def f():\n    from cppo_jax.sub.b import g\n")
+    (pkg / "sub" / "b.py").write_text("import cppo_jax.c\n")
+    (pkg / "c.py").write_text("def h():\n    from . import a\n")
+    graph = import_graph(pkg)
+    assert graph["cppo_jax.a"] == {"cppo_jax.sub.b"}
+    assert graph["cppo_jax.sub"] == {"cppo_jax.sub.b"}
+    assert find_cycle(graph) == ["cppo_jax.a", "cppo_jax.sub.b", "cppo_jax.c", "cppo_jax.a"]
