@@ -216,12 +216,15 @@ def run(
 
     ensure_warm_start(cfg, log)
     trainer = Trainer(cfg)
+    bar = None
     try:
         bar = _progress(
             trainer.num_steps - trainer.start_step, cfg.logging.progress and trainer.main
         )
         summary = trainer.train(progress=bar)
     finally:
+        if bar is not None:
+            bar.close()  # before the summary: an open bar prints itself again when collected
         trainer.close()
     before, after = summary["before"], summary["after"]
     log(
@@ -235,16 +238,17 @@ def run(
     return summary
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """The tqdm bar of a run: called with each step's metrics; `close` before printing anything else."""
 
-    bar = tqdm(total=total, desc="cppo", dynamic_ncols=True)
+    def __init__(self, total: int):
+        from tqdm import tqdm
 
-    def update(m: dict) -> None:
-        bar.update(1)
-        bar.set_postfix(
+        self.bar = tqdm(total=total, desc="cppo", dynamic_ncols=True)
+
+    def __call__(self, m: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(
             reward=f"{m.get('reward', 0):.2f}",
             acc=f"{m.get('accuracy', 0):.2f}",
             kept=int(m.get("cppo/kept", 0)),
@@ -252,7 +256,12 @@ def _progress(total: int, enabled: bool):
             upd=f"{m.get('timing_s/update', 0):.2f}s",
         )
 
-    return update
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int, enabled: bool) -> _Progress | None:
+    return _Progress(total) if enabled else None
 
 
 def _quiet(*_args, **_kw) -> None:
