@@ -147,6 +147,13 @@ def check_startable(cfg: Config) -> None:
             registry.resolve(name)
         except ValueError as e:
             raise ConfigError(f"config key 'reward.funcs' = {list(cfg.reward.funcs)}: {e}") from e
+    shown = [registry.display_name(name) for name in cfg.reward.funcs]
+    twice = sorted({n for n in shown if shown.count(n) > 1})
+    if twice:  # metrics name a function by its name alone (as TRL)
+        raise ConfigError(
+            f"config key 'reward.funcs' = {list(cfg.reward.funcs)}: more than one reward function is "
+            f"named {', '.join(twice)}; rename one (metrics are logged as rewards/<name>/mean)"
+        )
 
 
 def _describe(cfg: Config) -> str:
@@ -248,13 +255,15 @@ class _Progress:
 
     def __call__(self, m: dict) -> None:
         self.bar.update(1)
-        self.bar.set_postfix(
-            reward=f"{m.get('reward', 0):.2f}",
-            acc=f"{m.get('accuracy', 0):.2f}",
+        shown = {"reward": f"{m.get('reward', 0):.2f}"}
+        if "accuracy" in m:  # only when an accuracy reward is among the training rewards
+            shown["acc"] = f"{m['accuracy']:.2f}"
+        shown.update(
             kept=int(m.get("cppo/kept", 0)),
             gen=f"{m.get('timing_s/rollout', 0):.1f}s",
             upd=f"{m.get('timing_s/update', 0):.2f}s",
         )
+        self.bar.set_postfix(shown)
 
     def close(self) -> None:
         self.bar.close()

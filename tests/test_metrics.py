@@ -227,3 +227,4 @@ def test_progress_bar_is_closed_before_the_summary_which_is_printed_once(launche
     summary_at = out.index("held-out accuracy")
     assert "3/3" in out[:summary_at]  # the bar reached its end before the summary
     assert "cppo:" not in out[summary_at:], out[summary_at:]  # and never printed again after it
+    assert "acc=" not in out  # no accuracy among the training rewards: none shown

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -552,3 +553,25 @@ def test_host_modules_do_not_import_jax():
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_two_reward_files_with_one_function_name_are_refused_naming_the_key(
+    tmp_path, capsys, arith_model_dir
+):
+    """Metrics name a function by its name (as TRL), so two `reward_func`s would share a metric."""
+    from cppo_jax import launch
+
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("def reward_func(completions, **kw):\n    return [0.0]\n")
+    code = launch.main(
+        [
+            "--config",
+            str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py"),
+            f"model.init_checkpoint={arith_model_dir}",
+            f"reward.funcs={tmp_path}/a.py:reward_func,{tmp_path}/b.py:reward_func",
+            "trainer.dry_run=true",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "config key 'reward.funcs'" in err and "named reward_func" in err
