@@ -260,12 +260,8 @@ class Trainer:
             texts = self._decode(tokens_NC[rows], valid_NC[rows])
             solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
             contexts = self._reward_contexts(batch, own, tokens_NC[rows], valid_NC[rows])
-            total_N, per_fn, rstats = self.rewards.score(
-                texts,
-                solutions,
-                self.train_fns,
-                contexts,  # not the evaluation rules
-            )
+            only = self.train_fns  # not the evaluation rules
+            total_N, per_fn, rstats = self.rewards.score(texts, solutions, only, contexts)
             total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
             per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
         rewards_QG = total_N.reshape(sh.Q, sh.G)
