@@ -133,7 +133,9 @@ MEANINGS: dict[str, str] = {
     "the loss (DAPO-style).",
     # reward
     "reward.funcs": "Reward functions by registered name (`arith_accuracy`, `gsm8k_format`, "
-    "`math_accuracy`, ...) or `module:function`; the reward is their weighted sum.",
+    "`math_accuracy`, ...), `module:function` or `path/to/file.py:function`; the reward is their "
+    "weighted sum. A function takes `(completion, solution)`, or TRL's keywords (`prompts`, "
+    "`completions`, `completion_ids`, the data's columns) and returns a list of floats, None to abstain.",
     "reward.weights": "One weight per reward function.",
     "reward.timeout_s": "Longest time one completion may take to score; a completion over it scores 0 "
     "and is counted in `rewards/timeouts`.",

@@ -147,6 +147,13 @@ def check_startable(cfg: Config) -> None:
             registry.resolve(name)
         except ValueError as e:
             raise ConfigError(f"config key 'reward.funcs' = {list(cfg.reward.funcs)}: {e}") from e
+    shown = [registry.display_name(name) for name in cfg.reward.funcs]
+    twice = sorted({n for n in shown if shown.count(n) > 1})
+    if twice:  # metrics name a function by its name alone (as TRL)
+        raise ConfigError(
+            f"config key 'reward.funcs' = {list(cfg.reward.funcs)}: more than one reward function is "
+            f"named {', '.join(twice)}; rename one (metrics are logged as rewards/<name>/mean)"
+        )
 
 
 def _describe(cfg: Config) -> str:
@@ -216,12 +223,15 @@ def run(
 
     ensure_warm_start(cfg, log)
     trainer = Trainer(cfg)
+    bar = None
     try:
         bar = _progress(
             trainer.num_steps - trainer.start_step, cfg.logging.progress and trainer.main
         )
         summary = trainer.train(progress=bar)
     finally:
+        if bar is not None:
+            bar.close()  # before the summary: an open bar prints itself again when collected
         trainer.close()
     before, after = summary["before"], summary["after"]
     log(
@@ -235,24 +245,32 @@ def run(
     return summary
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """The tqdm bar of a run: called with each step's metrics; `close` before printing anything else."""
 
-    bar = tqdm(total=total, desc="cppo", dynamic_ncols=True)
+    def __init__(self, total: int):
+        from tqdm import tqdm
 
-    def update(m: dict) -> None:
-        bar.update(1)
-        bar.set_postfix(
-            reward=f"{m.get('reward', 0):.2f}",
-            acc=f"{m.get('accuracy', 0):.2f}",
+        self.bar = tqdm(total=total, desc="cppo", dynamic_ncols=True)
+
+    def __call__(self, m: dict) -> None:
+        self.bar.update(1)
+        shown = {"reward": f"{m.get('reward', 0):.2f}"}
+        if "accuracy" in m:  # only when an accuracy reward is among the training rewards
+            shown["acc"] = f"{m['accuracy']:.2f}"
+        shown.update(
             kept=int(m.get("cppo/kept", 0)),
             gen=f"{m.get('timing_s/rollout', 0):.1f}s",
             upd=f"{m.get('timing_s/update', 0):.2f}s",
         )
+        self.bar.set_postfix(shown)
 
-    return update
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int, enabled: bool) -> _Progress | None:
+    return _Progress(total) if enabled else None
 
 
 def _quiet(*_args, **_kw) -> None:

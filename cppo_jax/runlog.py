@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 def _plain(value: Any) -> Any:
     try:
@@ -66,11 +68,55 @@ class RunLog:
             json.dumps({"event": kind, **{k: _plain(v) for k, v in fields.items()}}) + "\n"
         )
 
+    def evaluation(self, result: dict) -> None:
+        """An evaluation: an `eval` event, and its numbers as TensorBoard scalars `eval/<split>/<key>`
+        (say `eval/test/accuracy`) at its `step` (steps done, as in metrics.jsonl)."""
+        self.event("eval", **result)
+        if self._tb is None:
+            return
+        split = result.get("split", "test")
+        for key, value in result.items():
+            if key not in ("step", "n") and isinstance(_plain(value), float):
+                self._tb.add_scalar(f"eval/{split}/{key}", float(value), int(result["step"]))
+
     def close(self) -> None:
         for f in (self._metrics, self._samples, self._events):
             f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def reward_metrics(rewards_QG, per_fn: dict, lengths_N, finished_N) -> dict[str, float]:
+    """The rollout's metrics with TRL's GRPOTrainer names and definitions (docs/metrics.md).
+
+    rewards_QG: weighted total rewards; per_fn: unweighted scores of each reward function (N = Q G,
+    NaN where a function abstained); lengths_N: completion tokens up to and including EOS;
+    finished_N: the completion ended with EOS. Standard deviations have ddof 1 (torch's default).
+    """
+    rewards_QG = np.asarray(rewards_QG, np.float64)
+    lengths_N = np.asarray(lengths_N, np.float64)
+    finished_N = np.asarray(finished_N, bool)
+    G = rewards_QG.shape[1]
+    std_Q = rewards_QG.std(axis=1, ddof=1) if G > 1 else np.zeros(rewards_QG.shape[0])
+    terminated = lengths_N[finished_N] if finished_N.any() else np.zeros(1)
+    m = {
+        "reward": float(rewards_QG.mean()),
+        "reward_std": float(std_Q.mean()),  # mean of the per-question standard deviations
+        "frac_reward_zero_std": float(np.mean(np.isclose(std_Q, 0.0))),
+        "completions/mean_length": float(lengths_N.mean()),
+        "completions/min_length": float(lengths_N.min()),
+        "completions/max_length": float(lengths_N.max()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+        "completions/clipped_ratio": float(np.mean(~finished_N)),
+    }
+    for name, values in per_fn.items():
+        v = np.asarray(values, np.float64)
+        v = v[~np.isnan(v)]
+        m[f"rewards/{name}/mean"] = float(v.mean()) if v.size else float("nan")
+        m[f"rewards/{name}/std"] = float(v.std(ddof=1)) if v.size > 1 else float("nan")
+    return m
 
 
 def phase_table(history: list[dict]) -> str:

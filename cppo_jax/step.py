@@ -65,8 +65,9 @@ class StepSpec:
         )
 
 
-def completion_logps(model, tokens_NT, valid_NT, spec: StepSpec) -> jax.Array:
-    """log p(completion token | everything before it), [N, C], without [N, T, V] logits."""
+def completion_logps(model, tokens_NT, valid_NT, spec: StepSpec, return_entropy: bool = False):
+    """log p(completion token | everything before it), [N, C], without [N, T, V] logits; with
+    `return_entropy`, (logp_NC, entropy_NC): the entropy of each next-token distribution."""
     P = spec.prompt_len
     pos_NT = positions_from_valid(valid_NT)
     h_NTD, _ = model.hidden(tokens_NT[:, :-1], pos_NT[:, :-1], valid_NT[:, :-1])
@@ -78,27 +79,32 @@ def completion_logps(model, tokens_NT, valid_NT, spec: StepSpec) -> jax.Array:
         tokens_NT[:, P:],
         temperature=spec.temperature,
         chunk_size=spec.logp_chunk,
+        return_entropy=return_entropy,
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+def lr_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:
+    """The learning rate of update number u (0-based): warmup from 0, then `optim.schedule`."""
     total = max(total_updates, 1)
     warmup = int(cfg.warmup_ratio * total)
     if cfg.schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, total, end_value=0.0)
-    elif cfg.schedule == "linear":
-        lr = optax.join_schedules(
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, total, end_value=0.0)
+    if cfg.schedule == "linear":
+        return optax.join_schedules(
             [
                 optax.linear_schedule(0.0, cfg.lr, max(warmup, 1)),
                 optax.linear_schedule(cfg.lr, 0.0, max(total - warmup, 1)),
             ],
             [warmup],
         )
-    else:
-        lr = optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.lr, max(warmup, 1)), optax.constant_schedule(cfg.lr)],
-            [warmup],
-        )
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.lr, max(warmup, 1)), optax.constant_schedule(cfg.lr)],
+        [warmup],
+    )
+
+
+def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+    lr = lr_schedule(cfg, total_updates)
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
@@ -106,9 +112,22 @@ def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransf
     return optax.chain(*parts)
 
 
+def update_count(opt_state) -> jax.Array:
+    """The schedule's count: updates applied (a skipped, non-finite one leaves the state alone)."""
+    states = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+    counts = [s.count for s in states if isinstance(s, optax.ScaleByScheduleState)]
+    if len(counts) != 1:
+        raise ValueError(
+            f"expected one learning-rate schedule in the optimizer state, got {len(counts)}"
+        )
+    return counts[0]
+
+
 def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
     model = nnx.merge(graphdef, params)
-    logp_NC = completion_logps(model, batch.tokens_NT, batch.valid_NT, spec)
+    logp_NC, ent_NC = completion_logps(
+        model, batch.tokens_NT, batch.valid_NT, spec, return_entropy=True
+    )
     # The sampling policy's log-probs when given (mu > 1, or a stale rollout); else the ratio is 1.
     old_NC = batch.old_logp_NC if batch.old_logp_NC is not None else jax.lax.stop_gradient(logp_NC)
     loss, metrics = loss_lib.policy_loss(
@@ -123,6 +142,10 @@ def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
         beta=spec.beta,
         max_completion_len=spec.max_completion_len,
     )
+    # TRL's `entropy`: masked token mean of the policy's next-token entropy (at the temperature).
+    mask_NC = batch.mask_NC.astype(jnp.float32)
+    ent_NC = jax.lax.stop_gradient(ent_NC)
+    metrics["entropy"] = jnp.sum(ent_NC * mask_NC) / jnp.maximum(jnp.sum(mask_NC), 1.0)
     return loss, metrics
 
 

@@ -38,9 +38,9 @@ from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import Config, ConfigError, save_config
 from cppo_jax.models import Tokenizer, load_hf, save_hf
 from cppo_jax.rewards.pool import RewardPool
-from cppo_jax.rewards.registry import TASK_EVAL
+from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout import make_backend
-from cppo_jax.runlog import RunLog, phase_table, plot_curves
+from cppo_jax.runlog import RunLog, phase_table, plot_curves, reward_metrics
 from cppo_jax.sampler import SamplingParams
 from cppo_jax.stopping import SignalStopError, StopSignals
 from cppo_jax.vllm_client import RolloutServerError
@@ -159,6 +159,7 @@ class Trainer:
             cfg.rollout, self.graphdef, self.sp, self.out_dir, mesh=self.mesh
         )
         self.tx = step_lib.make_optimizer(cfg.optim, self.num_steps * cfg.cppo.mu)
+        self.lr_fn = step_lib.lr_schedule(cfg.optim, self.num_steps * cfg.cppo.mu)
         self.opt_state = sharding_lib.init_opt_state(self.tx, self.params, self.mesh)
         self.spec = step_lib.StepSpec.make(
             cfg.cppo,
@@ -177,7 +178,9 @@ class Trainer:
         )
 
         # Rewards (the training ones, plus each evaluation rule, run only when evaluating), logs, checkpoints.
-        funcs = list(zip(cfg.reward.funcs, cfg.reward.weights))
+        # Metrics name a reward by its registered name, else by its function's name (as TRL).
+        funcs = [(display_name(f), w, f) for f, w in zip(cfg.reward.funcs, cfg.reward.weights)]
+        self.train_fns = [name for name, _, _ in funcs]
         self.eval_rules = {f"eval/{rule}": fn for rule, fn in TASK_EVAL[cfg.data.task].items()}
         self.rewards = RewardPool(
             funcs + [(name, 0.0, fn) for name, fn in self.eval_rules.items()],
@@ -193,6 +196,7 @@ class Trainer:
         self.start_step = 0
         self.params_step = 0  # the step the current params belong to
         self.nan_streak = 0
+        self.num_tokens = 0  # prompt + completion tokens sampled so far (TRL's num_tokens)
         self.evals: list[dict] = []
         self._pending = None  # overlap: (step, future of its _Rollout, the params sampling it)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -205,7 +209,12 @@ class Trainer:
     def save(self, step: int) -> None:
         """Checkpoint `step`; a failed write (full disk, unwritable folder) is logged and raised
         (`CheckpointError`), which stops the run: it never trains on without a way back."""
-        meta = {"step": step, "seed": self.cfg.trainer.seed, "nan_streak": self.nan_streak}
+        meta = {
+            "step": step,
+            "seed": self.cfg.trainer.seed,
+            "nan_streak": self.nan_streak,
+            "num_tokens": self.num_tokens,
+        }
         try:
             self.ckpt.save(step, self.state(), meta)
         except CheckpointError as e:
@@ -219,6 +228,7 @@ class Trainer:
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.start_step = self.params_step = int(meta["step"])
         self.nan_streak = int(meta.get("nan_streak", 0))
+        self.num_tokens = int(meta.get("num_tokens", 0))
         self.log.event("resumed", step=self.start_step)
 
     def _decode(self, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
@@ -249,12 +259,15 @@ class Trainer:
             rows = slice(own.start * sh.G, own.stop * sh.G)
             texts = self._decode(tokens_NC[rows], valid_NC[rows])
             solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
-            train_fns = cfg.reward.funcs  # not the evaluation rules
-            total_N, per_fn, rstats = self.rewards.score(texts, solutions, train_fns)
+            contexts = self._reward_contexts(batch, own, tokens_NC[rows], valid_NC[rows])
+            only = self.train_fns  # not the evaluation rules
+            total_N, per_fn, rstats = self.rewards.score(texts, solutions, only, contexts)
             total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
             per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
         rewards_QG = total_N.reshape(sh.Q, sh.G)
-        metrics = self._reward_metrics(rewards_QG, per_fn, rstats, valid_NC, samples)
+        metrics = self._reward_metrics(
+            rewards_QG, per_fn, rstats, valid_NC, samples, batch.valid_nP
+        )
         if cfg.rollout.overlap:
             metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
             metrics["rollout/generate_s"] = rollout.seconds
@@ -318,12 +331,26 @@ class Trainer:
             with prof.phase("weight_sync", times):
                 metrics.update(self.backend.sync_weights(self.params, step + 1))
         metrics.update({k: float(v) for k, v in m.items()})
+        metrics["learning_rate"] = self._learning_rate()
         metrics.update(self._step_counts(pruned.mask_MC))
         if skipped:
             self.log.event("nonfinite_update", step=step, loss=metrics.get("loss"))
             return self._skip(step, metrics, times, t0, reason="non-finite loss or gradient")
         self.nan_streak = 0
         return self._finish(step, metrics, times, t0, texts, batch)
+
+    def _reward_contexts(self, batch, own: slice, tokens_NC, valid_NC) -> list[dict]:
+        """What TRL-style rewards receive besides the completion: the prompt as the model saw it, the
+        completion's token ids (up to and including EOS) and the example's columns."""
+        G, out = self.shapes.G, []
+        for q, i in enumerate(range(own.start, own.stop)):
+            ids = batch.ids_nP[i][batch.valid_nP[i].astype(bool)]
+            prompt = self.tokenizer.decode([int(t) for t in ids])
+            columns = {k: v for k, v in batch.examples[i].items() if k != "prompt"}
+            for r in range(q * G, (q + 1) * G):
+                completion_ids = [int(t) for t, v in zip(tokens_NC[r], valid_NC[r]) if v]
+                out.append({"prompt": prompt, "completion_ids": completion_ids, **columns})
+        return out
 
     def _rollout(self, params, step: int) -> _Rollout:
         """Draw `step`'s questions and sample G completions each from `params`."""
@@ -358,25 +385,23 @@ class Trainer:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, "cppo-rollout")
         return self._executor
 
-    def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples) -> dict:
-        lengths = valid_NC.sum(axis=1)
-        finished = distributed.to_host(samples.finished_N)
-        m = {
-            "reward": float(np.mean(rewards_QG)),
-            "reward_std": float(np.std(rewards_QG, ddof=1)) if rewards_QG.size > 1 else 0.0,
-            "frac_reward_zero_std": float(np.mean(np.std(rewards_QG, axis=1) == 0)),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(np.mean(~finished)),
-            "rewards/timeouts": float(rstats.get("timeouts", 0)),
-        }
-        for name, values in per_fn.items():
-            m[f"rewards/{name}/mean"] = float(np.mean(values))
+    def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples, prompt_valid_QP):
+        finished_N = distributed.to_host(samples.finished_N)
+        m = reward_metrics(rewards_QG, per_fn, valid_NC.sum(axis=1), finished_N)
+        m["rewards/timeouts"] = float(rstats.get("timeouts", 0))
         acc = per_fn.get(self.accuracy_fn)
         if acc is not None:
             m["accuracy"] = float(np.mean(np.asarray(acc) > 0))
+        # TRL's num_tokens: prompt and completion tokens of every sampled sequence, run so far.
+        G = rewards_QG.shape[1]
+        self.num_tokens += int(np.asarray(prompt_valid_QP).sum()) * G + int(valid_NC.sum())
+        m["num_tokens"] = float(self.num_tokens)
         return m
+
+    def _learning_rate(self) -> float:
+        """The learning rate of the last update applied (TRL's `learning_rate`)."""
+        applied = int(distributed.to_host(step_lib.update_count(self.opt_state)))
+        return float(self.lr_fn(max(applied - 1, 0)))
 
     def _step_counts(self, mask_MC) -> dict:
         return {
@@ -441,7 +466,7 @@ class Trainer:
             result.update({f"sampled_{k}": v for k, v in sampled_acc.items()})
         result.update(split=split, rule=rule)
         self.evals.append(result)
-        self.log.event("eval", **result)
+        self.log.evaluation(result)
         return result
 
     def _score(self, prompts, batch_size: int, seed: int | None) -> dict[str, float]:

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -420,6 +421,88 @@ def test_pool_scores_only_the_named_functions(num_workers):
         RewardPool([("x", 1.0, "cppo_jax.rewards.gsm8k:no_such_function")], num_workers=1)
 
 
+# ----- TRL's calling convention, from a file -----
+
+# Written as TRL's GRPOTrainer documentation shows reward functions (keyword lists in, list of floats out).
+TRL_STYLE_FILE = """
+import re
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def reward_num_tokens(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def matches_gold(completions, solution, **kwargs):
+    rewards = []
+    for text, gold in zip(completions, solution):
+        if "####" not in gold:
+            rewards.append(None)  # nothing to compare with: abstain
+            continue
+        found = re.search(r"<answer>(.*?)</answer>", text)
+        rewards.append(1.0 if found and found.group(1).strip() == gold.split("####")[-1].strip() else 0.0)
+    return rewards
+
+
+def sees_its_prompt(prompts, completions, question, **kwargs):
+    return [1.0 if q in p else 0.0 for p, q in zip(prompts, question)]
+
+
+def not_a_list(completions, **kwargs):
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_trl_style_rewards_from_a_file_get_keywords_and_may_abstain(tmp_path, num_workers):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_STYLE_FILE)
+    names = ["reward_len", "reward_num_tokens", "matches_gold", "sees_its_prompt", "not_a_list"]
+    funcs = [(name, 1.0, f"{path}:{name}") for name in names]
+    texts = [completion("14"), "x" * 25, completion("15")]
+    golds = [GOLD, GOLD, "no gold here"]
+    contexts = [
+        {"prompt": "<|im_start|>Q: apples?", "completion_ids": [5, 6, 7], "question": "apples"},
+        {"prompt": "<|im_start|>Q: pears?", "completion_ids": [5], "question": "apples"},
+        {"prompt": "apples", "completion_ids": [], "question": "apples"},
+    ]
+    with RewardPool(funcs, num_workers=num_workers) as pool:
+        total, per, stats = pool.score(texts, golds, contexts=contexts)
+    assert per["reward_len"].tolist() == [-abs(20 - len(t)) for t in texts]
+    assert per["reward_num_tokens"].tolist() == [3.0, 1.0, 0.0]
+    assert per["matches_gold"][:2].tolist() == [1.0, 0.0] and np.isnan(per["matches_gold"][2])
+    assert per["sees_its_prompt"].tolist() == [1.0, 0.0, 1.0]
+    # A return that is not a list of one value per completion is an error (scored 0), named as such.
+    assert stats["errors_per_func"] == {n: (3 if n == "not_a_list" else 0) for n in names}
+    # The total leaves the abstention out (TRL's nansum) instead of turning NaN.
+    expected = [sum(per[n][i] for n in names if not np.isnan(per[n][i])) for i in range(3)]
+    assert total.tolist() == expected and np.isfinite(total).all()
+
+
+def test_reward_files_and_names_in_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"reward file .*missing\.py.* does not exist"):
+        registry.resolve(f"{tmp_path}/missing.py:f")
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    with pytest.raises(
+        ValueError, match=r"cannot load reward file .*broken\.py.*no_such_module_here"
+    ):
+        registry.resolve(f"{tmp_path}/broken.py:f")
+    (tmp_path / "ok.py").write_text(
+        "def f(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    with pytest.raises(ValueError, match="has no attribute 'g'"):
+        registry.resolve(f"{tmp_path}/ok.py:g")
+    fn = registry.resolve(f"{tmp_path}/ok.py:f")
+    assert registry.resolve(f"{tmp_path}/ok.py:f") is fn  # loaded once
+    assert registry.is_trl_style(fn) and not registry.is_trl_style(gsm8k.accuracy_reward)
+    assert registry.display_name(f"{tmp_path}/ok.py:f") == "f"
+    assert registry.display_name("gsm8k_accuracy") == "gsm8k_accuracy"
+    assert registry.display_name("mypkg.rewards:my_reward") == "my_reward"
+
+
 # ----- gold answers of the shipped data -----
 
 
@@ -470,3 +553,25 @@ def test_host_modules_do_not_import_jax():
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_two_reward_files_with_one_function_name_are_refused_naming_the_key(
+    tmp_path, capsys, arith_model_dir
+):
+    """Metrics name a function by its name (as TRL), so two `reward_func`s would share a metric."""
+    from cppo_jax import launch
+
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("def reward_func(completions, **kw):\n    return [0.0]\n")
+    code = launch.main(
+        [
+            "--config",
+            str(Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py"),
+            f"model.init_checkpoint={arith_model_dir}",
+            f"reward.funcs={tmp_path}/a.py:reward_func,{tmp_path}/b.py:reward_func",
+            "trainer.dry_run=true",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "config key 'reward.funcs'" in err and "named reward_func" in err

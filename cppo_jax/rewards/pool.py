@@ -22,8 +22,8 @@ So `score` always returns, after at most about `timeout_s` per hostile call plus
 
 `funcs` entries are `(name, weight, fn)` with `fn` a registered name (`cppo_jax.rewards.registry`), a
 qualified name `"pkg.module:function"` or a module-level function; `(name, weight)` and a bare `name` use the
-registered function of that name (weight 1.0). `per_func` holds the unweighted scores; `total` their weighted
-sum. `num_workers=0` calls the functions in this process, without any time bound (for debugging).
+registered function of that name (weight 1.0). `per_func` holds the unweighted scores (NaN where a TRL-style
+function abstained with None); `total` their weighted sum, abstentions left out. `num_workers=0` calls the functions in this process, without any time bound (for debugging).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class RewardPool:
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         if num_workers == 0:
-            self._inline = [registry.as_pair_fn(registry.resolve_ref(s.ref)) for s in self.specs]
+            self._inline = [registry.item_fn(registry.resolve_ref(s.ref)) for s in self.specs]
             return
         try:
             for _ in range(num_workers):
@@ -238,8 +238,12 @@ class RewardPool:
         completions: Sequence[str],
         solutions: Sequence[str],
         only: Sequence[str] | None = None,
+        contexts: Sequence[dict] | None = None,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
         """Score each completion against its solution with every reward function (or those named in `only`).
+
+        `contexts` (one dict per completion: `prompt`, `completion_ids`, the example's columns) is what
+        TRL-style functions receive as keywords besides the completion (`registry.item_fn`).
 
         Returns `(total_N, per_func, stats)`: the weighted sum (float64 [N]) of the functions run, the
         unweighted scores of each function run by name, and `stats` with `timeouts`, `errors`, `restarts` (this call), per-function
@@ -251,6 +255,10 @@ class RewardPool:
         if len(completions) != len(solutions):
             raise ValueError(
                 f"completions and solutions differ in length: {len(completions)} vs {len(solutions)}"
+            )
+        if contexts is not None and len(contexts) != len(completions):
+            raise ValueError(
+                f"contexts and completions differ in length: {len(contexts)} vs {len(completions)}"
             )
         for what, seq in (("completions", completions), ("solutions", solutions)):
             for i, s in enumerate(seq):
@@ -265,12 +273,13 @@ class RewardPool:
         n, f = len(completions), len(self.specs)
         scores_FN = np.zeros((f, n), dtype=np.float64)
         run = _Run(f)
+        ctx = contexts if contexts is not None else [None] * n
         if self._inline:
-            self._score_inline(completions, solutions, scores_FN, run, js)
+            self._score_inline(completions, solutions, ctx, scores_FN, run, js)
         elif n:
-            self._score_workers(completions, solutions, scores_FN, run, js)
+            self._score_workers(completions, solutions, ctx, scores_FN, run, js)
         weights_F = np.array([self.specs[j].weight for j in js], dtype=np.float64)
-        total_N = weights_F @ scores_FN[js]
+        total_N = np.nansum(weights_F[:, None] * scores_FN[js], axis=0)
         per_func = {names[j]: scores_FN[j].copy() for j in js}
         stats = {
             "timeouts": sum(run.timeouts),
@@ -286,14 +295,14 @@ class RewardPool:
         self.totals["items"] += n
         return total_N, per_func, stats
 
-    def _score_inline(self, completions, solutions, scores_FN, run: _Run, js: list[int]) -> None:
+    def _score_inline(self, completions, solutions, ctx, scores_FN, run: _Run, js) -> None:
         f = len(self.specs)
         for i, (c, s) in enumerate(zip(completions, solutions)):
             for j in js:
-                status, value = _call(self._inline[j], c, s)
+                status, value = _call(self._inline[j], c, s, ctx[i])
                 run.record(i * f + j, status, value, registry.drain_notes(), scores_FN)
 
-    def _score_workers(self, completions, solutions, scores_FN, run: _Run, js: list[int]) -> None:
+    def _score_workers(self, completions, solutions, ctx, scores_FN, run: _Run, js) -> None:
         n, f = len(completions), len(self.specs)
         # Chunks of at most chunk_size items, small enough that every worker gets several.
         per_chunk = max(1, min(self.chunk_size, -(-n // (4 * len(self._workers)))))
@@ -308,7 +317,10 @@ class RewardPool:
             for w in self._workers:
                 if w.ready and not w.inflight and queue:
                     chunk = queue.popleft()
-                    tasks = [(t, t % f, completions[t // f], solutions[t // f]) for t in chunk]
+                    tasks = [
+                        (t, t % f, completions[t // f], solutions[t // f], ctx[t // f])
+                        for t in chunk
+                    ]
                     try:
                         w.conn.send(("run", tasks))
                     except (OSError, ValueError):
@@ -408,6 +420,9 @@ class _Run:
         if status == "ok":
             scores_FN[j, i] = value
             return
+        if status == "abstain":  # a TRL-style None: no score, not an error
+            scores_FN[j, i] = np.nan
+            return
         scores_FN[j, i] = 0.0
         if status == "timeout":
             self.timeouts[j] += 1
@@ -416,10 +431,12 @@ class _Run:
             logger.debug("reward call failed on item %d: %s", i, value)
 
 
-def _call(fn: Callable, completion: str, solution: str) -> tuple[str, object]:
-    """Call one reward function; ("ok", float) or ("error", reason)."""
+def _call(fn: Callable, completion: str, solution: str, context=None) -> tuple[str, object]:
+    """Call one `registry.item_fn`; ("ok", float), ("abstain", None) or ("error", reason)."""
     try:
-        value = fn(completion, solution)
+        value = fn(completion, solution, context)
+        if value is None:
+            return "abstain", None
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
             return "error", f"returned {type(value).__name__}, not a number"
         value = float(value)
@@ -442,7 +459,7 @@ def _worker_main(fd: int) -> None:
     conn = Connection(fd)
     _, refs = conn.recv()
     try:
-        fns = [registry.as_pair_fn(registry.resolve_ref(ref)) for ref in refs]
+        fns = [registry.item_fn(registry.resolve_ref(ref)) for ref in refs]
     except BaseException as e:
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
@@ -457,6 +474,6 @@ def _worker_main(fd: int) -> None:
             return
         if msg[0] != "run":
             return
-        for task, j, completion, solution in msg[1]:
-            status, value = _call(fns[j], completion, solution)
+        for task, j, completion, solution, context in msg[1]:
+            status, value = _call(fns[j], completion, solution, context)
             conn.send((task, status, value, registry.drain_notes()))

@@ -1,8 +1,16 @@
 """Reward functions by name.
 
 A reward function takes `(completion: str, solution: str)` and returns a float. Functions are kept as
-importable references `"package.module:qualname"`, so that a reward worker (a fresh interpreter) can import
-the same function by name; the built-in entries are imported only when first resolved.
+importable references `"package.module:qualname"` or `"path/to/file.py:qualname"`, so that a reward worker
+(a fresh interpreter) can import the same function by name; the built-in entries are imported only when
+first resolved.
+
+TRL's calling convention works too (`is_trl_style`): a function with a `completions`, `prompts` or
+`completion_ids` parameter, or only `**kwargs`, is called as TRL's GRPOTrainer calls it, with lists and
+keywords: `prompts`, `completions`, `completion_ids` and the dataset's columns (`question`, `solution`,
+`answer`), and returns a list of floats, None where it abstains (the score is then NaN: left out of its
+mean and counted as 0 in the total, as TRL's nansum). `item_fn` calls it one completion at a time, so the
+reward workers' bound in time holds for each call.
 
     @register("my_reward")
     def my_reward(completion: str, solution: str) -> float: ...
@@ -16,16 +24,23 @@ counts reach the caller through `RewardPool.score`'s stats (`drain_notes` collec
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import sys
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 __all__ = [
     "TASK_EVAL",
     "RewardFn",
     "as_pair_fn",
+    "display_name",
     "drain_notes",
+    "is_trl_style",
+    "item_fn",
     "known_names",
     "note",
     "qualified_name",
@@ -87,15 +102,20 @@ def qualified_name(fn: Callable) -> str:
 def resolve_ref(ref: str) -> Callable:
     """Import `"pkg.mod:qualname"` (or `"pkg.mod.name"`) and return the object."""
     if ":" in ref:
-        module_name, _, attr_path = ref.partition(":")
+        module_name, _, attr_path = ref.rpartition(":")
     else:
         module_name, _, attr_path = ref.rpartition(".")
     if not module_name or not attr_path:
-        raise ValueError(f"{ref!r} is not a qualified name like 'package.module:function'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {module_name!r} of reward {ref!r}: {e}") from e
+        raise ValueError(
+            f"{ref!r} is not a qualified name like 'package.module:function' or 'path/to/file.py:function'"
+        )
+    if module_name.endswith(".py"):
+        obj = _load_file(module_name, ref)
+    else:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"cannot import module {module_name!r} of reward {ref!r}: {e}") from e
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -106,6 +126,27 @@ def resolve_ref(ref: str) -> Callable:
     if not callable(obj):
         raise ValueError(f"reward {ref!r} is not callable")
     return obj
+
+
+def _load_file(path: str, ref: str):
+    """The module of a Python file, loaded once per process (kept in sys.modules under a name of its path)."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ValueError(f"reward file {path!r} of {ref!r} does not exist ({file})")
+    name = "cppo_reward_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ValueError(
+            f"cannot load reward file {file} of {ref!r}: {type(e).__name__}: {e}"
+        ) from e
+    return module
 
 
 def register(name: str) -> Callable[[Callable], Callable]:
@@ -136,6 +177,11 @@ def reference(name_or_ref: str | Callable) -> str:
     if name_or_ref in _REGISTRY:
         return _REGISTRY[name_or_ref]
     if ":" in name_or_ref or "." in name_or_ref:
+        module_name, sep, attr_path = name_or_ref.rpartition(":")
+        if sep and module_name.endswith(
+            ".py"
+        ):  # a file: absolute, so workers find it from anywhere
+            return f"{Path(module_name).resolve()}:{attr_path}"
         return name_or_ref
     raise ValueError(f"unknown reward {name_or_ref!r}; known rewards: {', '.join(known_names())}")
 
@@ -169,6 +215,61 @@ def as_pair_fn(fn: Callable) -> Callable[[str, str], float]:
         return fn(completion)
 
     return completion_only
+
+
+def display_name(name_or_ref: str) -> str:
+    """The name metrics use: a registered name as it is, else the function's name (as TRL names it)."""
+    if name_or_ref in _REGISTRY or (":" not in name_or_ref and "." not in name_or_ref):
+        return name_or_ref
+    if ":" in name_or_ref:
+        return name_or_ref.rpartition(":")[2]
+    return name_or_ref.rpartition(".")[2]
+
+
+_TRL_ARGS = ("prompts", "completions", "completion_ids", "completions_ids")
+
+
+def is_trl_style(fn: Callable) -> bool:
+    """Whether `fn` follows TRL's convention (see the module docstring) rather than `(completion, solution)`."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(name in params for name in _TRL_ARGS):
+        return True
+    kinds = {p.kind for p in params.values()}
+    return inspect.Parameter.VAR_KEYWORD in kinds and not kinds - {inspect.Parameter.VAR_KEYWORD}
+
+
+def item_fn(fn: Callable) -> Callable[[str, str, dict | None], float | None]:
+    """`fn` as a function of one `(completion, solution, context)`; `context` holds `prompt`,
+    `completion_ids` and the example's columns (TRL-style functions only; None: empty)."""
+    if not is_trl_style(fn):
+        pair = as_pair_fn(fn)
+
+        def pair_item(completion: str, solution: str, context: dict | None = None) -> float:
+            return pair(completion, solution)
+
+        return pair_item
+    params = inspect.signature(fn).parameters
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+    def trl_item(completion: str, solution: str, context: dict | None = None) -> float | None:
+        ctx = {"solution": solution, **(context or {})}
+        ids = list(ctx.pop("completion_ids", []))
+        kwargs = {"prompts": [ctx.pop("prompt", "")], "completions": [completion]}
+        kwargs["completion_ids"] = kwargs["completions_ids"] = [ids]  # TRL's code; its older docs
+        kwargs.update({k: [v] for k, v in ctx.items()})
+        if not takes_all:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        out = fn(**kwargs)
+        if not isinstance(out, (list, tuple)) or len(out) != 1:
+            raise ValueError(
+                f"returned {out!r}: a TRL-style reward returns a list of one float (or None) per completion"
+            )
+        return out[0]
+
+    return trl_item
 
 
 def note(event: str, count: int = 1) -> None:
