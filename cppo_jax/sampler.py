@@ -400,7 +400,7 @@ def sample_with_uniforms(
     prompt_kv = (cache.k_LBSJE.transpose(0, 1, 3, 2, 4), cache.v_LBSJE.transpose(0, 1, 3, 2, 4))
     # Completion t sits at position (prompt length) + t; cos/sin for every position, once.
     first_pos_Q = jnp.sum(prompt_valid_QP, axis=-1, dtype=jnp.int32)
-    cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], E, cfg.rope_theta))
+    cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], cfg))
     layers = _decode_layers(model)
 
     def emit(t, logits_NV, tokens_NC, logp_NC, done_N):
