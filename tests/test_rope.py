@@ -136,3 +136,43 @@ def test_bad_rope_scaling_is_refused_by_name(scaling, culprit):
     with pytest.raises(ValueError, match="rope_scaling") as err:
         TransformerConfig.from_hf_dict(_hf(scaling))
     assert culprit in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["llama3.1-style", "qwen2.5-style-yarn"])
+def test_embedded_sampler_greedy_matches_transformers_past_original_length(tmp_path, name):
+    """The sampler's own decode step (its cos/sin table) under scaling: greedy tokens from prompts
+    ending just before `original_max_position_embeddings` equal transformers' greedy tokens, and
+    their log-probs agree with transformers' log-softmax."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cppo_jax.sampler import SamplingParams, make_sampler
+
+    path = _checkpoint(tmp_path, name)
+    model = load_hf(path)
+    hf_model = helpers.load_hf_torch(path)
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(3, model.cfg.vocab_size, n)) for n in (ORIGINAL - 4, ORIGINAL - 9)]
+    C = 12  # completions run from position ORIGINAL - 4 to ORIGINAL + 7
+    tokens_QP, valid_QP, _ = helpers.left_pad(prompts)
+    graphdef, state = nnx.split(model)
+    sp = SamplingParams(max_new_tokens=C, temperature=0.0, eos_id=model.cfg.vocab_size, pad_id=0)
+    out = make_sampler(graphdef, 1, sp)(
+        state, jnp.asarray(tokens_QP), jnp.asarray(valid_QP), jnp.zeros((2,), jnp.uint32)
+    )
+    seqs = [list(p) for p in prompts]
+    ref_logp = []
+    for _ in range(C):
+        t_BT, v_BT, _ = helpers.left_pad(seqs)
+        logits_BV = helpers.hf_logits(hf_model, t_BT, v_BT)[:, -1].astype(np.float64)
+        logp_BV = logits_BV - logits_BV.max(-1, keepdims=True)
+        logp_BV -= np.log(np.exp(logp_BV).sum(-1, keepdims=True))
+        ref_logp.append(logp_BV.max(-1))
+        for s, t in zip(seqs, logits_BV.argmax(-1)):
+            s.append(int(t))
+    ref_tokens = np.asarray([s[len(p) :] for s, p in zip(seqs, prompts)])
+    np.testing.assert_array_equal(np.asarray(out.tokens_NC), ref_tokens)
+    logp_scale = np.abs(np.stack(ref_logp, 1)).max()
+    np.testing.assert_allclose(
+        np.asarray(out.logp_NC), np.stack(ref_logp, 1), rtol=0, atol=REL * max(logp_scale, 1.0)
+    )
