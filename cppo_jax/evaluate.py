@@ -341,7 +341,7 @@ def _run_benchmark(
         max_new_tokens=bench.max_new_tokens,
         temperature=bench.temperature,
         top_p=bench.top_p,
-        eos_id=tok.eos_id,
+        eos_id=tok.stop_ids,
         pad_id=tok.pad_id,
         cache_dtype=cfg.model.dtype,
     )
@@ -467,7 +467,7 @@ def evaluate(
     tok = policy.tokenizer
     sp = SamplingParams(
         max_new_tokens=cfg.rollout.max_new_tokens,
-        eos_id=tok.eos_id,
+        eos_id=tok.stop_ids,
         pad_id=tok.pad_id,
         cache_dtype=cfg.model.dtype,
     )

@@ -19,15 +19,16 @@ LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
 # --------------------------------------------------------------------------- masks
 
 
-def _eos_NC(completion_ids_NC: jax.Array, eos_id: int, valid_NC: jax.Array | None) -> jax.Array:
-    is_eos_NC = completion_ids_NC == eos_id
+def _eos_NC(completion_ids_NC: jax.Array, eos_id, valid_NC: jax.Array | None) -> jax.Array:
+    """Where a completion holds an end id: `eos_id` is one id or a tuple of ids."""
+    is_eos_NC = jnp.isin(completion_ids_NC, jnp.asarray(eos_id, completion_ids_NC.dtype))
     if valid_NC is not None:
         is_eos_NC = is_eos_NC & valid_NC.astype(bool)
     return is_eos_NC
 
 
 def completion_mask(
-    completion_ids_NC: jax.Array, eos_id: int, valid_NC: jax.Array | None = None
+    completion_ids_NC: jax.Array, eos_id, valid_NC: jax.Array | None = None
 ) -> jax.Array:
     """mask_NC (float32): 1 for tokens up to and including the first EOS (all tokens if none).
 
@@ -42,7 +43,7 @@ def completion_mask(
 
 
 def truncated_N(
-    completion_ids_NC: jax.Array, eos_id: int, valid_NC: jax.Array | None = None
+    completion_ids_NC: jax.Array, eos_id, valid_NC: jax.Array | None = None
 ) -> jax.Array:
     """bool_N: True where a completion has no EOS (it hit the length limit)."""
     return ~jnp.any(_eos_NC(completion_ids_NC, eos_id, valid_NC), axis=1)

@@ -200,6 +200,7 @@ def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
     chat = "yes" if getattr(tok.hf, "chat_template", None) else "NO (required)"
     lines.append(
         f"tokenizer: {folder}: {tok.vocab_size} ids, eos {tok.hf.eos_token!r} ({tok.eos_id}), "
+        f"end ids {list(tok.stop_ids)}, "
         f"pad id {tok.pad_id}, chat template {chat}"
     )
     parts = [("train", train), ("validation", val), ("test", test[:eval_n])]

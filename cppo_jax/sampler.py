@@ -50,7 +50,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    eos_id: int = 0
+    # End-of-sequence ids: a row ends at the first of them (an int is taken as a 1-tuple).
+    eos_id: int | tuple[int, ...] = 0
     pad_id: int = 0
     cache_dtype: str = "float32"
     # Completion-cache slots of the first decode segment; later segments double it (0: one
@@ -58,6 +59,16 @@ class SamplingParams:
     segment_len: int = 64
 
     def __post_init__(self):
+        eos = (self.eos_id,) if _is_int(self.eos_id) else self.eos_id
+        if (
+            not isinstance(eos, (tuple, list))
+            or not eos
+            or not all(_is_int(i) and i >= 0 for i in eos)
+        ):
+            raise ValueError(
+                f"eos_id: must be a non-negative id or a non-empty tuple of them, got {self.eos_id!r}"
+            )
+        object.__setattr__(self, "eos_id", tuple(int(i) for i in eos))
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(
                 f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}"
@@ -93,9 +104,10 @@ def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def completion_valid(tokens_NC: jax.Array, eos_id: int, length=None) -> jax.Array:
-    """True up to and including the first EOS (all True when there is none), within `length`."""
-    is_eos_NC = tokens_NC == eos_id
+def completion_valid(tokens_NC: jax.Array, eos_id, length=None) -> jax.Array:
+    """True up to and including the first EOS, any id of `eos_id` (an id or a tuple of ids; all
+    True when there is none), within `length`."""
+    is_eos_NC = jnp.isin(tokens_NC, jnp.asarray(eos_id, tokens_NC.dtype))
     before_eos_NC = jnp.cumsum(is_eos_NC.astype(jnp.int32), axis=-1) - is_eos_NC.astype(jnp.int32)
     valid_NC = before_eos_NC == 0
     if length is not None:
@@ -400,7 +412,7 @@ def sample_with_uniforms(
     prompt_kv = (cache.k_LBSJE.transpose(0, 1, 3, 2, 4), cache.v_LBSJE.transpose(0, 1, 3, 2, 4))
     # Completion t sits at position (prompt length) + t; cos/sin for every position, once.
     first_pos_Q = jnp.sum(prompt_valid_QP, axis=-1, dtype=jnp.int32)
-    cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], E, cfg.rope_theta))
+    cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], cfg))
     layers = _decode_layers(model)
 
     def emit(t, logits_NV, tokens_NC, logp_NC, done_N):
@@ -408,7 +420,12 @@ def sample_with_uniforms(
         token_N = jnp.where(done_N, sp.pad_id, token_N)
         tokens_NC = jax.lax.dynamic_update_index_in_dim(tokens_NC, token_N, t, 1)
         logp_NC = jax.lax.dynamic_update_index_in_dim(logp_NC, jnp.where(done_N, 0.0, logp_N), t, 1)
-        return token_N, tokens_NC, logp_NC, done_N | (token_N == sp.eos_id)
+        return (
+            token_N,
+            tokens_NC,
+            logp_NC,
+            done_N | jnp.isin(token_N, jnp.asarray(sp.eos_id, token_N.dtype)),
+        )
 
     # 2. Decode: positions 0 .. C - 2 each sample a token and run it through the model. The
     # completion cache grows by segments (see `_segment_ends`) so attention reads about the slots

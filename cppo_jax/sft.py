@@ -171,7 +171,7 @@ def greedy_accuracy(graphdef, params, tokenizer: Tokenizer, cfg: SFTConfig, C: i
         test, tokenizer, cfg.data.task, cfg.data.max_prompt_len, "truncate"
     )
     sp = SamplingParams(
-        max_new_tokens=C, temperature=0.0, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
+        max_new_tokens=C, temperature=0.0, eos_id=tokenizer.stop_ids, pad_id=tokenizer.pad_id
     )
     out = EmbeddedBackend(graphdef, sp).greedy(
         params, jnp.asarray(prompts.ids_nP), jnp.asarray(prompts.valid_nP)
@@ -179,6 +179,8 @@ def greedy_accuracy(graphdef, params, tokenizer: Tokenizer, cfg: SFTConfig, C: i
     tokens, valid = np.asarray(out.tokens_NC), np.asarray(out.valid_NC)
     correct = 0
     for ex, row, ok in zip(test, tokens, valid):
-        text = tokenizer.decode([int(t) for t, v in zip(row, ok) if v and t != tokenizer.eos_id])
+        text = tokenizer.decode(
+            [int(t) for t, v in zip(row, ok) if v and t not in tokenizer.stop_ids]
+        )
         correct += accuracy_reward(text, ex["solution"]) > 0
     return correct / len(test)

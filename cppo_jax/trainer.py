@@ -145,7 +145,7 @@ class Trainer:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
-            eos_id=self.tokenizer.eos_id,
+            eos_id=self.tokenizer.stop_ids,
             pad_id=self.tokenizer.pad_id,
             cache_dtype=cfg.model.dtype,
         )

@@ -123,10 +123,10 @@ def samples_from_completions(
                     f"{url}: completion {j} of question {q} has {n} tokens, more than {C}", url=url
                 )
             ids = np.asarray(c.token_ids, np.int64)
-            eos_at = np.flatnonzero(ids == sp.eos_id)
+            eos_at = np.flatnonzero(np.isin(ids, sp.eos_id))
             if eos_at.size and eos_at[0] != n - 1:
                 raise ResponseError(
-                    f"{url}: completion {j} of question {q} goes on after EOS (id {sp.eos_id}) at "
+                    f"{url}: completion {j} of question {q} goes on after EOS (ids {list(sp.eos_id)}) at "
                     f"token {eos_at[0]} of {n}: the server ignored the stop token",
                     url=url,
                 )
@@ -261,7 +261,7 @@ class VLLMBackend:
             temperature=self.sp.temperature,
             top_p=self.sp.top_p,
             top_k=self.sp.top_k,
-            stop_token_ids=[self.sp.eos_id],
+            stop_token_ids=list(self.sp.eos_id),
         )
         return samples_from_completions(groups, G, self.sp, self.url)
 
@@ -274,7 +274,7 @@ class VLLMBackend:
         prompts = _strip_padding(prompt_QP, prompt_valid_QP)
         C = int(max_new_tokens or self.sp.max_new_tokens)
         groups = self.client.generate(
-            prompts, n=1, max_tokens=C, temperature=0.0, stop_token_ids=[self.sp.eos_id]
+            prompts, n=1, max_tokens=C, temperature=0.0, stop_token_ids=list(self.sp.eos_id)
         )
         sp = SamplingParams(max_new_tokens=C, eos_id=self.sp.eos_id, pad_id=self.sp.pad_id)
         return samples_from_completions(groups, 1, sp, self.url)

@@ -36,6 +36,8 @@ def make_hf_checkpoint(
     name: str | None = None,
     max_shard_size: str | None = None,
     torch_dtype: str = "float32",
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 32768,
 ) -> Path:
     """Builds a tiny random Qwen2ForCausalLM / LlamaForCausalLM and saves it as safetensors.
 
@@ -43,7 +45,8 @@ def make_hf_checkpoint(
     wrong layout or a forgotten bias changes the logits. `hidden` defaults to 37 (qwen2) or
     11 * heads (llama, which needs hidden % heads == 0). `max_shard_size` (e.g. "20KB") writes
     a sharded checkpoint with `model.safetensors.index.json`. `torch_dtype="bfloat16"` stores
-    bf16 tensors. Returns the folder `tmp_path / name`.
+    bf16 tensors. `rope_scaling` is a Hugging Face rope_scaling dict (e.g. llama3, yarn).
+    Returns the folder `tmp_path / name`.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -61,10 +64,12 @@ def make_hf_checkpoint(
         rope_theta=rope_theta,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
-        max_position_embeddings=32768,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1,
         eos_token_id=2,
     )
+    if rope_scaling is not None:
+        common["rope_scaling"] = dict(rope_scaling)
     torch.manual_seed(seed)
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))

@@ -174,14 +174,16 @@ def token_entropy(logits_NTV, temperature: float = 1.0) -> np.ndarray:
     return out_NT
 
 
-def completion_mask(ids_NC, eos_id: int, valid_NC=None) -> np.ndarray:
-    """1 up to and including the first (valid) EOS, then 0; and-ed with valid_NC."""
+def completion_mask(ids_NC, eos_id, valid_NC=None) -> np.ndarray:
+    """1 up to and including the first (valid) EOS, any id of `eos_id` (an id or a tuple), then 0;
+    and-ed with valid_NC."""
+    eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
     N, C = np.shape(ids_NC)
     mask_NC = np.zeros((N, C))
     for i in range(N):
         for t in range(C):
             valid = True if valid_NC is None else bool(valid_NC[i][t])
             mask_NC[i, t] = 1.0 if valid else 0.0
-            if valid and int(ids_NC[i][t]) == eos_id:
+            if valid and int(ids_NC[i][t]) in eos_ids:
                 break
     return mask_NC

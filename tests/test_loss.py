@@ -274,16 +274,16 @@ def test_policy_loss_does_not_recompile_for_new_data():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31), with_valid=st.booleans())
-def test_completion_mask_matches_reference(seed, with_valid):
+@given(seed=st.integers(0, 2**31), with_valid=st.booleans(), eos=st.sampled_from([3, (3,), (4, 3)]))
+def test_completion_mask_matches_reference(seed, with_valid, eos):
     gen = np.random.default_rng(seed)
-    ids = gen.integers(0, 5, size=(6, 9))  # eos_id = 3 is common, sometimes absent
+    ids = gen.integers(0, 5, size=(6, 9))  # end ids 3 (and 4) are common, sometimes absent
     valid = (np.arange(9)[None] < gen.integers(0, 10, size=(6, 1))) if with_valid else None
-    got = loss.completion_mask(ids, 3, valid)
+    got = loss.completion_mask(ids, eos, valid)
     assert got.dtype == jnp.float32
-    np.testing.assert_array_equal(got, ref.completion_mask(ids, 3, valid))
-    has_eos = ((ids == 3) & (True if valid is None else valid)).any(axis=1)
-    np.testing.assert_array_equal(loss.truncated_N(ids, 3, valid), ~has_eos)
+    np.testing.assert_array_equal(got, ref.completion_mask(ids, eos, valid))
+    has_eos = (np.isin(ids, eos) & (True if valid is None else valid)).any(axis=1)
+    np.testing.assert_array_equal(loss.truncated_N(ids, eos, valid), ~has_eos)
 
 
 def test_truncation_mask():

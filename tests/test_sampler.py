@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -207,7 +208,7 @@ def expected_with_eos(tokens_BC, logp_BC, eos):
     valid = np.ones_like(tokens, bool)
     finished = np.zeros(len(tokens), bool)
     for r, row in enumerate(tokens_BC):
-        hits = np.flatnonzero(row == eos)
+        hits = np.flatnonzero(np.isin(row, eos))  # eos: one id or several
         if hits.size:
             e = hits[0]
             tokens[r, e + 1 :], logp[r, e + 1 :], valid[r, e + 1 :] = PAD, 0.0, False
@@ -245,6 +246,49 @@ def test_eos_stops_sequences_and_top_k_1_is_greedy(policy, greedy):
     np.testing.assert_array_equal(np.asarray(same.tokens_NC), np.tile(expect_row, (3, 1)))
     np.testing.assert_array_equal(np.asarray(same.valid_NC), np.tile(np.arange(C) <= pos, (3, 1)))
     assert (np.asarray(same.logp_NC)[:, pos + 1 :] == 0).all()
+
+
+def test_a_row_ends_at_the_first_of_several_eos_ids(policy, greedy):
+    """Two end ids (Qwen2.5's <|im_end|> and <|endoftext|>, Llama 3's <|eot_id|> and
+    <|end_of_text|>): the first never comes out here, the second ends some rows; the rows it ends
+    stop there, the others run to C, and the valid mask (hence the reward text) follows."""
+    _, graphdef, state = policy
+    g_tokens, g_logp = np.asarray(greedy.tokens_NC), np.asarray(greedy.logp_NC)
+    # The second id: a token some greedy rows produce and others do not.
+    second = next(
+        int(t)
+        for t in np.unique(g_tokens)
+        if t != PAD and 0 < np.isin(g_tokens, t).any(axis=1).sum() < len(g_tokens)
+    )
+    eos = (NEVER, second)
+    sp = SamplingParams(max_new_tokens=C, temperature=0.0, eos_id=eos, pad_id=PAD)
+    assert sp.eos_id == eos
+    out = make_sampler(graphdef, 1, sp)(state, *batch(PROMPTS, SEEDS))
+    tokens, logp, valid, finished = expected_with_eos(g_tokens, g_logp, eos)
+    assert finished.any() and not finished.all()  # the second id ends some rows, not all
+    np.testing.assert_array_equal(np.asarray(out.tokens_NC), tokens)
+    np.testing.assert_array_equal(np.asarray(out.valid_NC), valid)
+    np.testing.assert_array_equal(np.asarray(out.finished_N), finished)
+    # Same program up to the stop test: log-probs agree to float32 rounding, 0 after the end.
+    np.testing.assert_allclose(
+        np.asarray(out.logp_NC), logp, rtol=16 * np.finfo(np.float32).eps, atol=0
+    )
+    # A one-id list misses those ends: the rows run on (the bug of a single eos id).
+    only_first = make_sampler(graphdef, 1, dataclasses.replace(sp, eos_id=NEVER))
+    assert not np.asarray(only_first(state, *batch(PROMPTS, SEEDS)).finished_N).any()
+
+
+def test_completion_valid_and_eos_id_forms():
+    tokens_NC = jnp.asarray([[5, 3, 9, 4], [5, 4, 3, 9], [5, 6, 7, 8]], jnp.int32)
+    valid = np.asarray(sampler.completion_valid(tokens_NC, (3, 4)))
+    np.testing.assert_array_equal(valid.sum(1), [2, 2, 4])  # ends at whichever comes first
+    np.testing.assert_array_equal(
+        np.asarray(sampler.completion_valid(tokens_NC, 4)).sum(1), [4, 2, 4]
+    )
+    assert SamplingParams(max_new_tokens=2, eos_id=7).eos_id == (7,)
+    for bad in ((), (3, -1), ("2",), 2.5):
+        with pytest.raises(ValueError, match="eos_id"):
+            SamplingParams(max_new_tokens=2, eos_id=bad)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cppo_jax.models.tokenizer import Tokenizer
@@ -83,3 +84,54 @@ def test_host_module_imports_no_jax():
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1]
     )
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_stop_ids_gather_generation_config_config_and_chat_template(tok_dir, tmp_path):
+    # The tokenizer's eos (<|im_end|> = 2) also closes the template's assistant turn: one id.
+    assert Tokenizer.from_dir(tok_dir).stop_ids == (2,)
+    assert Tokenizer.from_dir(tok_dir).end_of_turn_id() == 2
+    # A checkpoint folder listing a second end id (Qwen2.5: <|im_end|> and <|endoftext|>).
+    d = _copy(tok_dir, tmp_path / "gen")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (d / "config.json").write_text(json.dumps({"eos_token_id": 1, "bos_token_id": 1}))
+    assert Tokenizer.from_dir(d).stop_ids == (2, 0, 1)
+    # A template closing turns with another special token (Llama 3's <|eot_id|> beside the eos).
+    t = helpers.make_tokenizer_dir(
+        tmp_path,
+        name="eot",
+        chat_template=helpers.CHAT_TEMPLATE.replace("}}<|im_end|>", "}}<|endoftext|>"),
+    )
+    tok = Tokenizer.from_dir(t)
+    assert tok.end_of_turn_id() == 0 and tok.stop_ids == (2, 0)
+    # The reward text of a completion ended by the second id stops there.
+    from cppo_jax.pipeline import decode_completions
+    from cppo_jax.sampler import completion_valid
+
+    ids = tok.encode("The answer is 42.")
+    row = np.asarray([[*ids, 0, *tok.encode(" and more")]], np.int32)
+    valid = np.asarray(completion_valid(row, tok.stop_ids))
+    assert decode_completions(tok, row, valid) == ["The answer is 42."]
+    assert decode_completions(tok, row, np.asarray(completion_valid(row, tok.eos_id)))[0].endswith(
+        "more"
+    )
+
+
+def test_stop_ids_refuse_a_malformed_eos_token_id(tok_dir, tmp_path):
+    d = _copy(tok_dir, tmp_path / "bad")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "</s>"]}))
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id \[2, '</s>'\]"):
+        _ = Tokenizer.from_dir(d).stop_ids
+    # A template with no special token after the reply (plain text) adds nothing.
+    plain = helpers.make_tokenizer_dir(
+        tmp_path,
+        name="plainturn",
+        chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+    )
+    assert Tokenizer.from_dir(plain).end_of_turn_id() is None

@@ -128,7 +128,7 @@ def _setup(server, model_dir, run_dir, *, max_new_tokens=12, temperature=1.0, **
     sp = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        eos_id=tok.eos_id,
+        eos_id=tok.stop_ids,
         pad_id=tok.pad_id,
     )
     cfg = RolloutConfig(backend="vllm", vllm_url=server.url, timeout_s=120.0)
@@ -273,7 +273,7 @@ class TestTiedServer:
             n = int(valid.sum())
             assert valid[:n].all() and not valid[n:].any()
             assert (row[n:] == sp.pad_id).all()
-            assert done == (row[n - 1] == sp.eos_id)
+            assert done == (int(row[n - 1]) in sp.eos_id)
         backend.close()
 
     def test_probe_matches_after_updates(self, tied, tmp_path):

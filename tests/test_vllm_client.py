@@ -337,6 +337,24 @@ def test_samples_layout():
     assert int(samples_from_completions(short, 2, _sp()).steps) == 2
 
 
+def test_samples_end_at_any_of_several_stop_ids():
+    from cppo_jax.sampler import completion_valid
+    from cppo_jax.vllm_backend import samples_from_completions
+
+    other = EOS + 1  # a second end id (e.g. <|endoftext|> beside <|im_end|>)
+    sp = _sp(eos_id=(EOS, other))
+    groups = [
+        [Completion((7, other), (-0.1, -0.2), "stop"), Completion((7, EOS), (-0.3,) * 2, "stop")]
+    ]
+    s = samples_from_completions(groups, 2, sp)
+    np.testing.assert_array_equal(
+        np.asarray(s.valid_NC), np.asarray(completion_valid(s.tokens_NC, (EOS, other)))
+    )
+    past = Completion((other, 7), (-0.1, -0.2), "length")
+    with pytest.raises(ResponseError, match=rf"after EOS \(ids \[{EOS}, {other}\]\) at token 0"):
+        samples_from_completions([[past]], 1, sp)
+
+
 def test_samples_reject_incomplete_groups():
     from cppo_jax.vllm_backend import samples_from_completions
 
@@ -348,7 +366,7 @@ def test_samples_reject_incomplete_groups():
         samples_from_completions([[past]], 1, _sp())
 
 
-def _tiny_backend(url, tmp_path, **kw):
+def _tiny_backend(url, tmp_path, sp=None, **kw):
     from flax import nnx
 
     from cppo_jax.config import RolloutConfig
@@ -359,12 +377,13 @@ def _tiny_backend(url, tmp_path, **kw):
     graphdef, params = nnx.split(init_model(tiny_config(), seed=0))
     cfg = RolloutConfig(backend="vllm", vllm_url=url, timeout_s=5.0)
     client = _client(url)
-    backend = VLLMBackend(cfg, graphdef, _sp(), tmp_path, client=client, **kw)
+    backend = VLLMBackend(cfg, graphdef, sp or _sp(), tmp_path, client=client, **kw)
     return backend, params
 
 
 def test_backend_generate_through_fake_server(fake, tmp_path):
-    backend, params = _tiny_backend(fake.url, tmp_path)
+    # Two end ids (the fake server only ends on EOS): both go to vLLM as stop_token_ids.
+    backend, params = _tiny_backend(fake.url, tmp_path, sp=_sp(eos_id=(EOS, 3)))
     backend.synced_step = 0  # the fake server cannot pass the probe check
     prompt_QP = np.array([[0, 0, 5, 6, 7], [0, 0, 0, 8, 9]], np.int32)
     s = backend.generate(params, prompt_QP, prompt_QP > 0, np.array([3, 4], np.uint32), 4)
@@ -374,9 +393,12 @@ def test_backend_generate_through_fake_server(fake, tmp_path):
     )
     assert [p["prompt"] for p in sent] == [[[5, 6, 7]], [[8, 9]]]  # left padding stripped
     assert [p["seed"] for p in sent] == [12, 16]  # seeds spaced n = 4 apart
+    assert all(p["stop_token_ids"] == [EOS, 3] for p in sent)
     np.testing.assert_array_equal(np.asarray(s.finished_N), [True, False] * 4)
     g = backend.greedy(params, prompt_QP, prompt_QP > 0, max_new_tokens=3)
     assert np.asarray(g.tokens_NC).shape == (2, 3)
+    last = [r[3] for r in fake.requests if r[1] == "/v1/completions"][-1]
+    assert last["stop_token_ids"] == [EOS, 3] and last["temperature"] == 0.0
     backend.close()
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from cppo_jax.models.rope import normalize_scaling
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -33,6 +35,9 @@ class TransformerConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool | None = None
     max_position_embeddings: int = 32768
+    # Hugging Face `rope_scaling` (a dict or normalized (key, value) pairs; None: plain RoPE).
+    # Stored as sorted pairs so the config stays hashable; see models/rope.py for the types.
+    rope_scaling: Any = None
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
@@ -70,6 +75,8 @@ class TransformerConfig:
         for name in ("rope_theta", "rms_norm_eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        scaling = normalize_scaling(self.rope_scaling, self.max_position_embeddings)
+        object.__setattr__(self, "rope_scaling", scaling)
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(
@@ -97,15 +104,9 @@ class TransformerConfig:
                 f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}); "
                 f"supported: {supported}"
             )
-        if d.get("rope_scaling") is not None:
-            raise ValueError(f"rope_scaling {d['rope_scaling']!r} is not supported (only None)")
-        rope_theta = d.get("rope_theta", 10000.0)
-        rope_parameters = d.get("rope_parameters")
-        if rope_parameters:
-            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(f"rope_parameters: rope_type {rope_type!r} is not supported")
-            rope_theta = rope_parameters.get("rope_theta", rope_theta)
+        # transformers 4 writes `rope_theta` + `rope_scaling`; transformers 5 one `rope_parameters`.
+        rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("use_sliding_window"):
@@ -133,6 +134,7 @@ class TransformerConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
+            rope_scaling=rope or None,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -153,7 +155,7 @@ class TransformerConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.param_dtype,
             "use_cache": True,

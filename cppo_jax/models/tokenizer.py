@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
+
+# Files of a checkpoint folder whose `eos_token_id` (an id or a list) ends a completion.
+EOS_FILES = ("generation_config.json", "config.json")
+_MARK = "\u2063cppo-end-of-turn\u2063"  # an assistant reply the chat template wraps
 
 
 class Tokenizer:
@@ -37,6 +43,49 @@ class Tokenizer:
         if self.hf.eos_token_id is None:
             raise ValueError(f"{self.path}: the tokenizer defines no eos token")
         return int(self.hf.eos_token_id)
+
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a completion, `eos_id` first: the tokenizer's eos, the `eos_token_id`
+        of the folder's generation_config.json and config.json, and the special token the chat
+        template closes an assistant turn with (Qwen2.5 `<|im_end|>`, Llama 3 `<|eot_id|>`)."""
+        ids = [self.eos_id]
+        for name in EOS_FILES:
+            file = self.path / name
+            if not file.is_file():
+                continue
+            try:
+                value = json.loads(file.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError) as err:
+                raise ValueError(f"{file}: not a JSON object ({err})") from err
+            values = value if isinstance(value, list) else [] if value is None else [value]
+            for v in values:
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ValueError(
+                        f"{file}: eos_token_id {value!r}: each entry must be a non-negative int"
+                    )
+            ids += values
+        end = self.end_of_turn_id()
+        if end is not None:
+            ids.append(end)
+        return tuple(dict.fromkeys(ids))
+
+    def end_of_turn_id(self) -> int | None:
+        """The special token right after an assistant reply in the chat template, if there is one."""
+        if not getattr(self.hf, "chat_template", None):
+            return None
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False)
+        except Exception:
+            return None
+        if _MARK not in text:
+            return None
+        after = self.encode(text.split(_MARK, 1)[1])
+        special = set(self.hf.all_special_ids) | {
+            i for i, t in self.hf.added_tokens_decoder.items() if t.special
+        }
+        return int(after[0]) if after and after[0] in special else None
 
     @property
     def pad_id(self) -> int:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from cppo_jax import sharding
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
+from cppo_jax.models.rope import rope_tables
 
 __all__ = [
     "DTYPES",
@@ -69,14 +70,6 @@ def _stacked(layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
     return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float):
-    """cos/sin tables [B, T, E] in float32, Hugging Face's rotate_half layout."""
-    inv_freq_K = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    angle_BTK = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K, jnp.float32)
-    angle_BTE = jnp.concatenate([angle_BTK, angle_BTK], axis=-1)
-    return jnp.cos(angle_BTE), jnp.sin(angle_BTE)
 
 
 def apply_rope(x_BTHE: jax.Array, cos_BTE: jax.Array, sin_BTE: jax.Array) -> jax.Array:
@@ -346,7 +339,7 @@ class Transformer(nnx.Module):
             key_slot_S = jnp.arange(valid_BS.shape[1], dtype=jnp.int32)
         causal_TS = key_slot_S[None, :] <= query_slot_T[:, None]
         mask_BTS = causal_TS[None] & valid_BS[:, None, :]
-        cos_BTE, sin_BTE = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
+        cos_BTE, sin_BTE = rope_tables(positions_BT, cfg)
 
         def layer_fn(layer, index, carry):
             x_BTD, cache = carry
