@@ -93,8 +93,8 @@ TRAIN_DEVICES=$(( GPUS - 1 ))
 if [[ "$DEVICE" == cpu ]]; then  # the rehearsal's trainer sees the host's JAX CPU devices
     TRAIN_DEVICES="${CPPO_CPU_DEVICES:-1}"
 fi
-MESH_LINE="$("$PY" -m cppo_jax.plan --pick-mesh --config "$CONFIG" --devices "$TRAIN_DEVICES" \
-    --device-memory-gb "${GPU_MEMORY_GB:-80}" "model.path=$MODEL" "${OVERRIDES[@]}")" || {
+MESH_LINE="$("$PY" -m cppo_jax.plan --pick-mesh --devices "$TRAIN_DEVICES" \
+    --device-memory-gb "${GPU_MEMORY_GB:-80}" "${BASE_ARGS[@]}" "${OVERRIDES[@]}")" || {
     echo "$0: no trainer mesh fits $TRAIN_DEVICES devices of ${GPU_MEMORY_GB:-80} GB (see above); --gpus is one more than the trainer's GPUs" >&2
     exit 2
 }

@@ -318,3 +318,14 @@ def reward_rise_config(out_dir: Path, *overrides: str):
             *overrides,
         ],
     )
+
+
+def spread_reward(folder: Path) -> list[str]:
+    """Overrides that train on a reward spread over any text (a TRL-style file reward), so that a
+    random model's groups have non-zero advantages and an update really moves the policy."""
+    path = Path(folder) / "spread_reward.py"
+    path.write_text(
+        "def spread(completions, **kwargs):\n"
+        "    return [float(sum(map(ord, c)) % 5) for c in completions]\n"
+    )
+    return [f"reward.funcs=[{path}:spread]", "reward.weights=[1.0]"]

@@ -19,6 +19,7 @@ from cppo_jax.config import ConfigError
 from cppo_jax.rollout import EmbeddedBackend
 from cppo_jax.trainer import Trainer
 from cppo_jax.vllm_client import RolloutServerError
+from tests.helpers import spread_reward
 from tests.test_trainer import small_config
 
 
@@ -76,6 +77,7 @@ def overlap_trainer(tmp_path, arith_model_dir, *overrides):
         "rollout.backend=vllm",
         "rollout.overlap=1",
         "trainer.steps=4",
+        *spread_reward(tmp_path),  # non-zero advantages: the weights move every step
         *overrides,
     )
     trainer = Trainer(cfg)
