@@ -75,7 +75,8 @@ def measure(spec: dict) -> dict:
         None,
         jnp.zeros((N, C), jnp.float32),
     )
-    sampler = make_sampler(graphdef, G, SamplingParams(max_new_tokens=C, eos_id=-1))
+    # eos_id = vocab_size is never sampled: every completion runs to the length limit.
+    sampler = make_sampler(graphdef, G, SamplingParams(max_new_tokens=C, eos_id=cfg.vocab_size))
     prompts, prompt_valid = tokens[:Q, :P], valid[:Q, :P]
     seeds = jnp.arange(Q, dtype=jnp.uint32)
     out = {"layers": cfg.num_layers, "scan": cfg.scan_layers, "compile_s": {}}

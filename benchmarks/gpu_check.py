@@ -280,7 +280,10 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
             report.save()
         del state, p_copy, opt_state, step_c, logps_c
 
-    sp = SamplingParams(max_new_tokens=sh.C, eos_id=-1, pad_id=0, cache_dtype=tcfg.dtype)
+    # eos_id = vocab_size is never sampled: every completion runs to the length limit.
+    sp = SamplingParams(
+        max_new_tokens=sh.C, eos_id=tcfg.vocab_size, pad_id=0, cache_dtype=tcfg.dtype
+    )
     sampler = make_sampler(graphdef, sh.G, sp)
     prompts = jnp.asarray(rng.integers(1, tcfg.vocab_size, size=(sh.Q, sh.P), dtype=np.int32))
     valid = jnp.ones((sh.Q, sh.P), bool)
