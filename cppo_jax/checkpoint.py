@@ -28,11 +28,20 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
+    ITEMS = ("state", "meta")
+
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """Steps whose folder holds every item. A run killed while orbax deletes an old step (beyond
+        `keep`) can leave that folder with some items gone: it is not a checkpoint any more."""
+        return sorted(
+            step
+            for step in self._manager.all_steps()
+            if all((self.directory / str(step) / item).is_dir() for item in self.ITEMS)
+        )
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Write `state` (a pytree of arrays) and `meta` (JSON) for `step`; blocks until durable."""
