@@ -17,17 +17,9 @@ import pytest
 
 from cppo_jax.config import (
     Config,
-    CPPOConfig,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainerConfig,
-    apply_overrides,
 )
 from cppo_jax.runlog import reward_metrics
+from tests.test_trainer import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS64 = np.finfo(np.float64).eps
@@ -97,19 +89,15 @@ def test_reward_metrics_when_nothing_terminates_and_one_completion_per_question(
 
 
 def _config(out_dir: Path, model_dir: Path, *overrides: str) -> Config:
-    cfg = Config(
-        model=ModelConfig(init_checkpoint=str(model_dir)),
-        data=DataConfig(task="arith", max_prompt_len=72, num_train=64, num_test=6),
-        rollout=RolloutConfig(max_new_tokens=12),
-        cppo=CPPOConfig(
-            num_generations=4, questions_per_step=2, pruning_rate=0.5, allocation=True, mu=2
-        ),
-        reward=RewardConfig(num_workers=1),
-        optim=OptimConfig(lr=1e-3, schedule="linear", warmup_ratio=0.0),
-        trainer=TrainerConfig(steps=3, out_dir=str(out_dir), run_name="run"),
-        logging=LoggingConfig(progress=False, tensorboard=True, plot=False),
+    """The trainer tests' tiny config, with mu = 2, a linear schedule and TensorBoard on."""
+    return small_config(
+        out_dir,
+        model_dir,
+        "cppo.mu=2",
+        "optim.schedule=linear",
+        "logging.tensorboard=true",
+        *overrides,
     )
-    return apply_overrides(cfg, list(overrides))
 
 
 def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
