@@ -42,7 +42,8 @@ def measure(spec: dict) -> dict:
     from cppo_jax import step as step_lib
     from cppo_jax.config import CPPOConfig, OptimConfig
     from cppo_jax.models import TransformerConfig, init_model
-    from cppo_jax.sampler import SamplingParams, make_sampler
+    from cppo_jax.rollout.sampler import make_sampler
+    from cppo_jax.rollout.sampling import SamplingParams
 
     width = spec["width"]
     cfg = TransformerConfig(

@@ -42,7 +42,8 @@ from cppo_jax import step as step_lib  # noqa: E402
 from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
 from cppo_jax.cppo import num_kept  # noqa: E402
 from cppo_jax.models.transformer import TransformerConfig, init_model  # noqa: E402
-from cppo_jax.sampler import SamplingParams, make_sampler  # noqa: E402
+from cppo_jax.rollout.sampler import make_sampler  # noqa: E402
+from cppo_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 # Dense bf16 peak FLOP/s by device kind (vendor datasheets, without sparsity).
 PEAK_BF16_FLOPS = {

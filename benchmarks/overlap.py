@@ -111,7 +111,7 @@ def server_for(args):
     if args.vllm_url:
         yield args.vllm_url, None
         return
-    from cppo_jax.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm_server import VLLMServer
 
     with tempfile.TemporaryDirectory(prefix="overlap_vllm_") as tmp:
         server = VLLMServer(WARM_START, log_path=Path(tmp) / "server.log", startup_timeout_s=600)

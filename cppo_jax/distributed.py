@@ -18,7 +18,7 @@ Every process runs the same program on its own devices (SPMD). Each draws the wh
 question ids (cheap) and scores the rewards of its own contiguous slice of questions (the slice
 `pipeline.question_order(process_index=i, process_count=n)` gives); the rewards are then gathered so
 every process holds the same global values. Only process 0 writes logs and Hugging Face exports and
-talks to a vLLM server (`MainProcessBackend`); checkpoints are written by all processes together (orbax).
+talks to a vLLM server (`rollout.multiprocess.MainProcessBackend`); checkpoints are written by all processes together (orbax).
 Collectives between CPU processes use gloo.
 """
 
@@ -222,106 +222,3 @@ def rows(host: np.ndarray, mesh):
     """`host` split by its leading dim over the mesh's data axes (replicated if they do not divide)."""
     host = np.asarray(host)
     return global_array(host, mesh, ("batch",) + (None,) * (host.ndim - 1))
-
-
-# ---------------------------------------------------------------------------------------------
-# A rollout server that only process 0 talks to
-# ---------------------------------------------------------------------------------------------
-
-
-class MainProcessBackend:
-    """A rollout backend (the vLLM one) used by process 0 alone, its results shared with every process.
-
-    Every process calls every method (they are collectives): the prompts and params are gathered to the
-    host, process 0 asks `inner` (None on the other processes), and the completions are broadcast and
-    laid out on `mesh` as global arrays. A failure on process 0 is broadcast too, so every process
-    raises `RolloutServerError` instead of waiting for a collective that never comes.
-    """
-
-    def __init__(self, inner, sp, mesh):
-        self.inner = inner if is_main() else None
-        self.sp = sp
-        self.mesh = mesh
-        self._host_params = None  # the host copy of the params last pushed, and whose they were
-        self._synced_of = None
-
-    def _host(self, params):
-        import weakref
-
-        if self._synced_of is not None and self._synced_of() is params:
-            return self._host_params
-        host = to_host(params)
-        try:
-            ref = weakref.ref(params)
-        except TypeError:
-            ref = None
-        self._host_params, self._synced_of = host, ref
-        return host
-
-    def _on_main(self, fn, template=None):
-        """`fn()` on process 0; with a `template` (its result's shapes) the result goes to every
-        process, without one only process 0 gets it (None elsewhere)."""
-        import jax
-        from jax.experimental import multihost_utils
-
-        from cppo_jax.vllm_client import RolloutServerError
-
-        result, error = template, None
-        if self.inner is not None:
-            try:
-                result = fn()
-            except Exception as e:  # re-raised below, once the others were told
-                error = e
-        flag = np.asarray([0 if error is None else 1], np.int32)
-        shared = None if template is None else jax.tree.map(np.asarray, result)
-        if error is not None:
-            shared = template
-        shared, failed = multihost_utils.broadcast_one_to_all((shared, flag), is_source=is_main())
-        if error is not None:
-            raise error
-        if int(failed[0]):
-            raise RolloutServerError(
-                "the rollout server failed on process 0 (its log has the cause); stopping here too"
-            )
-        return result if template is None else shared
-
-    def _samples(self, fn, n_rows: int, columns: int):
-        from cppo_jax.sampler import Samples
-
-        template = Samples(
-            np.zeros((n_rows, columns), np.int32),
-            np.zeros((n_rows, columns), np.float32),
-            np.zeros((n_rows, columns), bool),
-            np.zeros((n_rows,), bool),
-            np.zeros((), np.int32),
-        )
-        host = self._on_main(lambda: Samples(*(np.asarray(x) for x in fn())), template)
-        return Samples(*(rows(x, self.mesh) for x in host[:4]), host[4])
-
-    def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples: int):
-        prompts, valid, seeds = to_host((prompt_QP, prompt_valid_QP, seeds_Q))
-        host = self._host(params)
-        return self._samples(
-            lambda: self.inner.generate(host, prompts, valid, seeds, num_samples),
-            prompts.shape[0] * num_samples,
-            self.sp.max_new_tokens,
-        )
-
-    def greedy(self, params, prompt_QP, prompt_valid_QP, max_new_tokens: int | None = None):
-        prompts, valid = to_host((prompt_QP, prompt_valid_QP))
-        host = self._host(params)
-        return self._samples(
-            lambda: self.inner.greedy(host, prompts, valid, max_new_tokens),
-            prompts.shape[0],
-            max_new_tokens or self.sp.max_new_tokens,
-        )
-
-    def sync_weights(self, params, step: int) -> dict:
-        self._synced_of = None
-        host = self._host(params)  # every process joins the gather
-        metrics = self._on_main(lambda: self.inner.sync_weights(host, step))
-        return metrics or {}
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()

@@ -318,7 +318,7 @@ def _run_benchmark(
     out_dir: Path,
     log,
 ) -> dict:
-    from cppo_jax.sampler import SamplingParams
+    from cppo_jax.rollout.sampling import SamplingParams
 
     t0 = time.perf_counter()
     examples = load_benchmark(bench, cfg)
@@ -461,8 +461,8 @@ def evaluate(
 
     from cppo_jax.rewards.pool import RewardPool
     from cppo_jax.rewards.registry import TASK_EVAL
-    from cppo_jax.rollout import make_backend
-    from cppo_jax.sampler import SamplingParams
+    from cppo_jax.rollout.backend import make_backend
+    from cppo_jax.rollout.sampling import SamplingParams
 
     tok = policy.tokenizer
     sp = SamplingParams(

@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
 
         use_compile_cache(cfg.trainer.compile_cache_dir)
     from cppo_jax.checkpoint import CheckpointError
+    from cppo_jax.rollout.vllm_client import RolloutServerError
     from cppo_jax.stopping import SignalStopError
     from cppo_jax.trainer import NonFiniteError
-    from cppo_jax.vllm_client import RolloutServerError
 
     try:
         log = print if distributed.is_main() else _quiet

@@ -163,8 +163,8 @@ def run_sft(cfg: SFTConfig, log=print) -> Path:
 def greedy_accuracy(graphdef, params, tokenizer: Tokenizer, cfg: SFTConfig, C: int) -> float:
     """Fraction of `cfg.eval_size` held-out arith questions answered correctly by greedy decoding."""
     from cppo_jax.rewards.gsm8k import accuracy_reward
-    from cppo_jax.rollout import EmbeddedBackend
-    from cppo_jax.sampler import SamplingParams
+    from cppo_jax.rollout.backend import EmbeddedBackend
+    from cppo_jax.rollout.sampling import SamplingParams
 
     test = arith.generate(cfg.eval_size, seed=cfg.data.seed, split="test")
     prompts = pipeline.encode_prompts(

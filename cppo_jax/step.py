@@ -23,7 +23,7 @@ from flax import nnx
 from cppo_jax import loss as loss_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
-from cppo_jax.sampler import positions_from_valid
+from cppo_jax.rollout.sampler import positions_from_valid
 
 
 class Batch(NamedTuple):

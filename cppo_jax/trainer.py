@@ -39,11 +39,11 @@ from cppo_jax.config import Config, ConfigError, save_config
 from cppo_jax.models import Tokenizer, load_hf, save_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
-from cppo_jax.rollout import make_backend
+from cppo_jax.rollout.backend import make_backend
+from cppo_jax.rollout.sampling import SamplingParams
+from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.runlog import RunLog, phase_table, plot_curves, reward_metrics
-from cppo_jax.sampler import SamplingParams
 from cppo_jax.stopping import SignalStopError, StopSignals
-from cppo_jax.vllm_client import RolloutServerError
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab: int, model_path: str) -> None:

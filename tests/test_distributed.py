@@ -158,7 +158,7 @@ class _FakeServer:
         self.pushed: list[tuple[int, float]] = []
 
     def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples):
-        from cppo_jax.sampler import Samples
+        from cppo_jax.rollout.sampling import Samples
 
         tokens = _fake_tokens(prompt_QP, seeds_Q, num_samples, self.columns)
         N, C = tokens.shape
@@ -172,7 +172,7 @@ class _FakeServer:
     def sync_weights(self, params, step):
         import jax
 
-        from cppo_jax.vllm_client import RolloutServerError
+        from cppo_jax.rollout.vllm_client import RolloutServerError
 
         if step == 99:
             raise RolloutServerError("the server is down")
@@ -192,10 +192,11 @@ def _fake_tokens(prompt_QP, seeds_Q, G, C) -> np.ndarray:
 
 def _rollout_server_check(trainer) -> dict:
     """Process 0 alone talks to the (fake) server; every process gets its completions."""
-    from cppo_jax.vllm_client import RolloutServerError
+    from cppo_jax.rollout.multiprocess import MainProcessBackend
+    from cppo_jax.rollout.vllm_client import RolloutServerError
 
     fake = _FakeServer(columns=5)
-    backend = distributed.MainProcessBackend(
+    backend = MainProcessBackend(
         fake, dataclasses.replace(trainer.sp, max_new_tokens=5), trainer.mesh
     )
     out = {"sync": backend.sync_weights(trainer.params, 3)}

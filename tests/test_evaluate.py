@@ -94,7 +94,7 @@ class _StubBackend:
         return self.tok.encode(text) + [self.tok.eos_id]
 
     def _samples(self, prompt_QP, valid_QP, S: int, C: int):
-        from cppo_jax.sampler import Samples
+        from cppo_jax.rollout.sampling import Samples
 
         prompt_QP, valid_QP = np.asarray(prompt_QP), np.asarray(valid_QP)
         Q = len(prompt_QP)

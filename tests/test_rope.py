@@ -146,7 +146,8 @@ def test_embedded_sampler_greedy_matches_transformers_past_original_length(tmp_p
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax.sampler import SamplingParams, make_sampler
+    from cppo_jax.rollout.sampler import make_sampler
+    from cppo_jax.rollout.sampling import SamplingParams
 
     path = _checkpoint(tmp_path, name)
     model = load_hf(path)

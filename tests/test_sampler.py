@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax import sampler
-from cppo_jax.sampler import SamplingParams, make_sampler, positions_from_valid
+from cppo_jax.rollout import sampler, sampling
+from cppo_jax.rollout.sampler import make_sampler, positions_from_valid
+from cppo_jax.rollout.sampling import SamplingParams
 
 try:
     import helpers
@@ -133,7 +134,7 @@ def test_shared_prefill_equals_per_sample_prefill(policy, sampled):
     """One prefill per question (cache shared by its G samples) vs prompts repeated G times."""
     _, graphdef, state = policy
     tokens_QP, valid_QP, seeds_Q = batch(PROMPTS, SEEDS)
-    u_NC = sampler.sequence_uniforms(seeds_Q, G, C)
+    u_NC = sampling.sequence_uniforms(seeds_Q, G, C)
     per_sample = jax.jit(
         functools.partial(sampler.sample_with_uniforms, graphdef, num_samples=1, sp=SAMPLE)
     )
@@ -280,10 +281,10 @@ def test_a_row_ends_at_the_first_of_several_eos_ids(policy, greedy):
 
 def test_completion_valid_and_eos_id_forms():
     tokens_NC = jnp.asarray([[5, 3, 9, 4], [5, 4, 3, 9], [5, 6, 7, 8]], jnp.int32)
-    valid = np.asarray(sampler.completion_valid(tokens_NC, (3, 4)))
+    valid = np.asarray(sampling.completion_valid(tokens_NC, (3, 4)))
     np.testing.assert_array_equal(valid.sum(1), [2, 2, 4])  # ends at whichever comes first
     np.testing.assert_array_equal(
-        np.asarray(sampler.completion_valid(tokens_NC, 4)).sum(1), [4, 2, 4]
+        np.asarray(sampling.completion_valid(tokens_NC, 4)).sum(1), [4, 2, 4]
     )
     assert SamplingParams(max_new_tokens=2, eos_id=7).eos_id == (7,)
     for bad in ((), (3, -1), ("2",), 2.5):
@@ -295,7 +296,7 @@ def test_completion_valid_and_eos_id_forms():
 # Token choice helpers
 # ---------------------------------------------------------------------------------------------
 
-_truncate = sampler._truncate  # eager: small per-primitive compiles, shared by all cases
+_truncate = sampling._truncate  # eager: small per-primitive compiles, shared by all cases
 
 
 def kept(logits, top_k=0, top_p=1.0):
@@ -340,7 +341,7 @@ def test_truncate_matches_a_sorting_reference_on_random_rows_with_ties():
     logits[:8, :5] = -np.inf  # tokens already masked
     logits[8:16] += 50.0  # large positive logits
     for top_k, top_p in ((5, 1.0), (0, 0.7), (7, 0.5)):
-        fn = jax.jit(functools.partial(sampler._truncate, top_k=top_k, top_p=top_p))
+        fn = jax.jit(functools.partial(sampling._truncate, top_k=top_k, top_p=top_p))
         got = np.asarray(fn(jnp.asarray(logits, jnp.float32))) > -np.inf
         want = np.stack([np_truncated_probs(row, top_k, top_p) > 0 for row in logits])
         np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
@@ -348,7 +349,7 @@ def test_truncate_matches_a_sorting_reference_on_random_rows_with_ties():
 
 def test_order_keys_sort_like_the_floats():
     x = np.array([-np.inf, -1e30, -2.5, -1e-30, 0.0, 1e-30, 0.5, 3.0, 1e30, np.inf], np.float32)
-    keys = np.asarray(sampler._order_keys(jnp.asarray(x[::-1])))[::-1]
+    keys = np.asarray(sampling._order_keys(jnp.asarray(x[::-1])))[::-1]
     assert (np.diff(keys.astype(np.int64)) > 0).all()
 
 
@@ -360,7 +361,7 @@ def test_inverse_cdf_never_picks_zero_weights_and_handles_the_edges():
     cases_tail = [(0.0, 0), (0.66, 0), (0.67, 9), (np.nextafter(1.0, 0.0), 9)]
     rows = [w] * len(cases) + [w_tail] * len(cases_tail)
     u = [c[0] for c in cases + cases_tail]
-    fn = jax.jit(sampler._inverse_cdf)
+    fn = jax.jit(sampling._inverse_cdf)
     got = np.asarray(fn(jnp.asarray(np.stack(rows)), jnp.asarray(u, jnp.float32)))
     np.testing.assert_array_equal(got, [c[1] for c in cases + cases_tail])
     # Uniform u over a grid lands on each index in proportion to its weight.
@@ -379,7 +380,7 @@ def test_choose_top_k_1_is_argmax_with_tempered_logp():
     u = jnp.asarray(rng.random(16), jnp.float32)
     argmax = np.asarray(logits).argmax(-1)
     sp = SamplingParams(max_new_tokens=1, temperature=0.5, top_k=1)
-    token, logp = jax.jit(functools.partial(sampler._choose, sp=sp))(logits, u)
+    token, logp = jax.jit(functools.partial(sampling.choose, sp=sp))(logits, u)
     np.testing.assert_array_equal(np.asarray(token), argmax)
     ref = np_log_softmax(np.asarray(logits) / 0.5)[np.arange(16), argmax]
     np.testing.assert_allclose(np.asarray(logp), ref, atol=1e-5, rtol=0)
@@ -467,7 +468,7 @@ def test_truncated_frequencies_match_truncated_softmax(small_vocab):
     n = 4000
     logits_NV = jnp.asarray(np.tile(logits, (n, 1)), jnp.float32)
     u_N = jnp.asarray(np.random.default_rng(7).random(n), jnp.float32)
-    token_N, logp_N = jax.jit(functools.partial(sampler._choose, sp=sp))(logits_NV, u_N)
+    token_N, logp_N = jax.jit(functools.partial(sampling.choose, sp=sp))(logits_NV, u_N)
     check_frequencies(
         np.asarray(token_N), np.asarray(logp_N), logits, sp.temperature, sp.top_k, sp.top_p
     )

@@ -112,7 +112,7 @@ def test_stop_ids_gather_generation_config_config_and_chat_template(tok_dir, tmp
     assert tok.end_of_turn_id() == 0 and tok.stop_ids == (2, 0)
     # The reward text of a completion ended by the second id stops there.
     from cppo_jax.pipeline import decode_completions
-    from cppo_jax.sampler import completion_valid
+    from cppo_jax.rollout.sampling import completion_valid
 
     ids = tok.encode("The answer is 42.")
     row = np.asarray([[*ids, 0, *tok.encode(" and more")]], np.int32)

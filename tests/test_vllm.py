@@ -65,7 +65,7 @@ def build_model_dir(out: Path, *, tied: bool, seed: int = 0) -> Path:
 
 
 def _serve(tmp_path_factory, name: str, model_dir_fn, env: dict | None = None):
-    from cppo_jax.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm_server import VLLMServer
 
     folder = tmp_path_factory.mktemp(name)
     model_dir = model_dir_fn(folder)
@@ -120,8 +120,8 @@ def _setup(server, model_dir, run_dir, *, max_new_tokens=12, temperature=1.0, **
 
     from cppo_jax.config import RolloutConfig
     from cppo_jax.models import Tokenizer, load_hf
-    from cppo_jax.sampler import SamplingParams
-    from cppo_jax.vllm_backend import VLLMBackend
+    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.vllm_backend import VLLMBackend
 
     tok = Tokenizer.from_dir(model_dir)
     graphdef, params = nnx.split(load_hf(model_dir))
@@ -165,7 +165,7 @@ def _perturb(params, seed: int, scale: float = 0.05, only: str | None = None):
 def _probe_logps(backend, params) -> np.ndarray:
     import jax.numpy as jnp
 
-    from cppo_jax.vllm_backend import _probe_fn
+    from cppo_jax.rollout.vllm_backend import _probe_fn
 
     ids = backend.probe_ids(params)
     lp_TV = np.asarray(_probe_fn(backend.graphdef)(params, jnp.asarray(ids, jnp.int32)))
@@ -231,7 +231,7 @@ class TestTiedServer:
     def test_batch_count_order_and_greedy_equal_embedded(self, tied, tmp_path):
         import jax.numpy as jnp
 
-        from cppo_jax.rollout import EmbeddedBackend
+        from cppo_jax.rollout.backend import EmbeddedBackend
 
         server, model_dir, _ = tied
         backend, graphdef, params, sp, tok = _setup(server, model_dir, tmp_path)
@@ -296,7 +296,7 @@ class TestTiedServer:
         assert not (tmp_path / "weights").exists()  # close() removes the transient slots
 
     def test_stale_weights_are_caught(self, tied, tmp_path):
-        from cppo_jax.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm_client import WeightSyncError
 
         server, model_dir, _ = tied
         backend, _, params_a, _, tok = _setup(server, model_dir, tmp_path)
@@ -388,8 +388,8 @@ class TestTiedServer:
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""
         from cppo_jax.checkpoint import Checkpointer
+        from cppo_jax.rollout.vllm_client import RolloutServerError
         from cppo_jax.trainer import Trainer
-        from cppo_jax.vllm_client import RolloutServerError
 
         server, model_dir, _ = tied
         trainer = Trainer(_trainer_config(tmp_path, model_dir, server.url, 5))
@@ -451,7 +451,7 @@ def _one_update(params, lr: float, seed: int):
 
 def _probe_ratio(backend, params, got) -> float:
     """max |server - trainer(params)| / tolerance over the probe, both in the serving dtype."""
-    from cppo_jax.vllm_backend import probe_tolerance
+    from cppo_jax.rollout.vllm_backend import probe_tolerance
 
     ids = backend.probe_ids(params)
     want = backend.expected_probe(params)[np.arange(len(ids) - 1), ids[1:]]
@@ -465,7 +465,7 @@ class TestBf16Server:
     def test_fp32_check_against_bf16_server_fails(self, bf16, tmp_path):
         """The finding: an fp32 probe at the old 1e-3 tolerance (what the trainer did before the push
         compared like with like) refuses a right push to a bf16 server."""
-        from cppo_jax.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm_client import WeightSyncError
 
         server, model_dir, _ = bf16
         backend, _, params, _, _ = _setup(
@@ -505,7 +505,7 @@ class TestBf16Server:
         """A stale push (the reload skipped: the server keeps the previous weights) and a wrong one
         (other weights reloaded behind the client's back) raise in bf16; measured: the gap between a
         right push and a push one update stale, by the update's size."""
-        from cppo_jax.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm_client import WeightSyncError
 
         server, model_dir, _ = bf16
         backend, _, params_a, _, _ = _setup(server, model_dir, tmp_path, probe_tol=None)

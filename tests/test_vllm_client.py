@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from cppo_jax.vllm_client import (
+from cppo_jax.rollout.vllm_client import (
     Completion,
     ResponseError,
     RolloutServerError,
@@ -287,7 +287,7 @@ def test_bad_url_rejected():
 
 def test_client_and_server_helper_import_no_jax():
     code = (
-        "import sys, cppo_jax.vllm_client, cppo_jax.vllm_server; "
+        "import sys, cppo_jax.rollout.vllm_client, cppo_jax.rollout.vllm_server; "
         "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -304,13 +304,13 @@ def _unused_port() -> int:
 
 
 def _sp(**kw):
-    from cppo_jax.sampler import SamplingParams
+    from cppo_jax.rollout.sampling import SamplingParams
 
     return SamplingParams(**{"max_new_tokens": 5, "eos_id": EOS, "pad_id": 0, **kw})
 
 
 def test_samples_layout():
-    from cppo_jax.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.vllm_backend import samples_from_completions
 
     groups = [
         [
@@ -330,7 +330,7 @@ def test_samples_layout():
     np.testing.assert_allclose(logp[0], [-0.1, -0.2, -0.3, 0, 0], rtol=1e-6)
     np.testing.assert_array_equal(finished, [True, False, True, True])
     # The same invariant the embedded sampler keeps: valid up to and including the first EOS.
-    from cppo_jax.sampler import completion_valid
+    from cppo_jax.rollout.sampling import completion_valid
 
     np.testing.assert_array_equal(valid, np.asarray(completion_valid(s.tokens_NC, EOS)))
     short = [[Completion((7, EOS), (-0.1, -0.2), "stop"), Completion((EOS,), (-0.3,), "stop")]]
@@ -338,8 +338,8 @@ def test_samples_layout():
 
 
 def test_samples_end_at_any_of_several_stop_ids():
-    from cppo_jax.sampler import completion_valid
-    from cppo_jax.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.sampling import completion_valid
+    from cppo_jax.rollout.vllm_backend import samples_from_completions
 
     other = EOS + 1  # a second end id (e.g. <|endoftext|> beside <|im_end|>)
     sp = _sp(eos_id=(EOS, other))
@@ -356,7 +356,7 @@ def test_samples_end_at_any_of_several_stop_ids():
 
 
 def test_samples_reject_incomplete_groups():
-    from cppo_jax.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.vllm_backend import samples_from_completions
 
     one = Completion((7, EOS), (-0.1, -0.2), "stop")
     with pytest.raises(ResponseError, match="question 1 came back with 1 completions, expected 2"):
@@ -371,7 +371,7 @@ def _tiny_backend(url, tmp_path, sp=None, **kw):
 
     from cppo_jax.config import RolloutConfig
     from cppo_jax.models import init_model
-    from cppo_jax.vllm_backend import VLLMBackend
+    from cppo_jax.rollout.vllm_backend import VLLMBackend
     from tests.helpers import tiny_config
 
     graphdef, params = nnx.split(init_model(tiny_config(), seed=0))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.sampler import Samples
+from cppo_jax.rollout.sampling import Samples
 from cppo_jax.trainer import NonFiniteError
 from tests.reliability.runs import metrics_steps, read_events, rewind
 

@@ -19,9 +19,14 @@ import jax
 import pytest
 
 from cppo_jax.checkpoint import Checkpointer
+from cppo_jax.rollout.vllm_backend import VLLMBackend
+from cppo_jax.rollout.vllm_client import (
+    ResponseError,
+    RolloutServerError,
+    VLLMClient,
+    WeightSyncError,
+)
 from cppo_jax.trainer import Trainer
-from cppo_jax.vllm_backend import VLLMBackend
-from cppo_jax.vllm_client import ResponseError, RolloutServerError, VLLMClient, WeightSyncError
 from tests.reliability.runs import metrics_steps, read_events, rewind
 from tests.test_trainer import small_config
 from tests.test_vllm_client import FakeVLLM

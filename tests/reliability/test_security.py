@@ -19,8 +19,8 @@ import pytest
 
 from cppo_jax.checkpoint import Checkpointer
 from cppo_jax.config import Config, ConfigError, RolloutConfig, apply_overrides
-from cppo_jax.sampler import SamplingParams
-from cppo_jax.vllm_backend import PUSH_MARKER, VLLMBackend, claim_push_folder, push_folder
+from cppo_jax.rollout.sampling import SamplingParams
+from cppo_jax.rollout.vllm_backend import PUSH_MARKER, VLLMBackend, claim_push_folder, push_folder
 from tests.reliability.ckpt_writer import expected_state
 from tests.test_vllm_client import FakeVLLM
 
@@ -120,7 +120,7 @@ def test_nothing_is_unpickled_from_checkpoints_models_or_servers(
     ckpt.close()
 
     from cppo_jax.models import load_hf
-    from cppo_jax.vllm_client import VLLMClient
+    from cppo_jax.rollout.vllm_client import VLLMClient
 
     assert load_hf(arith_model_dir).cfg.vocab_size > 0
     fake = FakeVLLM("ok")
@@ -149,7 +149,7 @@ def test_package_source_has_no_unpickling_calls():
 def test_vllm_server_is_loopback_by_default_with_an_api_key_option_and_documented_private():
     import inspect
 
-    from cppo_jax.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm_server import VLLMServer
 
     script = (ROOT / "launch" / "vllm_server.sh").read_text()
     assert 'HOST="${VLLM_HOST:-127.0.0.1}"' in script

@@ -2,14 +2,17 @@
 
 Host code: no JAX. `VLLMServer(model_dir, port, log_path)` is a context manager that
 
-1. builds the CPU environment when it is missing (`launch/vllm_server.sh --install-only`; a no-op once the
+1. builds the CPU environment when it is missing (`vllm_server.sh --install-only`; a no-op once the
    cached environment exists, about 3 minutes the first time),
-2. runs `launch/vllm_server.sh --foreground MODEL_DIR PORT ...` in a new process group, bound to 127.0.0.1,
+2. runs `vllm_server.sh --foreground MODEL_DIR PORT ...` in a new process group, bound to 127.0.0.1,
    its output in `log_path`,
 3. waits for `GET /health` (failing fast, with the log's tail, when the process dies first), and
 4. on exit (also on errors, and at interpreter exit as a last resort) stops the whole process group:
    SIGTERM, then SIGKILL after a grace period. No server outlives the `with` block; should this process
    die abruptly (SIGKILL), a small watchdog process kills the server's process group anyway.
+
+The script is package data of `cppo_jax.rollout` (found through `importlib.resources`, so an installed wheel
+has it too); in a clone, `launch/vllm_server.sh` is a link to the same file.
 
     with VLLMServer("runs/model", port=8011, log_path="runs/vllm.log") as server:
         client = VLLMClient(server.url)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.resources
 import os
 import signal
 import socket
@@ -31,8 +35,7 @@ from pathlib import Path
 
 __all__ = ["LAUNCH_SCRIPT", "VLLMServer", "VLLMServerError", "free_port", "install"]
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_SCRIPT = ROOT / "launch" / "vllm_server.sh"
+LAUNCH_SCRIPT = Path(str(importlib.resources.files("cppo_jax.rollout") / "vllm_server.sh"))
 _LIVE: set[VLLMServer] = set()
 
 
@@ -55,7 +58,7 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def install(timeout_s: float = 1200.0, log_path: str | Path | None = None) -> float:
-    """Build the vLLM CPU environment if missing (`launch/vllm_server.sh --install-only`).
+    """Build the vLLM CPU environment if missing (`vllm_server.sh --install-only`).
 
     Returns the seconds it took (about 0 when the cached environment exists).
     """

@@ -12,8 +12,12 @@ from typing import Protocol
 
 import jax
 
+from cppo_jax import distributed
 from cppo_jax.config import RolloutConfig
-from cppo_jax.sampler import Samples, SamplingParams, make_sampler
+from cppo_jax.rollout.multiprocess import MainProcessBackend
+from cppo_jax.rollout.sampler import make_sampler
+from cppo_jax.rollout.sampling import Samples, SamplingParams
+from cppo_jax.rollout.vllm_backend import VLLMBackend
 
 
 class RolloutBackend(Protocol):
@@ -68,15 +72,12 @@ def make_backend(
 ) -> RolloutBackend:
     """The configured backend: embedded (default) or an external vLLM server.
 
-    With several processes only process 0 talks to the server (`distributed.MainProcessBackend`
+    With several processes only process 0 talks to the server (`multiprocess.MainProcessBackend`
     shares its completions with the others, laid out on `mesh`).
     """
     if cfg.backend == "embedded":
         return EmbeddedBackend(graphdef, sp)
-    from cppo_jax import distributed
-    from cppo_jax.vllm_backend import VLLMBackend
-
     if jax.process_count() == 1:
         return VLLMBackend(cfg, graphdef, sp, run_dir)
     inner = VLLMBackend(cfg, graphdef, sp, run_dir) if distributed.is_main() else None
-    return distributed.MainProcessBackend(inner, sp, mesh)
+    return MainProcessBackend(inner, sp, mesh)

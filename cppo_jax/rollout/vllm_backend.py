@@ -1,6 +1,6 @@
 """The vLLM rollout backend: completions from an external vLLM server, verified weight pushes.
 
-`VLLMBackend` implements `cppo_jax.rollout.RolloutBackend` on top of `cppo_jax.vllm_client.VLLMClient`:
+`VLLMBackend` implements `cppo_jax.rollout.backend.RolloutBackend` on top of `cppo_jax.rollout.vllm_client.VLLMClient`:
 
 - `generate`: one `/v1/completions` request per question (its left padding stripped), `n = G`, seeded
   `seeds_Q[q] * G` so that the per-sample seeds (seed + j) of different questions never overlap; the answers
@@ -18,7 +18,7 @@
 
 The server must be reachable by the trainer and must read `weights_dir` at the same path (same machine or a
 shared file system). The dev routes it needs are unauthenticated: keep it on loopback or a private network
-(see `cppo_jax/vllm_client.py` and docs/vllm.md).
+(see `cppo_jax/rollout/vllm_client.py` and docs/vllm.md).
 
 Log-probs returned in `Samples.logp_NC` are the server's (vLLM computes them before temperature unless it
 runs with `--logprobs-mode processed_logprobs`); the trainer recomputes the log-probs it trains on.
@@ -43,8 +43,8 @@ from flax import nnx
 from cppo_jax.config import ConfigError, RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
 from cppo_jax.models.transformer import DTYPES, Transformer
-from cppo_jax.sampler import Samples, SamplingParams
-from cppo_jax.vllm_client import (
+from cppo_jax.rollout.sampling import Samples, SamplingParams
+from cppo_jax.rollout.vllm_client import (
     Completion,
     ResponseError,
     RolloutServerError,
