@@ -99,6 +99,43 @@ def encode_prompts(
     return PromptSet(list(examples), ids, valid, truncated)
 
 
+@dataclasses.dataclass
+class PromptSets:
+    """A run's encoded prompts: train, validation (None when nothing is held out) and test."""
+
+    train: PromptSet
+    val: PromptSet | None
+    test: PromptSet
+    stats: dict  # bad_rows: training rows skipped; truncated: training prompts cut
+
+
+def load_prompt_sets(cfg: DataConfig, tokenizer, max_len: int, eval_size: int = 0) -> PromptSets:
+    """The train, validation (`holdout_validation`) and test prompts of `cfg`, encoded to `max_len`
+    slots; the test set cut to its first `eval_size` questions when that is not 0."""
+    train, train_stats = load_examples(cfg, "train")
+    train, val = holdout_validation(cfg, train)
+    test, _ = load_examples(cfg, "test")
+
+    def enc(examples) -> PromptSet:
+        return encode_prompts(
+            examples,
+            tokenizer=tokenizer,
+            task=cfg.task,
+            max_len=max_len,
+            long_prompts=cfg.long_prompts,
+            system_prompt=cfg.system_prompt,
+            prompt_format=cfg.prompt_format,
+        )
+
+    train_set = enc(train)
+    val_set = enc(val) if val else None
+    test_set = enc(test)
+    if eval_size:
+        test_set = test_set.take(np.arange(min(eval_size, len(test))))
+    stats = {"bad_rows": train_stats.get("bad_rows", 0), "truncated": train_set.truncated}
+    return PromptSets(train_set, val_set, test_set, stats)
+
+
 def decode_completions(tokenizer, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
     """The text of each completion for the rewards: its valid tokens, special tokens (EOS, pad, chat
     markers) skipped, not stripped (the released code's `batch_decode(..., skip_special_tokens=True)`)."""

@@ -101,6 +101,7 @@ class Tracer:
         self.directory = Path(run_dir) / "profile"
         self.active = False
         self.done = False
+        self._dumped: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -144,6 +145,17 @@ class Tracer:
 
     def files(self) -> list[Path]:
         return trace_files(self.directory)
+
+    def dump_hlo_once(self, jitted_fn, args: Sequence[Any], name: str) -> None:
+        """While a trace runs: `dump_hlo` of `jitted_fn` for arguments like `args` under `<trace>/hlo`,
+        once per name. Only shapes, dtypes and shardings are read (call it before a donating call)."""
+        if not self.active or name in self._dumped:
+            return
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tuple(args)
+        )
+        dump_hlo(jitted_fn, like, self.directory / "hlo", name)
+        self._dumped.add(name)
 
 
 def trace_files(profile_dir: str | Path) -> list[Path]:

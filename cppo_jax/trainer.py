@@ -10,18 +10,13 @@ One step (`Trainer.step`):
   7. mu policy updates on the kept completions.
 Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
 
-With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is requested from the server at the start of
-step n, with the weights the server holds then (step n's), and runs while step n scores, prunes and
-updates; the step waits for it before pushing its new weights. Step n+1 therefore trains on completions
-sampled one update earlier, and its old-policy log-probs are those of the sampling weights (a copy kept
-for the purpose), so the PPO ratio is exact. With overlap 0 nothing of this runs.
+With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
+stale, with exact old-policy log-probs (`rollout.overlap`). Evaluation, validation and the run's summary
+are `trainer_eval`'s; scoring a rollout on the host is `scoring`'s.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import functools
 import time
 from pathlib import Path
 
@@ -30,20 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import cppo, distributed, pipeline
+from cppo_jax import cppo, distributed, pipeline, scoring, trainer_eval, trainer_run
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import Config, ConfigError, save_config
-from cppo_jax.models import Tokenizer, load_hf, save_hf
+from cppo_jax.models import Tokenizer, load_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout.backend import make_backend
+from cppo_jax.rollout.draw import StepRollout, draw_rollout
+from cppo_jax.rollout.overlap import Overlap
 from cppo_jax.rollout.sampling import SamplingParams
-from cppo_jax.rollout.vllm_client import RolloutServerError
-from cppo_jax.runlog import RunLog, phase_table, plot_curves, reward_metrics
-from cppo_jax.stopping import SignalStopError, StopSignals
+from cppo_jax.runlog import RunLog
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab: int, model_path: str) -> None:
@@ -62,18 +57,6 @@ class NonFiniteError(RuntimeError):
 
 def _block(x):
     return jax.block_until_ready(x)
-
-
-@dataclasses.dataclass
-class _Rollout:
-    """One step's questions and their sampled completions."""
-
-    step: int
-    batch: pipeline.PromptSet
-    prompt_QP: jax.Array
-    pvalid_QP: jax.Array
-    samples: object  # rollout.Samples
-    seconds: float  # wall time of the generation itself
 
 
 class Trainer:
@@ -110,28 +93,12 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.cppo.beta > 0 else None
 
         # Data.
-        train, train_stats = pipeline.load_examples(cfg.data, "train")
-        train, val = pipeline.holdout_validation(cfg.data, train)
-        test, _ = pipeline.load_examples(cfg.data, "test")
-        enc = functools.partial(
-            pipeline.encode_prompts,
-            tokenizer=self.tokenizer,
-            task=cfg.data.task,
-            max_len=self.shapes.P,
-            long_prompts=cfg.data.long_prompts,
-            system_prompt=cfg.data.system_prompt,
-            prompt_format=cfg.data.prompt_format,
+        sets = pipeline.load_prompt_sets(
+            cfg.data, self.tokenizer, self.shapes.P, cfg.trainer.eval_size
         )
-        self.train_set = enc(train)
-        self.val_set = enc(val) if val else None
+        self.train_set, self.val_set, self.test_set = sets.train, sets.val, sets.test
+        self.data_stats = sets.stats  # skipped rows, cut prompts
         self.best_val: float | None = None
-        self.test_set = enc(test)
-        if cfg.trainer.eval_size:
-            self.test_set = self.test_set.take(np.arange(min(cfg.trainer.eval_size, len(test))))
-        self.data_stats = {
-            "bad_rows": train_stats.get("bad_rows", 0),
-            "truncated": self.train_set.truncated,
-        }
         self.order = pipeline.question_order(
             len(self.train_set), self.shapes.Q, cfg.data.seed, cfg.data.shuffle
         )
@@ -192,14 +159,12 @@ class Trainer:
         self.log.event("data", train=len(self.train_set), **self.data_stats)  # skipped, cut prompts
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
-        self._hlo_dumped = False
         self.start_step = 0
         self.params_step = 0  # the step the current params belong to
         self.nan_streak = 0
         self.num_tokens = 0  # prompt + completion tokens sampled so far (TRL's num_tokens)
         self.evals: list[dict] = []
-        self._pending = None  # overlap: (step, future of its _Rollout, the params sampling it)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.overlap = Overlap(self._rollout, self.num_steps) if cfg.rollout.overlap else None
 
     # ------------------------------------------------------------------------------------------
 
@@ -237,36 +202,39 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def step(self, step: int) -> dict:
-        """One CPPO step (see the module docstring); returns its metrics."""
+        """One CPPO step (see the module docstring); returns its metrics. With overlap, the step never
+        returns (early, or by an error) while a generation it requested runs: see `rollout.overlap`."""
+        try:
+            return self._step(step)
+        finally:
+            if self.overlap is not None:
+                self.overlap.settle()
+
+    def _step(self, step: int) -> dict:
         cfg, sh = self.cfg, self.shapes
         t0 = time.perf_counter()
         times = {}
 
         # 1-2. Questions and their rollout (with overlap: requested during the previous step).
-        if cfg.rollout.overlap:
-            with prof.phase("rollout", times):
-                rollout, sample_params = self._take_rollout(step)
-        else:
-            with prof.phase("rollout", times):
+        with prof.phase("rollout", times):
+            if self.overlap is not None:
+                rollout, sample_params = self.overlap.take(self.params, step)
+            else:
                 rollout, sample_params = self._rollout(self.params, step), None
         batch, prompt_QP, pvalid_QP = rollout.batch, rollout.prompt_QP, rollout.pvalid_QP
         samples = rollout.samples
         tokens_NC, valid_NC = distributed.to_host((samples.tokens_NC, samples.valid_NC))
 
         # 3. Rewards: each process scores its own questions' completions; all get every reward.
-        with prof.phase("reward", times):
-            own = distributed.local_slice(sh.Q)
-            rows = slice(own.start * sh.G, own.stop * sh.G)
-            texts = self._decode(tokens_NC[rows], valid_NC[rows])
-            solutions = [ex["solution"] for ex in batch.examples[own] for _ in range(sh.G)]
-            contexts = self._reward_contexts(batch, own, tokens_NC[rows], valid_NC[rows])
-            only = self.train_fns  # not the evaluation rules
-            total_N, per_fn, rstats = self.rewards.score(texts, solutions, only, contexts)
-            total_N = distributed.gather_rows(np.asarray(total_N, np.float64))
-            per_fn = {k: distributed.gather_rows(np.asarray(v)) for k, v in sorted(per_fn.items())}
+        with prof.phase("reward", times):  # the training rewards, not the evaluation rules
+            texts, total_N, per_fn, rstats = scoring.score_rollout(
+                self.rewards, self.tokenizer, batch, tokens_NC, valid_NC, sh.G, self.train_fns
+            )
         rewards_QG = total_N.reshape(sh.Q, sh.G)
-        metrics = self._reward_metrics(
-            rewards_QG, per_fn, rstats, valid_NC, samples, batch.valid_nP
+        self.num_tokens += scoring.sampled_tokens(batch.valid_nP, valid_NC, sh.G)
+        finished_N = distributed.to_host(samples.finished_N)
+        metrics = scoring.rollout_metrics(
+            rewards_QG, per_fn, rstats, valid_NC, finished_N, self.accuracy_fn, self.num_tokens
         )
         if cfg.rollout.overlap:
             metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
@@ -307,13 +275,8 @@ class Trainer:
 
         # 7. mu updates.
         train_batch = step_lib.Batch(tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref)
-        if self.tracer.active and not self._hlo_dumped:  # before the donating call
-            like = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                (self.params, self.opt_state, train_batch),
-            )
-            prof.dump_hlo(self.train_step, like, self.tracer.directory / "hlo", "train_step")
-            self._hlo_dumped = True
+        args = (self.params, self.opt_state, train_batch)  # before the donating call
+        self.tracer.dump_hlo_once(self.train_step, args, "train_step")
         skipped = 0.0
         with prof.phase("update", times):
             for _ in range(cfg.cppo.mu):
@@ -323,10 +286,8 @@ class Trainer:
                 m = distributed.to_host(m)
                 skipped = max(skipped, float(m["update_skipped"]))
         self.params_step = step + 1
-        if self._pending is not None:  # the server must be idle before new weights go in
-            t = time.perf_counter()
-            self._pending[1].result()
-            times["rollout"] += time.perf_counter() - t
+        if self.overlap is not None:  # the server must be idle before new weights go in
+            times["rollout"] += self.overlap.wait()
         if (step + 1) % cfg.rollout.push_every == 0:
             with prof.phase("weight_sync", times):
                 metrics.update(self.backend.sync_weights(self.params, step + 1))
@@ -339,64 +300,11 @@ class Trainer:
         self.nan_streak = 0
         return self._finish(step, metrics, times, t0, texts, batch)
 
-    def _reward_contexts(self, batch, own: slice, tokens_NC, valid_NC) -> list[dict]:
-        """What TRL-style rewards receive besides the completion: the prompt as the model saw it, the
-        completion's token ids (up to and including EOS) and the example's columns."""
-        G, out = self.shapes.G, []
-        for q, i in enumerate(range(own.start, own.stop)):
-            ids = batch.ids_nP[i][batch.valid_nP[i].astype(bool)]
-            prompt = self.tokenizer.decode([int(t) for t in ids])
-            columns = {k: v for k, v in batch.examples[i].items() if k != "prompt"}
-            for r in range(q * G, (q + 1) * G):
-                completion_ids = [int(t) for t, v in zip(tokens_NC[r], valid_NC[r]) if v]
-                out.append({"prompt": prompt, "completion_ids": completion_ids, **columns})
-        return out
-
-    def _rollout(self, params, step: int) -> _Rollout:
+    def _rollout(self, params, step: int) -> StepRollout:
         """Draw `step`'s questions and sample G completions each from `params`."""
-        sh, seed = self.shapes, self.cfg.trainer.seed
-        # Every process draws the whole global batch (ids are cheap) and builds one global array.
-        batch = self.train_set.take(np.asarray(self.order[step]))
-        prompt_QP = distributed.rows(batch.ids_nP, self.mesh)
-        pvalid_QP = distributed.rows(batch.valid_nP, self.mesh)
-        seeds = (seed * 1_000_003 + step * sh.Q + np.arange(sh.Q)) % (2**31)
-        seeds_Q = distributed.rows(seeds.astype(np.uint32), self.mesh)
-        t = time.perf_counter()
-        samples = _block(self.backend.generate(params, prompt_QP, pvalid_QP, seeds_Q, sh.G))
-        return _Rollout(step, batch, prompt_QP, pvalid_QP, samples, time.perf_counter() - t)
-
-    def _take_rollout(self, step: int) -> tuple[_Rollout, object]:
-        """Overlap: this step's rollout (requested last step, else made now) and the params that
-        sampled it (None: the current ones); then request the next step's from the current params."""
-        if self._pending is not None and self._pending[0] == step:
-            _, future, sample_params = self._pending
-            rollout = future.result()
-        else:  # the first step of a run (or of a resumed one): nothing was requested yet
-            rollout, sample_params = self._rollout(self.params, step), None
-        self._pending = None
-        if step + 1 < self.num_steps:
-            snapshot = jax.tree.map(jnp.copy, self.params)  # the update donates self.params
-            future = self._producer().submit(self._rollout, snapshot, step + 1)
-            self._pending = (step + 1, future, snapshot)
-        return rollout, sample_params
-
-    def _producer(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, "cppo-rollout")
-        return self._executor
-
-    def _reward_metrics(self, rewards_QG, per_fn, rstats, valid_NC, samples, prompt_valid_QP):
-        finished_N = distributed.to_host(samples.finished_N)
-        m = reward_metrics(rewards_QG, per_fn, valid_NC.sum(axis=1), finished_N)
-        m["rewards/timeouts"] = float(rstats.get("timeouts", 0))
-        acc = per_fn.get(self.accuracy_fn)
-        if acc is not None:
-            m["accuracy"] = float(np.mean(np.asarray(acc) > 0))
-        # TRL's num_tokens: prompt and completion tokens of every sampled sequence, run so far.
-        G = rewards_QG.shape[1]
-        self.num_tokens += int(np.asarray(prompt_valid_QP).sum()) * G + int(valid_NC.sum())
-        m["num_tokens"] = float(self.num_tokens)
-        return m
+        ids = self.order[step]
+        seed, G = self.cfg.trainer.seed, self.shapes.G
+        return draw_rollout(self.backend, params, self.train_set, ids, step, seed, G, self.mesh)
 
     def _learning_rate(self) -> float:
         """The learning rate of the last update applied (TRL's `learning_rate`)."""
@@ -449,140 +357,16 @@ class Trainer:
     def evaluate(
         self, step: int, batch_size: int = 64, split: str = "test", sampled: bool = False
     ) -> dict:
-        """Greedy accuracy on the test (or validation) split under both rules; every question is scored.
-
-        `accuracy` is the headline rule's (`eval.rule`), `accuracy_released` and `accuracy_strict` both.
-        With `sampled`, also `sampled_accuracy` (and per rule): one completion per question at the
-        rollout temperature, from fixed seeds (question i: seed 2**30 + i), so that before and after
-        a run the same random numbers are used.
-        """
-        prompts = self.val_set if split == "validation" else self.test_set
-        rule = self.cfg.eval.rule
-        acc = self._score(prompts, batch_size, None)
-        result = {"step": step, "accuracy": acc[f"accuracy_{rule}"], **acc, "n": len(prompts)}
-        if sampled:  # after greedy, which pushes `self.params` to a server that lags behind
-            sampled_acc = self._score(prompts, batch_size, 2**30)
-            result["sampled_accuracy"] = sampled_acc[f"accuracy_{rule}"]
-            result.update({f"sampled_{k}": v for k, v in sampled_acc.items()})
-        result.update(split=split, rule=rule)
-        self.evals.append(result)
-        self.log.evaluation(result)
-        return result
-
-    def _score(self, prompts, batch_size: int, seed: int | None) -> dict[str, float]:
-        """Accuracy under each evaluation rule (`accuracy_<rule>`) of greedy (seed None) or
-        one-sample (seeds seed + question index) completions."""
-        n = len(prompts)
-        texts = []
-        for lo in range(0, n, batch_size):
-            idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
-            part = prompts.take(idx)
-            ids = distributed.rows(part.ids_nP, self.mesh)
-            valid = distributed.rows(part.valid_nP, self.mesh)
-            if seed is None:
-                out = self.backend.greedy(self.params, ids, valid)
-            else:
-                seeds = distributed.rows((seed + idx).astype(np.uint32), self.mesh)
-                out = self.backend.generate(self.params, ids, valid, seeds, 1)
-            got = self._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
-            texts.extend(got[: min(batch_size, n - lo)])
-        solutions = [ex["solution"] for ex in prompts.examples]
-        _, per_fn, _ = self.rewards.score(texts, solutions, list(self.eval_rules))
-        return {
-            f"accuracy_{name.split('/')[1]}": float(np.mean(np.asarray(v) > 0))
-            for name, v in per_fn.items()
-        }
+        """Held-out accuracy of the current params (`trainer_eval.evaluate`), logged and kept in `evals`."""
+        return trainer_eval.evaluate(self, step, batch_size, split, sampled)
 
     def train(self, progress=None) -> dict:
-        """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
-        self.maybe_resume()
-        self.backend.sync_weights(self.params, self.start_step)
-        cfg = self.cfg.trainer
-        with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
-            before = self.evaluate(self.start_step, sampled=True)
-            self._validate(self.start_step)
-            for step in range(self.start_step, self.num_steps):
-                self._stop_if_asked(stop, step)
-                with self.tracer.step(step + 1):
-                    metrics = self._guarded_step(step)
-                self.log.metrics(metrics)
-                if progress is not None:
-                    progress(metrics)
-                done = step + 1
-                if cfg.eval_every and done % cfg.eval_every == 0 and done < self.num_steps:
-                    if self.val_set is not None:
-                        self._validate(done)
-                    else:
-                        self.evaluate(done)
-                if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                    self.save(done)
-            if self.ckpt.latest_step() != self.num_steps:
-                self.save(self.num_steps)
-            self._stop_if_asked(stop, self.num_steps)
-        self._validate(self.num_steps)
-        after = self.evaluate(self.num_steps, sampled=True)
-        table = phase_table(self.log.history)
-        if self.main:
-            if self.cfg.logging.plot and self.log.history:
-                plot_curves(self.log.history, self.evals, self.out_dir / "curves.png")
-            programs = prof.format_programs_report()
-            (self.out_dir / "compiled_programs.md").write_text(programs + "\n")
-            rules = " ".join(
-                f"{rule} {before[f'accuracy_{rule}']:.3f} -> {after[f'accuracy_{rule}']:.3f};"
-                for rule in ("released", "strict")
-            )
-            (self.out_dir / "summary.md").write_text(
-                f"accuracy ({self.cfg.eval.rule} rule) before {before['accuracy']:.3f}, after "
-                f"{after['accuracy']:.3f} (both rules: {rules[:-1]})\n\n{table}\n"
-            )
-        return {"before": before, "after": after, "steps": self.num_steps, "phases": table}
-
-    def _stop_if_asked(self, stop: StopSignals, step: int) -> None:
-        """After SIGTERM/SIGINT (see `cppo_jax.stopping`): checkpoint `step` and raise `SignalStopError`."""
-        if stop.requested is None:
-            return
-        if self.ckpt.latest_step() != step:
-            self.save(step)
-        self.log.event("stopped", step=step, signal=stop.name)
-        raise SignalStopError(
-            stop.requested,
-            step,
-            f"stopped by {stop.name} after step {step}; checkpoint of step {step} saved under "
-            f"{self.ckpt.directory} (resume with trainer.resume=true)",
-        )
-
-    def _guarded_step(self, step: int) -> dict:
-        """`step`, saving a checkpoint before a rollout-server failure propagates."""
-        try:
-            return self.step(step)
-        except RolloutServerError as e:
-            done = max(step, self.params_step)
-            self.save(done)
-            self.log.event("rollout_server_error", step=done, error=str(e))
-            raise RolloutServerError(
-                f"{e} -- stopped; checkpoint of step {done} saved under {self.ckpt.directory} "
-                f"(resume with trainer.resume=true once the server is back)"
-            ) from e
-
-    def _validate(self, step: int) -> None:
-        """Validation accuracy; the best policy so far is kept as a Hugging Face folder `best/`."""
-        if self.val_set is None:
-            return
-        r = self.evaluate(step, split="validation")
-        if self.best_val is None or r["accuracy"] > self.best_val:
-            self.best_val = r["accuracy"]
-            save_hf(
-                nnx.merge(self.graphdef, self.params),
-                self.out_dir / "best",
-                extra_config={"cppo_step": step, "cppo_val_accuracy": r["accuracy"]},
-                tokenizer_dir=self.tokenizer.path,
-            )
-            self.log.event("best", step=step, accuracy=r["accuracy"])
+        """The whole run (`trainer_run.train`); returns a summary."""
+        return trainer_run.train(self, progress)
 
     def close(self) -> None:
-        if self._executor is not None:  # an in-flight rollout ends by itself (client timeouts)
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._pending = None
+        if self.overlap is not None and not self.overlap.close():  # before the backend's client
+            self.log.event("rollout_abandoned", wait_s=self.overlap.close_wait_s)
         self.tracer.close()
         self.rewards.close()
         self.backend.close()

@@ -15,11 +15,13 @@ import jax
 import numpy as np
 import pytest
 
+from cppo_jax import trainer_run
 from cppo_jax.config import ConfigError
 from cppo_jax.rollout.backend import EmbeddedBackend
 from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.trainer import Trainer
 from tests.helpers import spread_reward
+from tests.reliability.runs import read_events
 from tests.test_trainer import small_config
 
 
@@ -36,8 +38,10 @@ class RecordingBackend:
         self.fail_call: int | None = (
             None  # raise RolloutServerError on this generate call (0-based)
         )
+        self.hold_call: int | None = None  # this generate call (0-based) waits for `release`
         self.release = threading.Event()
         self.release.set()
+        self.events: list[str] = []  # "generated <call>" and "closed", in order
         self._lock = threading.Lock()
 
     def generate(self, params, prompt_QP, valid_QP, seeds_Q, n):
@@ -47,7 +51,8 @@ class RecordingBackend:
             self.sampled_with.append(jax.tree.map(np.asarray, params))
         try:
             time.sleep(self.delay_s)  # long enough for the trainer's step to run meanwhile
-            self.release.wait()
+            if self.hold_call in (None, call):
+                self.release.wait()
             if call == self.fail_call:
                 raise RolloutServerError("injected: the server went away mid-rollout")
             return jax.block_until_ready(
@@ -56,6 +61,7 @@ class RecordingBackend:
         finally:
             with self._lock:
                 self.in_flight -= 1
+                self.events.append(f"generated {call}")
 
     def greedy(self, *args, **kw):
         return self.inner.greedy(*args, **kw)
@@ -66,7 +72,7 @@ class RecordingBackend:
         return {}
 
     def close(self):
-        pass
+        self.events.append("closed")
 
 
 def overlap_trainer(tmp_path, arith_model_dir, *overrides):
@@ -134,26 +140,88 @@ def test_failed_background_rollout_stops_the_run_with_a_checkpoint(tmp_path, ari
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
     backend.fail_call = 2  # the generation of step 2, requested during step 1
     try:
-        trainer._guarded_step(0)
+        trainer_run.guarded_step(trainer, 0)
         with pytest.raises(RolloutServerError, match="mid-rollout.*checkpoint of step 2 saved"):
-            trainer._guarded_step(1)
+            trainer_run.guarded_step(trainer, 1)
         assert trainer.ckpt.latest_step() == 2
         assert backend.pushed == [1]  # step 1's update is saved, never pushed
     finally:
         trainer.close()
 
 
+def producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("cppo-rollout")]
+
+
+def test_close_stops_the_producer_before_the_client(tmp_path, arith_model_dir):
+    """Closing while the next step's generation runs: the producer ends first (the generation is let
+    finish, nothing new starts), then the backend and its client are closed."""
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
+    try:
+        trainer.step(0)  # requests step 1's generation and waits for it before its push
+        backend.release.clear()
+        trainer.overlap.take(trainer.params, 1)  # step 2's generation (call 2) now runs and waits
+        while backend.in_flight == 0:
+            time.sleep(0.01)
+        threading.Timer(1.0, backend.release.set).start()
+    finally:
+        t0 = time.monotonic()
+        trainer.close()
+    assert time.monotonic() - t0 >= 0.5  # close waited for the generation in flight
+    assert backend.events[-2:] == ["generated 2", "closed"]
+    assert backend.in_flight == 0 and not producer_threads()
+    assert all(e["event"] != "rollout_abandoned" for e in read_events(trainer.out_dir))
+    with pytest.raises(RuntimeError, match="producer is closed"):
+        trainer.overlap.take(trainer.params, 2)
+
+
 def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
+    trainer.overlap.close_wait_s = 0.5
     try:
         trainer.step(0)
         backend.release.clear()  # the generation of step 2 hangs (a server that never answers)
-        trainer._take_rollout(1)
+        trainer.overlap.take(trainer.params, 1)
         t0 = time.monotonic()
     finally:
         trainer.close()
     assert time.monotonic() - t0 < 5.0
+    events = [e for e in read_events(trainer.out_dir) if e["event"] == "rollout_abandoned"]
+    assert [e["wait_s"] for e in events] == [0.5]
+    assert backend.events[-1] == "closed" and backend.in_flight == 1  # abandoned, still running
     backend.release.set()
+    for thread in producer_threads():
+        thread.join(timeout=30)
+    assert backend.in_flight == 0 and not producer_threads()
+
+
+def test_a_step_that_returns_early_waits_for_the_generation_it_requested(
+    tmp_path, arith_model_dir, monkeypatch
+):
+    """Non-finite rewards end the step early (skipped); the next step's generation, requested at its
+    start, has ended by the time it returns, so nothing (an evaluation's push) reaches a busy server."""
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
+    score = trainer.rewards.score
+    scored_at = []
+
+    def poisoned(texts, solutions, *rest):
+        total, per_fn, stats = score(texts, solutions, *rest)
+        scored_at.append(time.monotonic())
+        threading.Timer(1.0, backend.release.set).start()  # step 1's generation ends 1 s later
+        return np.full(len(total), np.nan), per_fn, stats
+
+    monkeypatch.setattr(trainer.rewards, "score", poisoned)
+    backend.hold_call = 1  # step 1's generation, requested during step 0, waits for the release
+    backend.release.clear()
+    try:
+        metrics = trainer.step(0)
+        returned_after = time.monotonic() - scored_at[0]
+        assert metrics["update_skipped"] == 1.0 and backend.pushed == []
+        assert backend.in_flight == 0 and backend.events == ["generated 0", "generated 1"]
+        assert returned_after >= 0.9  # it waited for the held generation
+    finally:
+        backend.release.set()
+        trainer.close()
 
 
 def test_overlap_needs_a_server(tmp_path):
@@ -180,7 +248,7 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
             assert len(backend.sampled_with) == s + 1  # nothing requested ahead
     finally:
         trainer.close()
-    assert trainer._executor is None and seen == [None, None, None]  # mu = 1: ratio exactly 1
+    assert trainer.overlap is None and seen == [None, None, None]  # mu = 1: ratio exactly 1
     for got, want in zip(backend.sampled_with, before_step):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(a, b)

@@ -1,0 +1,48 @@
+"""Steps 1-2 of a CPPO step: draw the step's Q questions and sample G completions of each.
+
+Every process draws the whole global batch of question ids (cheap: `pipeline.question_order` gives
+step `step`'s row) and lays prompts and seeds out as global arrays over the mesh. Question q of step
+`step` is sampled with seed `(seed * SEED_STRIDE + step * Q + q) mod 2**31`, so each question of each step
+has its own random numbers, the same however the batch is split or the run is resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from cppo_jax import distributed, pipeline
+from cppo_jax.rollout.sampling import Samples
+
+SEED_STRIDE = 1_000_003  # between the seeds of two runs' step 0 (trainer.seed, trainer.seed + 1)
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """One step's questions and their sampled completions."""
+
+    step: int
+    batch: pipeline.PromptSet
+    prompt_QP: jax.Array
+    pvalid_QP: jax.Array
+    samples: Samples
+    seconds: float  # wall time of the generation itself
+
+
+def draw_rollout(
+    backend, params, prompts: pipeline.PromptSet, question_ids, step: int, seed: int, G: int, mesh
+) -> StepRollout:
+    """The questions `question_ids` of `prompts` (step `step`'s) and G completions each from
+    `backend` sampling with `params`, waited for."""
+    batch = prompts.take(np.asarray(question_ids))
+    Q = len(batch)
+    prompt_QP = distributed.rows(batch.ids_nP, mesh)
+    pvalid_QP = distributed.rows(batch.valid_nP, mesh)
+    seeds = (seed * SEED_STRIDE + step * Q + np.arange(Q)) % (2**31)
+    seeds_Q = distributed.rows(seeds.astype(np.uint32), mesh)
+    t = time.perf_counter()
+    samples = jax.block_until_ready(backend.generate(params, prompt_QP, pvalid_QP, seeds_Q, G))
+    return StepRollout(step, batch, prompt_QP, pvalid_QP, samples, time.perf_counter() - t)
