@@ -1,5 +1,6 @@
 """Everything that makes completions (the trainer asks `backend.make_backend` for one backend).
 
+- `draw`: steps 1-2 of a CPPO step, the step's questions (and their seeds) and their completions;
 - `backend`: the `RolloutBackend` protocol, the embedded backend and the factory `make_backend`;
 - `sampling`: `SamplingParams`, `Samples` and choosing a token (greedy, top-k/top-p, inverse CDF);
 - `sampler`: the embedded JAX sampler (shared prompt prefill, batched KV-cache decode);
