@@ -1,4 +1,4 @@
-"""The CPPO trainer: one step in the order of the paper, logging, evaluation, checkpoints.
+"""The CPPO trainer: set-up, and one step in the order of the paper.
 
 One step (`Trainer.step`):
   1. Draw Q questions (Q = floor(b / (1 - p)) with allocation, else b).
@@ -11,8 +11,9 @@ One step (`Trainer.step`):
 Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
-stale, with exact old-policy log-probs (`rollout.overlap`). Evaluation, validation and the run's summary
-are `trainer_eval`'s; scoring a rollout on the host is `scoring`'s.
+stale, with exact old-policy log-probs (`rollout.overlap`). Steps 1-2 are `rollout.draw`'s, step 3 on
+the host `scoring`'s, steps 4-5 `cppo.prune`, 6-7 `step`'s compiled functions. The run around the steps
+(resume, evaluations, checkpoints, stops) is `trainer_run`'s; evaluation and validation `trainer_eval`'s.
 """
 
 from __future__ import annotations

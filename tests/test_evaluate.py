@@ -135,7 +135,7 @@ def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, mo
     for ex in load_examples("aime24", "test")[:3]:  # the stub knows the first 3 AIME answers
         answers[ex["question"]] = f"<think>so</think>\n<answer>$\\boxed{{{ex['answer']}}}$</answer>"
     stub = _StubBackend(tok, answers)
-    monkeypatch.setattr("cppo_jax.rollout.make_backend", lambda *a, **k: stub)
+    monkeypatch.setattr("cppo_jax.rollout.backend.make_backend", lambda *a, **k: stub)
     result = ev.evaluate(
         cfg,
         tiny_model,
@@ -226,7 +226,7 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     stub = _StubBackend(
         Tokenizer.from_dir(tiny_model), {ex["question"]: a for ex, a in zip(examples, answers)}
     )
-    monkeypatch.setattr("cppo_jax.rollout.make_backend", lambda *a, **k: stub)
+    monkeypatch.setattr("cppo_jax.rollout.backend.make_backend", lambda *a, **k: stub)
     result = ev.evaluate(
         cfg,
         tiny_model,
