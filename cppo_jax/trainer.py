@@ -36,7 +36,8 @@ from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import Config, ConfigError, save_config
-from cppo_jax.models import Tokenizer, load_hf, save_hf
+from cppo_jax.export import EXPORT_DIR, export_policy
+from cppo_jax.models import Tokenizer, load_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout import make_backend
@@ -92,6 +93,9 @@ class Trainer:
             save_config(cfg, self.out_dir / "config.json")
         self.shapes = cppo.shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
+        self.model_path = (
+            path  # the Hugging Face folder the run starts from (exports keep its fields)
+        )
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
         # The mesh: questions split whole over (data, fsdp); params sharded by the rules.
         self.mesh = sharding_lib.make_mesh(cfg.mesh)
@@ -520,6 +524,14 @@ class Trainer:
                 self.save(self.num_steps)
             self._stop_if_asked(stop, self.num_steps)
         self._validate(self.num_steps)
+        export_policy(
+            self.graphdef,
+            self.params,
+            self.cfg,
+            self.out_dir / EXPORT_DIR,
+            self.model_path,
+            cppo_step=self.num_steps,
+        )
         after = self.evaluate(self.num_steps, sampled=True)
         table = phase_table(self.log.history)
         if self.main:
@@ -571,11 +583,14 @@ class Trainer:
         r = self.evaluate(step, split="validation")
         if self.best_val is None or r["accuracy"] > self.best_val:
             self.best_val = r["accuracy"]
-            save_hf(
-                nnx.merge(self.graphdef, self.params),
+            export_policy(
+                self.graphdef,
+                self.params,
+                self.cfg,
                 self.out_dir / "best",
-                extra_config={"cppo_step": step, "cppo_val_accuracy": r["accuracy"]},
-                tokenizer_dir=self.tokenizer.path,
+                self.model_path,
+                cppo_step=step,
+                cppo_val_accuracy=r["accuracy"],
             )
             self.log.event("best", step=step, accuracy=r["accuracy"])
 
