@@ -306,12 +306,23 @@ class EvalConfig:
         _choice("eval.rule", self.rule, ("released", "strict"))
 
 
+WANDB_MODES = ("online", "offline")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     progress: bool = True
     tensorboard: bool = True
     samples_per_log: int = 2
     plot: bool = True
+    wandb: bool = False  # Weights & Biases (pip install wandb): metrics and evaluations
+    wandb_project: str = "cppo_jax"
+    wandb_entity: str | None = None  # None: the account's default
+    wandb_mode: str = "online"  # or "offline": written under the run folder, `wandb sync` later
+
+    def __post_init__(self):
+        _choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _check(bool(self.wandb_project), "logging.wandb_project", self.wandb_project, "a name")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from cppo_jax.models import Tokenizer, load_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout import make_backend
-from cppo_jax.runlog import RunLog, phase_table, plot_curves, reward_metrics
+from cppo_jax.runlog import RunLog, phase_table, plot_curves, reward_metrics, wandb_settings
 from cppo_jax.sampler import SamplingParams
 from cppo_jax.stopping import SignalStopError, StopSignals
 from cppo_jax.vllm_client import RolloutServerError
@@ -192,7 +192,12 @@ class Trainer:
             timeout_s=cfg.reward.timeout_s,
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
-        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard, write=self.main)
+        self.log = RunLog(
+            self.out_dir,
+            tensorboard=cfg.logging.tensorboard,
+            write=self.main,
+            wandb=wandb_settings(cfg) if cfg.logging.wandb else None,
+        )
         self.log.event("data", train=len(self.train_set), **self.data_stats)  # skipped, cut prompts
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
