@@ -33,10 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import Config, ConfigError, CPPOConfig
-
-METRICS = ("smallest", "largest", "random")
-SCALES = ("group", "batch", "none")
+from cppo_jax.config import ADV_SCALES, METRICS, Config, ConfigError, CPPOConfig
 
 
 def _as_fraction(p) -> Fraction:
@@ -111,8 +108,8 @@ def group_advantages(rewards_QG: jax.Array, scale: str = "group", eps: float = 1
     scale: "group" (per-question std, GRPO/CPPO), "batch" (std over all Q * G rewards),
     "none" (Dr. GRPO: r - group mean). A group whose rewards are all equal gets A = 0.
     """
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {ADV_SCALES}")
     if rewards_QG.ndim != 2:
         raise ValueError(f"rewards_QG must be [Q, G], got shape {rewards_QG.shape}")
     _check_group_size(rewards_QG.shape[1])

@@ -60,7 +60,8 @@ from typing import Any
 import numpy as np
 
 from cppo_jax import pipeline
-from cppo_jax.config import Config, ConfigError, apply_overrides, from_dict, load_config
+from cppo_jax.config import Config, ConfigError
+from cppo_jax.config_io import apply_overrides, from_dict, load_config
 
 __all__ = [
     "BENCHMARKS",
@@ -172,7 +173,7 @@ def run_config(path: str | Path) -> Config:
 
 def _tokenizer(folders: list[str | Path], where: str):
     from cppo_jax.models import Tokenizer
-    from cppo_jax.plan import has_tokenizer
+    from cppo_jax.models.tokenizer import has_tokenizer
 
     for folder in folders:
         if folder and has_tokenizer(folder):

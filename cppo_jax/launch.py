@@ -23,7 +23,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, load_config
+from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError
+from cppo_jax.config_io import load_config
 
 MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"
 
@@ -117,7 +118,7 @@ def _has_chat_template(folder: Path) -> bool:
 
 def check_startable(cfg: Config) -> None:
     """Raise ConfigError naming the key when the run would fail on start (see the module docstring)."""
-    from cppo_jax.plan import has_tokenizer
+    from cppo_jax.models.tokenizer import has_tokenizer
     from cppo_jax.rewards import registry
 
     key, folder = _model_key(cfg), Path(cfg.model.init_checkpoint or cfg.model.path)

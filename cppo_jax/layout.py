@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
@@ -225,23 +225,6 @@ def memory_plan(
         device_bytes=device_bytes,
         unsharded=_unsharded(shapes, axis, pb),
     )
-
-
-def resolve_mesh(cfg: Config, num_devices: int) -> dict[str, int]:
-    """The mesh sizes a run on `num_devices` devices gets from `cfg.mesh` (as sharding.make_mesh)."""
-    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
-    if -1 in sizes.values():
-        if num_devices % fixed:
-            raise ConfigError(f"{given}: the fixed axes do not divide the {num_devices} devices")
-        return {k: (num_devices // fixed if v == -1 else v) for k, v in sizes.items()}
-    if fixed != num_devices:
-        raise ConfigError(
-            f"{given} = {fixed} devices, but the plan is for {num_devices}; make the product "
-            f"{num_devices} (one axis may be -1: the rest)"
-        )
-    return sizes
 
 
 def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
-
+from cppo_jax.config import LOSS_TYPES
 
 # --------------------------------------------------------------------------- masks
 

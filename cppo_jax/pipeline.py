@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cppo_jax.config import DataConfig
+from cppo_jax.config import PROMPT_FORMATS, DataConfig
 from cppo_jax.tasks.prompts import plain_prompt, resolve_system_prompt
 
 if TYPE_CHECKING:  # imported where used: the memory plan needs this module, not grain
@@ -76,8 +76,10 @@ def encode_prompts(
 ) -> PromptSet:
     """Left-padded prompt ids of `examples` (`data.system_prompt`: None is the task's own prompt)."""
     system = resolve_system_prompt(task, system_prompt)
-    if prompt_format not in ("chat", "plain"):
-        raise ValueError(f"unknown prompt format {prompt_format!r}; expected 'chat' or 'plain'")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(
+            f"unknown prompt format {prompt_format!r}; expected one of {PROMPT_FORMATS}"
+        )
     ids = np.full((len(examples), max_len), tokenizer.pad_id, np.int32)
     valid = np.zeros((len(examples), max_len), bool)
     truncated = 0

@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 
 from cppo_jax import docs_gen, evaluate, launch, plan
-from cppo_jax.config import Config, load_config
+from cppo_jax.config import Config
+from cppo_jax.config_io import load_config
+from cppo_jax.models import known
 from cppo_jax.sft import SFTConfig
 from tests.documented import _ENV, NOT_RUN, Doc, _head, _synopsis, collect
 from tests.test_launch import model_folder
@@ -55,12 +57,12 @@ class StandIns:
         self.tmp, self.docs, self.made = tmp, docs, {}
 
     def model(self, path: str) -> str:
-        known = plan.find_known_model(path)
-        assert known, f"{path}: no such folder and not a model this test can stand in for"
-        if known not in self.made:
-            folder = model_folder(self.tmp / "models", known, plan.KNOWN_MODELS[known])
-            self.made[known] = str(folder)
-        return self.made[known]
+        name = known.find_known_model(path)
+        assert name, f"{path}: no such folder and not a model this test can stand in for"
+        if name not in self.made:
+            folder = model_folder(self.tmp / "models", name, known.KNOWN_MODELS[name])
+            self.made[name] = str(folder)
+        return self.made[name]
 
     def train_file(self, path: str) -> str:
         if path not in self.made:
@@ -95,7 +97,7 @@ class StandIns:
         import numpy as np
 
         from cppo_jax.checkpoint import Checkpointer
-        from cppo_jax.config import save_config
+        from cppo_jax.config_io import save_config
 
         run = Path(path)
         best = run.name == "best"
@@ -241,7 +243,7 @@ class Runner:
             shrink.append(f"data.train={self.s.gsm8k_sample()}")
         if cfg.data.train == "arith":  # generated: 20000 problems by default
             shrink.append("data.num_train=256")
-        paper_model = plan.find_known_model(cfg.model.path)
+        paper_model = known.find_known_model(cfg.model.path)
         if devices is None and paper_model:
             devices, gb = _mesh_product(overrides) or 1, GPU_GB
         machine = ["--devices", str(devices), "--device-memory-gb", str(gb)] if devices else []

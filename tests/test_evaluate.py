@@ -121,7 +121,7 @@ class _StubBackend:
 
 
 def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, monkeypatch):
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks import arith
@@ -167,7 +167,8 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
 
     from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config import ConfigError, load_config, save_config
+    from cppo_jax.config import ConfigError
+    from cppo_jax.config_io import load_config, save_config
     from cppo_jax.models import load_hf
 
     cfg = load_config(TINY_CPU, [f"model.init_checkpoint={tiny_model}", "model.warm_start="])
@@ -208,7 +209,7 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     tiny_model, tmp_path, monkeypatch
 ):
     """configs/gsm8k_1p5b.py: `accuracy` is the released (lenient) rule; both rules are in every output."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT

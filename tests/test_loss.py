@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cppo_jax import cppo, loss
+from cppo_jax.config import LOSS_TYPES
 
 try:
     import reference_numpy as ref
@@ -38,7 +39,7 @@ _loss = jax.jit(loss.policy_loss, static_argnames=_STATIC)
 
 def _per_loss_type(f):
     """jit(x -> {loss_type: f(x, loss_type)}): one compilation for all four aggregations."""
-    return jax.jit(lambda *args: {lt: f(*args, loss_type=lt) for lt in loss.LOSS_TYPES})
+    return jax.jit(lambda *args: {lt: f(*args, loss_type=lt) for lt in LOSS_TYPES})
 
 
 def _batch(seed, N=4, T=6, spread=0.6, mask_p=0.8):
@@ -62,7 +63,7 @@ def _batch(seed, N=4, T=6, spread=0.6, mask_p=0.8):
 def _all_configs(logp, old, ref_logp, adv, mask, eps_low, eps_high):
     """policy_loss for every loss_type and beta in {0, 0.04}; eps traced, so one compile per shape."""
     out = {}
-    for loss_type in loss.LOSS_TYPES:
+    for loss_type in LOSS_TYPES:
         for beta in (0.0, 0.04):
             kw = dict(loss_type=loss_type, beta=beta, max_completion_len=logp.shape[1] + 3)
             out[loss_type, beta] = loss.policy_loss(
@@ -173,7 +174,7 @@ def test_gradient_matches_finite_differences_inside_and_outside_the_clip():
     @jax.jit
     def grads_and_differences(lp):
         out = {}
-        for loss_type in loss.LOSS_TYPES:
+        for loss_type in LOSS_TYPES:
 
             def f(x, loss_type=loss_type):
                 kw = dict(loss_type=loss_type, beta=0.04, max_completion_len=7)

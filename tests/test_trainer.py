@@ -26,9 +26,8 @@ from cppo_jax.config import (
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
-    apply_overrides,
-    to_dict,
 )
+from cppo_jax.config_io import apply_overrides, to_dict
 from cppo_jax.cppo import shapes_of
 from cppo_jax.trainer import NonFiniteError, Trainer
 from tests.helpers import spread_reward
@@ -244,7 +243,7 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path, arith_model_
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=6", "trainer.checkpoint_every=2")
     config_file = tmp_path / "cfg.py"
     config_file.write_text(
-        "import json\nfrom cppo_jax.config import from_dict\n"
+        "import json\nfrom cppo_jax.config_io import from_dict\n"
         f"DATA = json.loads({json.dumps(json.dumps(to_dict(cfg)))})\n"
         "def get_config():\n    return from_dict(DATA)\n"
     )
