@@ -88,6 +88,15 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, DTYPES)
         _choice("model.param_dtype", self.param_dtype, DTYPES)
 
+    @property
+    def start_folder(self) -> str:
+        """The folder the policy (and the reference) start from: `init_checkpoint`, else `path`."""
+        return self.init_checkpoint or self.path
+
+    @property
+    def tokenizer_folder(self) -> str:
+        return self.tokenizer or self.start_folder
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:

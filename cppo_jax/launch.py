@@ -121,7 +121,7 @@ def check_startable(cfg: Config) -> None:
     from cppo_jax.models.tokenizer import has_tokenizer
     from cppo_jax.rewards import registry
 
-    key, folder = _model_key(cfg), Path(cfg.model.init_checkpoint or cfg.model.path)
+    key, folder = _model_key(cfg), Path(cfg.model.start_folder)
     warm_start = bool(cfg.model.init_checkpoint and cfg.model.warm_start and not folder.exists())
     if not warm_start:  # else the warm start writes it, tokenizer included
         if not folder.is_dir():

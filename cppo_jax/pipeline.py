@@ -20,12 +20,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cppo_jax.config import PROMPT_FORMATS, DataConfig
+from cppo_jax.rewards.registry import TASK_EVAL
 from cppo_jax.tasks.prompts import plain_prompt, resolve_system_prompt
 
 if TYPE_CHECKING:  # imported where used: the memory plan needs this module, not grain
     import grain
 
-ACCURACY_REWARD = {"arith": "arith_accuracy", "gsm8k": "gsm8k_accuracy", "math": "math_accuracy"}
+# The accuracy reward of each task (the `strict` rule of rewards.registry.TASK_EVAL).
+ACCURACY_REWARD = {task: rules["strict"] for task, rules in TASK_EVAL.items()}
+# Sampling seeds: runs (or evaluations) with neighbouring seeds draw from disjoint seed ranges.
+SEED_STRIDE = 1_000_003
 
 
 @dataclasses.dataclass
@@ -99,6 +103,12 @@ def encode_prompts(
         ids[i, max_len - len(row) :] = row
         valid[i, max_len - len(row) :] = True
     return PromptSet(list(examples), ids, valid, truncated)
+
+
+def sample_seeds(seed: int, index_Q) -> np.ndarray:
+    """Per-question sampling seeds from a run's `seed` and the questions' indices, so that what a
+    question samples does not depend on how the questions are batched."""
+    return (seed * SEED_STRIDE + np.asarray(index_Q)) % (2**31)
 
 
 def decode_completions(tokenizer, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:

@@ -24,20 +24,11 @@ from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
 from cppo_jax.models.known import KNOWN_MODELS, ModelSize, find_known_model, model_size
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
-__all__ = ["Plan", "choose_mesh", "model_folder", "plan_report", "plan_run", "tokenizer_folder"]
-
-
-def model_folder(cfg: Config) -> str:
-    """The folder the policy starts from (as the Trainer picks it)."""
-    return cfg.model.init_checkpoint or cfg.model.path
-
-
-def tokenizer_folder(cfg: Config) -> str:
-    return cfg.model.tokenizer or model_folder(cfg)
+__all__ = ["Plan", "choose_mesh", "plan_report", "plan_run"]
 
 
 def _model_plan(cfg: Config) -> ModelSize | None:
-    folder = model_folder(cfg)
+    folder = cfg.model.start_folder
     config_file = Path(folder) / "config.json" if folder else None
     if config_file is not None and config_file.is_file():
         try:
@@ -87,7 +78,7 @@ def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
         f"({test_stats.get('bad_rows', 0)} bad rows skipped), {eval_n} evaluated"
     )
 
-    folder = tokenizer_folder(cfg)
+    folder = cfg.model.tokenizer_folder
     if not has_tokenizer(folder):
         where = repr(folder) if folder else "no folder configured"
         lines.append(f"tokenizer: none found ({where}): prompts not tokenized")

@@ -36,7 +36,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from cppo_jax import evaluate, launch, plan
+from cppo_jax import eval_checkpoint, evaluate, launch, plan
 from cppo_jax.config import Config
 from cppo_jax.config_io import load_config
 from cppo_jax.models import known
@@ -116,7 +116,7 @@ class StandIns:
             self.made[str(run)] = str(folder)
         folder = Path(self.made[str(run)])
         if best:
-            rcfg = evaluate.run_config(folder)
+            rcfg = eval_checkpoint.run_config(folder)
             return self.model(Path(rcfg.model.path).name if rcfg.model.path else str(folder))
         return str(folder)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cppo_jax import eval_checkpoint
 from cppo_jax import evaluate as ev
 from cppo_jax.rewards import gsm8k
 
@@ -182,8 +183,11 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     ckpt.save(3, {"params": trained, "opt_state": tx.init(trained)}, {"step": 3})
     ckpt.close()
 
-    assert ev.checkpoint_kind(run) == "run" and ev.checkpoint_kind(tiny_model) == "hf"
-    policy = ev.load_policy(None, run)
+    assert (
+        eval_checkpoint.checkpoint_kind(run) == "run"
+        and eval_checkpoint.checkpoint_kind(tiny_model) == "hf"
+    )
+    policy = eval_checkpoint.load_policy(None, run)
     assert policy.kind == "run" and policy.step == 3 and policy.run_config == cfg
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), policy.params, trained)
     assert all(jax.tree.leaves(same))
@@ -192,7 +196,7 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     (no_model / "checkpoints").mkdir(parents=True)
     save_config(load_config(TINY_CPU, ["model.init_checkpoint="]), no_model / "config.json")
     with pytest.raises(ConfigError, match="model.path is required: a local Hugging Face folder"):
-        ev.load_policy(None, no_model)
+        eval_checkpoint.load_policy(None, no_model)
 
 
 def test_user_errors_exit_2_with_the_culprit(tiny_model, tmp_path, capsys):
