@@ -234,9 +234,9 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         batch = _batch(rng, sh, rows, tcfg.vocab_size, with_ref=True)
         start = time.perf_counter()
         step_c = train_step.lower(p_copy, opt_state, batch).compile()
-        logps_c = logps.lower(params, batch.tokens_NT, batch.valid_NT).compile()
+        logps_c = logps.lower(params, batch.tokens_MT, batch.valid_MT).compile()
         compile_s = time.perf_counter() - start
-        ref_s, _ = _timed(logps_c, params, batch.tokens_NT, batch.valid_NT, repeat=repeat)
+        ref_s, _ = _timed(logps_c, params, batch.tokens_MT, batch.valid_MT, repeat=repeat)
         # The update donates params and state: carry them through the repeats.
         state = [p_copy, opt_state]
 

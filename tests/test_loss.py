@@ -247,7 +247,7 @@ def test_policy_loss_rejects_bad_arguments():
         loss.policy_loss(logp, old, ref_logp, adv, mask, loss_type="sum")
     with pytest.raises(ValueError, match="max_completion_len"):
         loss.policy_loss(logp, old, ref_logp, adv, mask, loss_type="dr_grpo")
-    with pytest.raises(ValueError, match="ref_logp_NT"):
+    with pytest.raises(ValueError, match="ref_logp_MC"):
         loss.policy_loss(logp, old, None, adv, mask, beta=0.04)
     with pytest.raises(ValueError, match="static Python float"):
         jax.jit(lambda b: loss.policy_loss(logp, old, ref_logp, adv, mask, beta=b))(0.04)
@@ -384,5 +384,5 @@ def test_logps_reject_bad_arguments():
         loss.token_logps_from_hidden(h, w, t, chunk_size=0)
     with pytest.raises(ValueError, match="temperature"):
         loss.token_logps_from_hidden(h, w, t, temperature=0.0)
-    with pytest.raises(ValueError, match="targets_NT"):
+    with pytest.raises(ValueError, match="targets_MT"):
         loss.token_logps_from_hidden(h, w, t[:, :2])
