@@ -24,7 +24,7 @@ from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
 from cppo_jax.models.known import KNOWN_MODELS, ModelSize, find_known_model, model_size
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
-__all__ = ["Plan", "choose_mesh", "plan_report", "plan_run"]
+__all__ = ["Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
 
 
 def _model_plan(cfg: Config) -> ModelSize | None:

@@ -7,7 +7,7 @@ process and enforces the bound from outside:
 1. Workers are fresh interpreters (`subprocess` + exec: nothing is forked from a parent that may hold JAX
    threads, and unlike multiprocessing's spawn the parent's `__main__` is not re-imported, so a training
    script's imports stay out of the workers). Each sets RLIMIT_AS (`memory_limit_bytes`), imports the reward
-   functions by qualified name, warms them up and reports ready.
+   functions by qualified name, warms them up and reports ready (`cppo_jax.rewards.worker`).
 2. `score` cuts the batch into chunks of up to `chunk_size` items and hands them to idle workers. A worker runs the calls
    of its chunk in order and answers after each one.
 3. Each call has `timeout_s` seconds, counted from the previous answer (or the hand-over). A call that
