@@ -264,7 +264,7 @@ class MeshConfig:
     def sizes(self, num_devices: int) -> dict[str, int]:
         """The axis sizes on `num_devices` devices, -1 resolved to the rest (what the mesh of a run
         and of a plan get); a `ConfigError` naming the keys when they do not fit the devices."""
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = dataclasses.asdict(self)  # axis name -> size, in the mesh's order
         fixed = math.prod(v for v in sizes.values() if v != -1)
         given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
         if -1 in sizes.values():
@@ -281,6 +281,8 @@ class MeshConfig:
             )
         return sizes
 
+
+MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))  # the mesh's axes, in order
 
 _REMOTE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # gs://, s3://, hdfs://, file://, ...
 

@@ -21,9 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cppo_jax.config import ConfigError, MeshConfig
+from cppo_jax.config import MESH_AXES, ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
 DATA_AXES = ("data", "fsdp")  # the axes questions (and so sequences) are split over
 
 # Logical axis name -> mesh axes, in the order they are tried. None: never sharded.
@@ -59,9 +58,9 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         sizes = cfg.sizes(len(devices))
     except ConfigError as e:
         raise MeshError(str(e)) from None
-    shape = tuple(sizes[a] for a in AXES)
-    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
-    return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
