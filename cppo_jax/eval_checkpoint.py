@@ -122,14 +122,9 @@ def load_policy(cfg: Config | None, checkpoint: str | Path, step: int | None = N
 
 
 def _load_run(path: Path, step: int | None) -> Policy:
-    import jax
-    from flax import nnx
-
-    from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.export import abstract_state
     from cppo_jax.launch import MODEL_REQUIRED
-    from cppo_jax.models.hf_io import read_hf_config
-    from cppo_jax.models.transformer import Transformer
 
     rcfg = run_config(path)
     base = rcfg.model.start_folder
@@ -138,12 +133,7 @@ def _load_run(path: Path, step: int | None) -> Policy:
             f"{path / 'config.json'}: {MODEL_REQUIRED}; the run names neither model.path nor "
             f"model.init_checkpoint, so its architecture is unknown"
         )
-    # The architecture only (no weights read): the Trainer's params are load_hf(base, dtype).
-    tcfg = read_hf_config(base, dtype=rcfg.model.dtype)
-    abstract = nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract)
-    tx = step_lib.make_optimizer(rcfg.optim, 1)  # the state's structure does not depend on length
-    target = {"params": abstract_params, "opt_state": jax.eval_shape(tx.init, abstract_params)}
+    graphdef, target = abstract_state(rcfg, base)  # the architecture only: no weights read
     ckpt = Checkpointer(path / "checkpoints", keep=rcfg.trainer.keep_checkpoints)
     try:
         state, meta = ckpt.restore(step, target)
