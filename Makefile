@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint format clean dist
+.PHONY: setup demo test lint format docs clean dist
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# Regenerate docs/configuration.md from the config dataclasses (the tests check it is current).
+docs: $(STAMP)
+	$(PY) -m tools.docs_gen
 
 test: lint
 	$(PY) -m pytest

@@ -59,7 +59,7 @@ SAVED_ARGS = (
 
 def run_config(spec: dict):
     """The demo config, changed to one pass over `num_train` questions at pruning rate `p`."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
 
     cfg = load_config(BASE_CONFIG)
     model = cfg.model

@@ -23,16 +23,12 @@ from flax import nnx
 
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config import Config, ConfigError, from_dict
+from cppo_jax.config import Config, ConfigError
+from cppo_jax.config_io import from_dict
 from cppo_jax.models.hf_io import read_hf_config, save_hf
 from cppo_jax.models.transformer import Transformer
 
 EXPORT_DIR = "export"
-
-
-def source_of(cfg: Config) -> Path:
-    """The Hugging Face folder a run started from (its config, generation config and tokenizer)."""
-    return Path(cfg.model.init_checkpoint or cfg.model.path)
 
 
 def export_policy(
@@ -49,7 +45,7 @@ def export_policy(
     )
 
 
-def _abstract_state(cfg: Config, source: Path) -> tuple[nnx.GraphDef, dict]:
+def abstract_state(cfg: Config, source: str | Path) -> tuple[nnx.GraphDef, dict]:
     """The graph and the {params, opt_state} shapes a run's checkpoints hold, placed on one device."""
     model_cfg = read_hf_config(
         source,
@@ -79,7 +75,7 @@ def export_run(
     if not config_file.is_file():
         raise FileNotFoundError(f"--run {run}: no config.json there (not a run folder)")
     cfg = from_dict(json.loads(config_file.read_text()))
-    src = Path(source) if source else source_of(cfg)
+    src = Path(source or cfg.model.start_folder)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(
             f"the run's starting checkpoint {src} has no config.json (config key "
@@ -93,7 +89,7 @@ def export_run(
         if step is not None and step not in steps:
             raise CheckpointError(f"--step {step}: not a checkpoint of {run} (there are {steps})")
         step = steps[-1] if step is None else step
-        graphdef, abstract = _abstract_state(cfg, src)
+        graphdef, abstract = abstract_state(cfg, src)
         state, _ = ckpt.restore(step, abstract)
     finally:
         ckpt.close()

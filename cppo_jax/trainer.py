@@ -35,7 +35,8 @@ from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config import Config, ConfigError, save_config
+from cppo_jax.config import Config, ConfigError
+from cppo_jax.config_io import save_config
 from cppo_jax.export import EXPORT_DIR, export_policy
 from cppo_jax.models import Tokenizer, load_hf
 from cppo_jax.rewards.pool import RewardPool

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cppo_jax import eval_checkpoint
 from cppo_jax import evaluate as ev
 from cppo_jax.rewards import gsm8k
 
@@ -121,7 +122,7 @@ class _StubBackend:
 
 
 def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, monkeypatch):
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks import arith
@@ -167,7 +168,8 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
 
     from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config import ConfigError, load_config, save_config
+    from cppo_jax.config import ConfigError
+    from cppo_jax.config_io import load_config, save_config
     from cppo_jax.models import load_hf
 
     cfg = load_config(TINY_CPU, [f"model.init_checkpoint={tiny_model}", "model.warm_start="])
@@ -181,8 +183,11 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     ckpt.save(3, {"params": trained, "opt_state": tx.init(trained)}, {"step": 3})
     ckpt.close()
 
-    assert ev.checkpoint_kind(run) == "run" and ev.checkpoint_kind(tiny_model) == "hf"
-    policy = ev.load_policy(None, run)
+    assert (
+        eval_checkpoint.checkpoint_kind(run) == "run"
+        and eval_checkpoint.checkpoint_kind(tiny_model) == "hf"
+    )
+    policy = eval_checkpoint.load_policy(None, run)
     assert policy.kind == "run" and policy.step == 3 and policy.run_config == cfg
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), policy.params, trained)
     assert all(jax.tree.leaves(same))
@@ -191,7 +196,7 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     (no_model / "checkpoints").mkdir(parents=True)
     save_config(load_config(TINY_CPU, ["model.init_checkpoint="]), no_model / "config.json")
     with pytest.raises(ConfigError, match="model.path is required: a local Hugging Face folder"):
-        ev.load_policy(None, no_model)
+        eval_checkpoint.load_policy(None, no_model)
 
 
 def test_user_errors_exit_2_with_the_culprit(tiny_model, tmp_path, capsys):
@@ -208,7 +213,7 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     tiny_model, tmp_path, monkeypatch
 ):
     """configs/gsm8k_1p5b.py: `accuracy` is the released (lenient) rule; both rules are in every output."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT

@@ -694,7 +694,7 @@ def test_gpu_node_dry_run_follows_the_config_and_the_cpu_switch():
 
 
 def test_tiny_cpu_vllm_config(monkeypatch):
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
 
     monkeypatch.delenv("CPPO_VLLM_URL", raising=False)
     cfg = load_config(ROOT / "configs" / "tiny_cpu_vllm.py")
