@@ -159,6 +159,12 @@ MEANINGS: dict[str, str] = {
     "logging.samples_per_log": "Questions whose first completion is written to samples.jsonl when "
     "samples are logged; 0: none.",
     "logging.plot": "Draw `<run>/curves.png` (reward and accuracy) at the end.",
+    "logging.wandb": "Log metrics and evaluations to Weights & Biases too (needs `pip install wandb`); "
+    "the run name is `trainer.run_name`, the run's config is the whole config.",
+    "logging.wandb_project": "The W&B project.",
+    "logging.wandb_entity": "The W&B entity (team or user); None: the account's default.",
+    "logging.wandb_mode": "`online`, or `offline`: written under `<run>/wandb` without a network or "
+    "an account (`wandb sync` uploads it later).",
     # sft (cppo_jax/sft.py)
     "sft.out": "The Hugging Face folder written at the end (the RL run's `model.init_checkpoint`).",
     "sft.init_from": "Continue from this Hugging Face folder (weights and tokenizer) instead of a "
