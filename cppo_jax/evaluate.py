@@ -46,8 +46,8 @@ Written to `--out` (default `<run>/eval` for a run folder, `<trainer.out_dir>/ev
 Hugging Face folder, which is never written into): `<benchmark>.jsonl`, one row per completion (question
 id, sample, prompt, completion, gold answer, reward per function, correct, length, truncated), and
 `summary.md` / `summary.json` (benchmark, n, samples, accuracy under each rule, mean length, truncated
-fraction, time),
-which is also printed.
+fraction, time; with several samples per question the accuracy is mean@n, and the unbiased pass@k for
+k = 1, 2, 4, ... up to n is added), which is also printed.
 """
 
 from __future__ import annotations

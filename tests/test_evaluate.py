@@ -154,6 +154,14 @@ def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, mo
     # aime24: 30 questions x 2 samples in calls of 2 questions; only sample 0 of questions 0-2 is right.
     assert by_name["aime24"]["n"] == 30 and by_name["aime24"]["samples"] == 2
     assert by_name["aime24"]["accuracy"] == pytest.approx(3 / 60)
+    # pass@k: 3 questions with 1 of 2 samples right; pass@1 = mean@2, pass@2 = 3 / 30.
+    assert by_name["aime24"]["pass@1"] == pytest.approx(3 / 60)
+    assert by_name["aime24"]["pass@2"] == pytest.approx(3 / 30)
+    assert "pass@1" not in by_name["arith"]  # one greedy sample: no pass@k
+    assert (
+        "| aime24 | 2 | 5.00% | pass@1 5.00%, pass@2 10.00% |"
+        in (tmp_path / "eval" / "summary.md").read_text()
+    )
     rows = _rows(tmp_path / "eval" / "aime24.jsonl")
     assert [(r["id"], r["sample"]) for r in rows] == [(q, j) for q in range(30) for j in range(2)]
     assert [r["correct"] for r in rows[:6]] == [True, False] * 3
@@ -252,3 +260,25 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     assert (
         "| 75.00% (released) | 75.00% | 50.00% |" in (tmp_path / "eval" / "summary.md").read_text()
     )
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    """Against hand counts, and against the definition: the share of all k-subsets of the n samples
+    that hold a correct one."""
+    import itertools
+
+    from cppo_jax.eval_report import pass_at_k
+
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 3 of the 6 pairs hold the right one
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(16, 2, 8) == pytest.approx(
+        1 - (14 * 13 * 12 * 11 * 10 * 9 * 8 * 7) / (16 * 15 * 14 * 13 * 12 * 11 * 10 * 9) * 1
+    )  # 1 - C(14,8)/C(16,8)
+    for n, c, k in [(5, 2, 2), (6, 1, 3), (7, 3, 4), (8, 0, 2), (8, 5, 5)]:
+        right = [True] * c + [False] * (n - c)
+        subsets = list(itertools.combinations(range(n), k))
+        share = sum(any(right[i] for i in sub) for sub in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(share, rel=1e-12), (n, c, k)
+    with pytest.raises(ValueError, match="n=4, c=5"):
+        pass_at_k(4, 5, 1)
