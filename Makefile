@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test lint format docs clean dist
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,18 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Regenerate docs/configuration.md from the config dataclasses (the tests check it is current).
+docs: $(STAMP)
+	$(PY) -m tools.docs_gen
+
 test: lint
 	$(PY) -m pytest
+
+# A wheel of the package (with its data: the shipped warm start and data sets), for notebooks on a fresh
+# runtime (their first cell installs it) or any machine without a clone.
+DIST ?= dist
+dist: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

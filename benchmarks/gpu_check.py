@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py              # on the GPU machine (one H200: under 8 minutes)
     python benchmarks/gpu_check.py --quick      # tiny shapes, any machine (the suite runs this on CPU)
 
-A randomly initialised model with Qwen2.5-1.5B's shape (`plan.KNOWN_MODELS`), bf16 compute over f32
+A randomly initialised model with Qwen2.5-1.5B's shape (`models.known.KNOWN_MODELS`), bf16 compute over f32
 params (the paper configs' setting), G = 16 completions of 512 tokens per question. It measures, with
 the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
 
@@ -11,7 +11,7 @@ the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
   log-probs plus one policy update, in trained tokens/s and model FLOP utilisation;
 - the embedded sampler's tokens/s (Q prompts x G samples, completions run to the length limit);
 - compile seconds of each program;
-- peak device memory against `cppo_jax.plan.memory_plan`'s figure for the same shapes.
+- peak device memory against `cppo_jax.layout.memory_plan`'s figure for the same shapes.
 
 It needs only jax, flax, optax and numpy from the project's dependencies (NOT grain, vllm, math-verify
 or tensorboardX, which the GPU image lacks): the modules it imports are the model, step, sampler,
@@ -37,10 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from cppo_jax import plan as plan_lib  # noqa: E402
+from cppo_jax import layout  # noqa: E402
 from cppo_jax import step as step_lib  # noqa: E402
 from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
 from cppo_jax.cppo import num_kept  # noqa: E402
+from cppo_jax.models.known import KNOWN_MODELS  # noqa: E402
 from cppo_jax.models.transformer import TransformerConfig, init_model  # noqa: E402
 from cppo_jax.rollout.sampler import make_sampler  # noqa: E402
 from cppo_jax.rollout.sampling import SamplingParams  # noqa: E402
@@ -83,7 +84,7 @@ def model_config(quick: bool) -> TransformerConfig:
             param_dtype="float32",
             remat=True,
         )
-    hf = dict(plan_lib.KNOWN_MODELS["Qwen2.5-1.5B-Instruct"])
+    hf = dict(KNOWN_MODELS["Qwen2.5-1.5B-Instruct"])
     tcfg = TransformerConfig.from_hf_dict(hf)
     return dataclasses.replace(tcfg, dtype="bfloat16", param_dtype="float32", remat=True)
 
@@ -234,9 +235,9 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         batch = _batch(rng, sh, rows, tcfg.vocab_size, with_ref=True)
         start = time.perf_counter()
         step_c = train_step.lower(p_copy, opt_state, batch).compile()
-        logps_c = logps.lower(params, batch.tokens_NT, batch.valid_NT).compile()
+        logps_c = logps.lower(params, batch.tokens_MT, batch.valid_MT).compile()
         compile_s = time.perf_counter() - start
-        ref_s, _ = _timed(logps_c, params, batch.tokens_NT, batch.valid_NT, repeat=repeat)
+        ref_s, _ = _timed(logps_c, params, batch.tokens_MT, batch.valid_MT, repeat=repeat)
         # The update donates params and state: carry them through the repeats.
         state = [p_copy, opt_state]
 
@@ -264,7 +265,7 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         )
         report.save()
         if p == 0.0:
-            plan = plan_lib.memory_plan(
+            plan = layout.memory_plan(
                 tcfg,
                 {"data": 1, "fsdp": 1, "tensor": 1},
                 rows=rows,

@@ -39,7 +39,7 @@ WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
 
 def run_one(url: str, out: Path, name: str, *, overlap: int, seed: int, grpo: bool, args) -> dict:
     """One training run through the server; returns its figures."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.trainer import Trainer
 
     overrides = [

@@ -1,18 +1,19 @@
 """The paper's table in miniature: GRPO vs CPPO with allocation on the tiny arith task, one pass each.
 
 Every run starts from the shipped warm start (`cppo_jax/assets/tiny_arith`) with the demo's settings
-(`configs/tiny_cpu.py`: G = 16, b = 4 questions per GRPO step, 40 new tokens, mu = 1, beta = 0.04,
-AdamW 5e-5) and makes one pass over the same N training questions: GRPO (p = 0) in N / b steps, CPPO
-with allocation at p in {0.5, 0.75, 0.875, 0.9375} in N / Q steps of Q = b / (1 - p) questions, keeping
-k = G (1 - p) completions each. Held-out accuracy is the trainer's greedy evaluation on the arith test
-split. Training time is the sum of the trainer's step times (`timing_s/step`: rollout to update), with
+(`configs/tiny_cpu.py`: G = 16, b = 4 questions per GRPO step, 40 new tokens, mu = 1, beta = 0.04, the
+demo's learning rate) and makes one pass over the same N training questions: GRPO (p = 0) in N / b
+steps, CPPO with allocation at p in {0.5, 0.75, 0.875, 0.9375} in N / Q steps of Q = b / (1 - p)
+questions, keeping k = G (1 - p) completions each. A matched-questions control (`--control-k k`) runs
+GRPO with only k completions per question and the same Q as CPPO keeping k of G: the same questions
+and trained completions per update, without the choice among G. Held-out accuracy is the trainer's
+evaluation on the arith test split, greedy and one sample per question at the rollout temperature. Training time is the sum of the trainer's step times (`timing_s/step`: rollout to update), with
 the first step's compilation taken out (its time minus the median step); evaluation is not counted.
 Each run is its own process; `--jobs` of them run at a time (on a machine shared with other work,
 parallel runs get a larger share of it; their CPU seconds, also reported, are disturbed less than
 wall time).
 
-    python benchmarks/paper_table.py                       # the table, ~30 min on 2 shared cores
-    python benchmarks/paper_table.py --seeds 0 1 2         # three seeds (three times as long)
+    python benchmarks/paper_table.py --seeds 0 1 2 --jobs 2  # the committed table, ~1 h on 2 cores
     python benchmarks/paper_table.py --quick --out /tmp/t  # a tiny random model: a smoke test
 
 Writes `paper_table.md` and `paper_table.png` (training reward and accuracy against training seconds)
@@ -41,12 +42,24 @@ from benchmarks import _common  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 BASE_CONFIG = ROOT / "configs" / "tiny_cpu.py"
 CPPO_RATES = (0.5, 0.75, 0.875, 0.9375)
-SAVED_ARGS = ("quick", "p", "seeds", "num_train", "num_test", "b", "G", "C", "in_process", "jobs")
+SAVED_ARGS = (
+    "quick",
+    "p",
+    "seeds",
+    "num_train",
+    "num_test",
+    "b",
+    "G",
+    "C",
+    "control_k",
+    "in_process",
+    "jobs",
+)
 
 
 def run_config(spec: dict):
     """The demo config, changed to one pass over `num_train` questions at pruning rate `p`."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
 
     cfg = load_config(BASE_CONFIG)
     model = cfg.model
@@ -80,18 +93,19 @@ def run_config(spec: dict):
 
 
 def run_one(spec: dict) -> dict:
-    """One pass of training, greedy test accuracy before (if asked) and after."""
+    """One pass of training; test accuracy (greedy and sampled) before (if asked) and after."""
     from cppo_jax.trainer import Trainer
 
     trainer = Trainer(run_config(spec))
     try:
-        before = trainer.evaluate(0)["accuracy"] if spec["evaluate_before"] else None
+        before = trainer.evaluate(0, sampled=True) if spec["evaluate_before"] else None
         history, cpu_s = [], []
         for step in range(trainer.num_steps):
             c0 = time.process_time()
             history.append(trainer.step(step))
             cpu_s.append(time.process_time() - c0)
-        after = trainer.evaluate(trainer.num_steps)["accuracy"]
+        after = trainer.evaluate(trainer.num_steps, sampled=True)
+        lr = trainer.cfg.optim.lr
     finally:
         trainer.close()
     sh = trainer.shapes
@@ -100,6 +114,8 @@ def run_one(spec: dict) -> dict:
     compile_s = max(0.0, steps_s[0] - statistics.median(rest))
     compile_cpu_s = max(0.0, cpu_s[0] - statistics.median(cpu_s[1:] or cpu_s))
     return {
+        "method": spec["method"],
+        "lr": lr,
         "p": spec["p"],
         "seed": spec["seed"],
         "G": sh.G,
@@ -108,8 +124,10 @@ def run_one(spec: dict) -> dict:
         "steps": trainer.num_steps,
         "questions": trainer.num_steps * sh.Q,
         "kept_per_question": sorted({int(m["cppo/kept"]) // sh.Q for m in history}),
-        "before": before,
-        "after": after,
+        "before": before and before["accuracy"],
+        "before_sampled": before and before["sampled_accuracy"],
+        "after": after["accuracy"],
+        "after_sampled": after["sampled_accuracy"],
         "test_n": len(trainer.test_set),
         "step_s": steps_s,
         "compile_s": compile_s,
@@ -129,14 +147,15 @@ def run_one(spec: dict) -> dict:
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per method: accuracy and time as mean (and spread) over seeds; speedup vs GRPO."""
     rows = []
-    for p in sorted({r["p"] for r in runs}):
-        sel = [r for r in runs if r["p"] == p]
+    for method in dict.fromkeys(r["method"] for r in runs):  # in the order of the runs
+        sel = [r for r in runs if r["method"] == method]
         accs = [r["after"] for r in sel]
+        sampled = [r["after_sampled"] for r in sel]
         times = [r["train_s"] for r in sel]
         rows.append(
             {
-                "method": "GRPO" if p == 0 else "CPPO",
-                "p": p,
+                "method": method,
+                "p": sel[0]["p"],
                 "G": sel[0]["G"],
                 "k": sel[0]["k"],
                 "Q": sel[0]["Q"],
@@ -145,12 +164,14 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "seeds": [r["seed"] for r in sel],
                 "accuracy": statistics.mean(accs),
                 "accuracy_sd": statistics.stdev(accs) if len(accs) > 1 else None,
+                "sampled": statistics.mean(sampled),
+                "sampled_sd": statistics.stdev(sampled) if len(sampled) > 1 else None,
                 "train_s": statistics.mean(times),
                 "train_cpu_s": statistics.mean(r["train_cpu_s"] for r in sel),
                 "compile_s": statistics.mean(r["compile_s"] for r in sel),
             }
         )
-    grpo = next(r for r in rows if r["p"] == 0)
+    grpo = next(r for r in rows if r["method"] == "GRPO")
     for r in rows:
         r["speedup"] = grpo["train_s"] / r["train_s"]
         r["speedup_cpu"] = grpo["train_cpu_s"] / r["train_cpu_s"]
@@ -160,6 +181,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, args) -> None:
     flag = " --quick" if args.quick else ""
     before = [r["before"] for r in runs if r["before"] is not None]
+    before_sampled = [r["before_sampled"] for r in runs if r["before_sampled"] is not None]
     seeds = sorted({r["seed"] for r in runs})
     lines = [
         "# The paper's table in miniature: GRPO vs CPPO (with allocation) on the tiny arith task",
@@ -169,20 +191,30 @@ def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, a
         f"{info['wall_min']:.1f} min.",
         "",
         _common.machine_line(info),
-        f"- Start: {info['start']}; greedy test accuracy before training "
-        f"{statistics.mean(before):.1%} ({runs[0]['test_n']} held-out arith questions)."
+        f"- Start: {info['start']}; test accuracy before training: greedy "
+        f"{statistics.mean(before):.1%}, sampled {statistics.mean(before_sampled):.1%} "
+        f"({runs[0]['test_n']} held-out arith questions)."
         if before
         else f"- Start: {info['start']}.",
         f"- Training: the settings of `configs/tiny_cpu.py` (temperature 1, {args.C} new tokens, "
-        "mu = 1, beta = 0.04, AdamW 5e-5 constant, reward = accuracy + format), G = "
+        f"mu = 1, beta = 0.04, AdamW {runs[0]['lr']:g} constant, reward = accuracy + format), G = "
         f"{args.G}, b = {args.b} questions per GRPO step; every run makes **one pass over the same "
         f"{args.num_train} training questions** (CPPO with allocation takes Q = b / (1 - p) per step, "
-        "so fewer steps). Sizes were cut to fit the time budget of one run on this machine: "
+        "so fewer steps)"
+        + (
+            f"; the control `GRPO (G = {args.control_k})` samples only {args.control_k} completions "
+            f"per question for Q = {_control_b(args)} questions per step: the questions and trained "
+            "completions of CPPO keeping the same k of G, without the choice among G"
+            if args.control_k
+            else ""
+        )
+        + ". Sizes were cut to fit the time budget of one run on this machine: "
         f"{args.num_train} training questions, {runs[0]['test_n']} test questions, "
         f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))})"
         + ("; one seed only: three did not fit the time budget." if len(seeds) == 1 else ".")
         + " With so few questions, accuracy differences of a few points are within noise.",
-        "- Accuracy: greedy, on the held-out arith test split, after the pass"
+        "- Accuracy: on the held-out arith test split after the pass, greedy and sampled (one "
+        "completion per question at temperature 1, the same random numbers before and after)"
         + (" (mean over seeds, +- sample standard deviation)." if len(seeds) > 1 else "."),
         "- Training time: the sum of the trainer's step times (rollout, reward, reference, update), "
         "the first step's compilation removed (its time minus the median step); evaluation not "
@@ -195,22 +227,35 @@ def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, a
             else "All runs in one process (quick mode)."
         ),
         "",
-        "| method | G | p | k | Q | steps | accuracy | training time s | speedup | "
+        "| method | G | p | k | Q | steps | accuracy | sampled accuracy | training time s | speedup | "
         "training CPU s | speedup (CPU) | compile s (excluded) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        acc = f"{r['accuracy']:.1%}"
+        acc, sampled = f"{r['accuracy']:.1%}", f"{r['sampled']:.1%}"
         if r["accuracy_sd"] is not None:
             acc += f" +- {r['accuracy_sd']:.1%}"
+            sampled += f" +- {r['sampled_sd']:.1%}"
         lines.append(
             f"| {r['method']} | {r['G']} | {r['p']:g} | {r['k']} | {r['Q']} | {r['steps']} | {acc} | "
+            f"{sampled} | "
             f"{r['train_s']:.1f} | {r['speedup']:.2f}x | {r['train_cpu_s']:.1f} | "
             f"{r['speedup_cpu']:.2f}x | {r['compile_s']:.1f} |"
         )
     if args.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in args.notes]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _control_b(args) -> int:
+    """The control's questions per step: CPPO's Q when it keeps `control_k` of G (with allocation)."""
+    from cppo_jax.cppo import num_questions
+
+    return num_questions(args.b, 1 - args.control_k / args.G, True)
+
+
+def _label(r: dict) -> str:
+    return r["method"] if r["p"] == 0 else f"CPPO p={r['p']:g}"
 
 
 def _smooth(values: list[float], width: int) -> list[float]:
@@ -230,17 +275,15 @@ def write_plot(path: Path, runs: list[dict], info: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
-    colors = dict(
-        zip(sorted({r["p"] for r in runs}), plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    )
+    methods = dict.fromkeys(_label(r) for r in runs)
+    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for r in runs:
         # CPU seconds of training, compilation removed from the first step (as in the table).
         compile_cpu = max(0.0, r["cpu_s"][0] - statistics.median(r["cpu_s"][1:] or r["cpu_s"]))
         t = [x - compile_cpu for x in itertools.accumulate(r["cpu_s"])]
         width = max(1, len(t) // 8)
-        name = "GRPO" if r["p"] == 0 else f"CPPO p={r['p']:g}"
-        label = f"{name} (seed {r['seed']})"
-        c = colors[r["p"]]
+        label = f"{_label(r)} (seed {r['seed']})"
+        c = colors[_label(r)]
         ax1.plot(t, _smooth(r["reward"], width), "-", color=c, label=label, marker=".")
         ax2.plot(t, _smooth(r["accuracy"], width), "-", color=c, label=label, marker=".")
         ax2.plot([t[-1]], [r["after"]], "*", color=c, markersize=12)
@@ -271,22 +314,27 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
         model_dir = str(_common.tiny_model_dir(work / "model"))
         info["start"] = "a random 1-layer model (quick mode)"
 
+    methods = [("GRPO", 0.0, args.G, args.b)]
+    methods += [("CPPO", p, args.G, args.b) for p in args.p]
+    if args.control_k:
+        methods.append((f"GRPO (G = {args.control_k})", 0.0, args.control_k, _control_b(args)))
     specs = []
-    for seed in args.seeds:
-        for p in [0.0] + list(args.p):
+    for method, p, G, b in methods:  # the longest runs first
+        for seed in args.seeds:
             specs.append(
                 {
+                    "method": method,
                     "p": p,
                     "seed": seed,
                     "num_train": args.num_train,
                     "num_test": args.num_test,
-                    "b": args.b,
-                    "G": args.G,
+                    "b": b,
+                    "G": G,
                     "C": args.C,
                     "model_dir": model_dir,
                     "evaluate_before": not specs,
                     "out_dir": str(work / "runs"),
-                    "name": f"p{p:g}_s{seed}",
+                    "name": f"{method.split()[0]}_G{G}_p{p:g}_s{seed}",
                 }
             )
 
@@ -305,8 +353,8 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
             saved = dict(info, args={k: getattr(args, k) for k in SAVED_ARGS})
             raw.write_text(json.dumps({"runs": runs, "info": saved}, indent=1) + "\n")
             print(
-                f"p={r['p']:<6g} seed={r['seed']} Q={r['Q']:3d} k={r['k']:2d} steps={r['steps']:3d}: "
-                f"accuracy {r['after']:.3f}, training {r['train_s']:.1f}s "
+                f"{r['method']:<12} p={r['p']:<6g} seed={r['seed']} Q={r['Q']:3d} k={r['k']:2d} steps={r['steps']:3d}: "
+                f"accuracy {r['after']:.3f} (sampled {r['after_sampled']:.3f}), training {r['train_s']:.1f}s "
                 f"({r['train_cpu_s']:.1f} CPU s; compile {r['compile_s']:.1f}s)",
                 flush=True,
             )
@@ -326,6 +374,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--b", type=int, default=None, help="questions per GRPO step")
     parser.add_argument("--G", type=int, default=None)
     parser.add_argument("--C", type=int, default=None, help="new tokens per completion")
+    parser.add_argument(
+        "--control-k",
+        type=int,
+        default=None,
+        help="GRPO with this many completions per question, Q matched to CPPO keeping k of G (0: off)",
+    )
     parser.add_argument("--note", dest="notes", action="append", default=[], help="a notes line")
     parser.add_argument("--in-process", action="store_true", help="all runs in this process")
     parser.add_argument("--jobs", type=int, default=5, help="runs (processes) at a time")
@@ -341,11 +395,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     args.p = args.p or ([0.5] if args.quick else list(CPPO_RATES))
     args.seeds = args.seeds or [0]
-    args.num_train = args.num_train or (8 if args.quick else 128)
+    args.num_train = args.num_train or (8 if args.quick else 640)
     args.num_test = args.num_test or (4 if args.quick else 256)
     args.b = args.b or (2 if args.quick else 4)
     args.G = args.G or (4 if args.quick else 16)
     args.C = args.C or (8 if args.quick else 40)
+    if args.control_k is None:
+        args.control_k = 2
     if args.quick:
         args.in_process = True
     for p in args.p:
@@ -354,6 +410,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         Q = num_questions(args.b, p, True)
         if args.num_train % Q:
             raise ValueError(f"--num-train {args.num_train} is not a multiple of Q = {Q} (p = {p})")
+    if args.control_k and args.num_train % _control_b(args):
+        raise ValueError(f"--num-train {args.num_train} is not a multiple of the control's Q")
     out = args.out or (Path(tempfile.mkdtemp(prefix="paper_table_")) if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -367,7 +425,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         info.setdefault("wall_min", float("nan"))
     else:
         runs, info = measure(args, raw)
-    runs.sort(key=lambda r: (r["seed"], r["p"]))
+    runs.sort(key=lambda r: (r["method"] != "GRPO", r["G"] != args.G, r["p"], r["seed"]))
     rows = summarize(runs)
     write_markdown(out / "paper_table.md", rows, runs, info, args)
     write_plot(out / "paper_table.png", runs, info)

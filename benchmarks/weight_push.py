@@ -88,8 +88,8 @@ def measure(model_dir: Path, name: str, pushes: int, work: Path) -> dict:
 
 
 def report(rows: list[dict], load: tuple[str, str]) -> str:
+    from cppo_jax.models.known import KNOWN_MODELS
     from cppo_jax.models.transformer import TransformerConfig
-    from cppo_jax.plan import KNOWN_MODELS
     from cppo_jax.rollout.vllm_backend import push_bytes
 
     lines = [

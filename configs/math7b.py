@@ -13,9 +13,10 @@ Two values are required and have no default, because nothing is downloaded:
   training split, 7500 problems with `problem` and `solution` fields (the released code trains on
   DigitalLearningGmbH/MATH-lighteval); the answer is the last \\boxed{} of each solution.
 
-Settings as in the paper: G = 16, mu = 2, beta = 0.04, eps = 0.2, temperature 1.0, AdamW at 1e-6 with
-cosine decay after a 10% warm-up, no weight decay, grad-norm clip 1.0, prompts of 512 and completions of
-1024 tokens, one epoch, rewards MATH accuracy + format with weights 1, 1 and the MATH system prompt (the
+The settings the paper shares with the GSM8K run are taken from configs/gsm8k_1p5b.py (G = 16, mu = 2,
+beta = 0.04, eps = 0.2, temperature 1.0, AdamW at 1e-6 with cosine decay after a 10% warm-up, no weight
+decay, grad-norm clip 1.0, prompts of 512 and completions of 1024 tokens, one epoch); this file sets what
+differs: rewards MATH accuracy + format with weights 1, 1 and the MATH system prompt (the
 answer ends with "Therefore, the final answer is: $\\boxed{ANSWER}$. I hope it is correct"). The test
 split during training is MATH-500 (greedy); `python -m cppo_jax.evaluate` adds AMC23 and AIME24
 (mean of 4 samples at T 0.6, top-p 0.95, 3072 tokens).
@@ -32,19 +33,14 @@ Check everything first, reading no weights: add `trainer.dry_run=true` (with `--
 --device-memory-gb GB` for GPUs other than this machine's).
 """
 
-from cppo_jax.config import (
-    Config,
-    CPPOConfig,
-    DataConfig,
-    EvalConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
+import dataclasses
+from pathlib import Path
+
+from cppo_jax.config import Config
+from cppo_jax.config_io import load_config
 from cppo_jax.tasks.prompts import MATH_SYSTEM_PROMPT
+
+HERE = Path(__file__).resolve().parent
 
 # A value `cppo_jax.launch` refuses to run with: it must be overridden on the command line.
 MATH_TRAIN_REQUIRED = (
@@ -54,55 +50,26 @@ MATH_TRAIN_REQUIRED = (
 
 
 def get_config() -> Config:
-    return Config(
-        model=ModelConfig(path="", dtype="bfloat16", param_dtype="float32", remat=True),
-        data=DataConfig(
+    base = load_config(HERE / "gsm8k_1p5b.py")  # the settings both paper runs share
+    return dataclasses.replace(
+        base,
+        data=dataclasses.replace(
+            base.data,
             task="math",
             train=MATH_TRAIN_REQUIRED,
             test="math500",
-            split_train="train",
-            split_test="test",
-            max_prompt_len=512,
             system_prompt=MATH_SYSTEM_PROMPT,  # the released recipe's, byte for byte
-            prompt_format="chat",
-            long_prompts="truncate",
-            seed=42,
         ),
-        rollout=RolloutConfig(backend="embedded", max_new_tokens=1024, temperature=1.0, top_p=1.0),
-        cppo=CPPOConfig(
-            num_generations=16,
+        cppo=dataclasses.replace(
+            base.cppo,
             questions_per_step=3,
-            pruning_rate=0.875,
-            allocation=True,
-            metric="smallest",
-            scope="process",  # the released TRL fork's pruning, which produced the paper's tables
-            processes=3,  # its training processes (GPUs)
-            mu=2,
-            beta=0.04,
-            eps_low=0.2,
-            eps_high=0.2,
-            loss_type="token_mean",
+            processes=3,  # the released run's training processes (GPUs)
         ),
-        reward=RewardConfig(
+        reward=dataclasses.replace(
+            base.reward,
             funcs=("math_accuracy", "math_format"),
-            weights=(1.0, 1.0),
             timeout_s=10.0,
             num_workers=8,
         ),
-        optim=OptimConfig(
-            lr=1e-6, schedule="cosine", warmup_ratio=0.1, weight_decay=0.0, grad_clip=1.0
-        ),
-        trainer=TrainerConfig(
-            steps=0,  # one epoch
-            seed=42,
-            out_dir="runs",
-            run_name="math7b",
-            checkpoint_every=50,
-            keep_checkpoints=2,
-            log_every=10,
-            eval_every=0,
-            eval_size=0,
-        ),
-        eval=EvalConfig(rule="released"),  # the rule behind the paper's accuracies
-        logging=LoggingConfig(progress=True, samples_per_log=2),
+        trainer=dataclasses.replace(base.trainer, run_name="math7b", checkpoint_every=50),
     )

@@ -1,23 +1,33 @@
-"""Typed, frozen run configuration, dotted overrides and validation at load.
+"""The run configuration: typed, frozen dataclasses, each section validated when it is built.
 
-A config file is a Python module with `get_config() -> Config`. `load_config(path, overrides)` imports it,
-applies `key.path=value` overrides (parsed by the field's declared type) and validates every section; any
-problem raises `ConfigError` naming the key, the value and what is allowed. Host code: imports no JAX.
+`Config` holds one section per concern (model, data, rollout, cppo, reward, optim, mesh, trainer, eval,
+logging). Every value a user can get wrong is checked in its section's `__post_init__`, and the error
+(`ConfigError`) names the key, the value and what is allowed. The allowed values of the choice keys are
+the constants below, which the modules that act on them import (one list each). Config files, overrides
+and `config.json` are read and written by `cppo_jax.config_io`. Host code: imports no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib.util
-import json
+import math
 import re
-import types
-import typing
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 REQUIRED_PREFIX = "<required"  # a config value starting with this must be overridden before a run
+
+# The allowed values of the choice keys (imported by the modules that act on them).
+TASKS = ("arith", "gsm8k", "math")  # data.task: prompt, rewards and answer format
+ARCHS = ("qwen2", "llama")
+DTYPES = ("float32", "bfloat16")
+PROMPT_FORMATS = ("chat", "plain")
+BACKENDS = ("embedded", "vllm")
+METRICS = ("smallest", "largest", "random")  # cppo.metric: which |A| are pruned
+SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
+ADV_SCALES = ("group", "batch", "none")
+LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
+SCHEDULES = ("cosine", "constant", "linear")
+EVAL_RULES = ("released", "strict")  # eval.rule: the two accuracy rules, always both reported
 
 
 class ConfigError(ValueError):
@@ -51,7 +61,7 @@ class ArchConfig:
     max_position_embeddings: int = 512
 
     def __post_init__(self):
-        _choice("model.arch.arch", self.arch, ("qwen2", "llama"))
+        _choice("model.arch.arch", self.arch, ARCHS)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
             _check(getattr(self, name) > 0, f"model.arch.{name}", getattr(self, name), "> 0")
         _check(
@@ -75,8 +85,17 @@ class ModelConfig:
     scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
 
     def __post_init__(self):
-        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
-        _choice("model.param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        _choice("model.dtype", self.dtype, DTYPES)
+        _choice("model.param_dtype", self.param_dtype, DTYPES)
+
+    @property
+    def start_folder(self) -> str:
+        """The folder the policy (and the reference) start from: `init_checkpoint`, else `path`."""
+        return self.init_checkpoint or self.path
+
+    @property
+    def tokenizer_folder(self) -> str:
+        return self.tokenizer or self.start_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +119,9 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _choice("data.task", self.task, ("arith", "gsm8k", "math"))
+        _choice("data.task", self.task, TASKS)
         _choice("data.long_prompts", self.long_prompts, ("truncate", "reject"))
-        _choice("data.prompt_format", self.prompt_format, ("chat", "plain"))
+        _choice("data.prompt_format", self.prompt_format, PROMPT_FORMATS)
         _choice("data.bad_rows", self.bad_rows, ("skip", "error"))
         _check(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "> 0")
         _check(self.num_train > 0, "data.num_train", self.num_train, "> 0")
@@ -130,7 +149,7 @@ class RolloutConfig:
     overlap: int = 0
 
     def __post_init__(self):
-        _choice("rollout.backend", self.backend, ("embedded", "vllm"))
+        _choice("rollout.backend", self.backend, BACKENDS)
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
@@ -176,11 +195,11 @@ class CPPOConfig:
             self.questions_per_step >= 1, "cppo.questions_per_step", self.questions_per_step, ">= 1"
         )
         _check(0 <= self.pruning_rate < 1, "cppo.pruning_rate", self.pruning_rate, "in [0, 1)")
-        _choice("cppo.metric", self.metric, ("smallest", "largest", "random"))
-        _choice("cppo.scope", self.scope, ("question", "process", "batch"))
+        _choice("cppo.metric", self.metric, METRICS)
+        _choice("cppo.scope", self.scope, SCOPES)
         _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
-        _choice("cppo.adv_scale", self.adv_scale, ("group", "batch", "none"))
-        _choice("cppo.loss_type", self.loss_type, ("token_mean", "seq_mean", "dr_grpo", "dapo"))
+        _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
+        _choice("cppo.loss_type", self.loss_type, LOSS_TYPES)
         _check(self.adv_eps > 0, "cppo.adv_eps", self.adv_eps, "> 0")
         _check(self.mu >= 1, "cppo.mu", self.mu, ">= 1")
         _check(self.beta >= 0, "cppo.beta", self.beta, ">= 0")
@@ -222,7 +241,7 @@ class OptimConfig:
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
-        _choice("optim.schedule", self.schedule, ("cosine", "constant", "linear"))
+        _choice("optim.schedule", self.schedule, SCHEDULES)
         _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio, "in [0, 1)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0 (0 is off)")
@@ -242,6 +261,28 @@ class MeshConfig:
             _check(size == -1 or size >= 1, f"mesh.{name}", size, ">= 1 or -1 (the rest)")
         _check(sizes.count(-1) <= 1, "mesh", sizes, "at most one axis of size -1")
 
+    def sizes(self, num_devices: int) -> dict[str, int]:
+        """The axis sizes on `num_devices` devices, -1 resolved to the rest (what the mesh of a run
+        and of a plan get); a `ConfigError` naming the keys when they do not fit the devices."""
+        sizes = dataclasses.asdict(self)  # axis name -> size, in the mesh's order
+        fixed = math.prod(v for v in sizes.values() if v != -1)
+        given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
+        if -1 in sizes.values():
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"{given}: the fixed axes ({fixed} devices) do not divide the {num_devices} "
+                    f"devices; choose mesh sizes whose product divides {num_devices}"
+                )
+            return {k: (num_devices // fixed if v == -1 else v) for k, v in sizes.items()}
+        if fixed != num_devices:
+            raise ConfigError(
+                f"{given} = {fixed} devices, but there are {num_devices}; set the sizes so their "
+                f"product is {num_devices} (one of them may be -1: the rest)"
+            )
+        return sizes
+
+
+MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))  # the mesh's axes, in order
 
 _REMOTE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # gs://, s3://, hdfs://, file://, ...
 
@@ -303,7 +344,10 @@ class EvalConfig:
     )
 
     def __post_init__(self):
-        _choice("eval.rule", self.rule, ("released", "strict"))
+        _choice("eval.rule", self.rule, EVAL_RULES)
+
+
+WANDB_MODES = ("online", "offline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +356,14 @@ class LoggingConfig:
     tensorboard: bool = True
     samples_per_log: int = 2
     plot: bool = True
+    wandb: bool = False  # Weights & Biases (pip install wandb): metrics and evaluations
+    wandb_project: str = "cppo_jax"
+    wandb_entity: str | None = None  # None: the account's default
+    wandb_mode: str = "online"  # or "offline": written under the run folder, `wandb sync` later
+
+    def __post_init__(self):
+        _choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
+        _check(bool(self.wandb_project), "logging.wandb_project", self.wandb_project, "a name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,217 +386,3 @@ class Config:
                 "the embedded sampler runs on the training devices, so there is nothing to overlap; "
                 "use rollout.backend='vllm' or rollout.overlap=0"
             )
-
-
-# ----------------------------------------------------------------------------------------------
-# Overrides, (de)serialisation, loading.
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _parse_scalar(key: str, text: str, tp: Any) -> Any:
-    if tp is bool:
-        low = text.strip().lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"config key '{key}' = {text!r} is invalid: allowed true or false")
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(
-                f"config key '{key}' = {text!r} is invalid: allowed an integer"
-            ) from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(
-                f"config key '{key}' = {text!r} is invalid: allowed a number"
-            ) from None
-    if tp is str:
-        return text
-    raise ConfigError(f"config key '{key}' has a type ({tp}) that overrides do not support")
-
-
-def _parse_value(key: str, text: str, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if text.strip().lower() in ("none", "null"):
-            return None
-        return _parse_value(key, text, args[0])
-    if origin is Literal:
-        options = typing.get_args(tp)
-        _choice(key, text, tuple(options))
-        return text
-    if origin is tuple:
-        (elem, *_rest) = typing.get_args(tp)
-        body = text.strip()
-        if body.startswith(("[", "(")) and body.endswith(("]", ")")):
-            body = body[1:-1]
-        items = [s.strip().strip("'\"") for s in body.split(",") if s.strip()]
-        return tuple(_parse_scalar(key, s, elem) for s in items)
-    return _parse_scalar(key, text, tp)
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check (and gently convert) a Python value given in a config file or dict."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if isinstance(value, dict):
-            return _from_dict(tp, value, prefix=key + ".")
-        raise ConfigError(
-            f"config key '{key}' = {value!r} is invalid: allowed a {tp.__name__} section"
-        )
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(key, value, args[0])
-    if origin is tuple:
-        (elem, *_rest) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}' = {value!r} is invalid: allowed a list")
-        return tuple(_coerce(key, v, elem) for v in value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp in (bool, int, float, str):
-        if type(value) is not tp:
-            raise ConfigError(
-                f"config key '{key}' = {value!r} is invalid: allowed a {tp.__name__}, "
-                f"got a {type(value).__name__}"
-            )
-        return value
-    return value
-
-
-def _unknown_key(key: str, name: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(name, known, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"unknown config key '{key}': known keys here are {', '.join(known)}{hint}")
-
-
-def _from_dict(cls, data: dict, prefix: str = ""):
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for name, value in data.items():
-        if name not in names:
-            raise _unknown_key(prefix + name, name, names)
-        kwargs[name] = _coerce(prefix + name, value, hints[name])
-    return cls(**kwargs)
-
-
-def from_dict(data: dict) -> Config:
-    """Build a validated Config from a nested dict (for example a saved `config.json`)."""
-    return _from_dict(Config, data)
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def _set_override(cls, data: dict, key: str, text: str, prefix: str = "") -> None:
-    """Set the dotted `key` in `data` (the raw fields of a `cls` section), parsed by the field's type."""
-    head, _, rest = key.partition(".")
-    names = [f.name for f in dataclasses.fields(cls)]
-    if head not in names:
-        raise _unknown_key(prefix + key, head, names)
-    tp = _hints(cls)[head]
-    if rest:
-        if not dataclasses.is_dataclass(tp):
-            raise ConfigError(
-                f"unknown config key '{prefix + key}': '{prefix + head}' is not a section"
-            )
-        _set_override(tp, data[head], rest, text, prefix + head + ".")
-    elif dataclasses.is_dataclass(tp):
-        raise ConfigError(
-            f"config key '{prefix + key}' is a section; set one of its keys, e.g. {prefix + key}.x=..."
-        )
-    else:
-        data[head] = _parse_value(prefix + key, text, tp)
-
-
-def _raw(cfg) -> dict:
-    """The fields of a config as nested dicts, without validating anything."""
-    return {
-        f.name: _raw(getattr(cfg, f.name))
-        if dataclasses.is_dataclass(getattr(cfg, f.name))
-        else getattr(cfg, f.name)
-        for f in dataclasses.fields(cfg)
-    }
-
-
-def apply_overrides(cfg, overrides: list[str]):
-    """Return a copy of `cfg` with every `key.path=value` set, then validated once as a whole.
-
-    All overrides are applied before any section is validated, so their order never matters
-    (`rollout.backend=vllm rollout.vllm_url=...` and `mesh.fsdp=-1 mesh.data=1` both work).
-    """
-    data = _raw(cfg)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is malformed: expected key.path=value")
-        key, text = item.split("=", 1)
-        _set_override(type(cfg), data, key.strip(), text.strip())
-    return _from_dict(type(cfg), data)
-
-
-def apply_override(cfg, key: str, text: str):
-    """Return a copy of `cfg` with the dotted `key` set to `text`, parsed by the field's type."""
-    return apply_overrides(cfg, [f"{key}={text}"])
-
-
-CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[1] / "configs")
-
-
-def resolve_config_path(path: str | Path) -> Path:
-    """`path` itself when it is a file; a bare name (`math7b.py`, `math7b`) is looked up in CONFIG_DIRS."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    tried = [str(path)]
-    if path.parent == Path("."):
-        name = path.name if path.suffix == ".py" else path.name + ".py"
-        for folder in CONFIG_DIRS:
-            candidate = folder / name
-            if candidate.is_file():
-                return candidate
-            tried.append(str(candidate))
-    raise ConfigError(f"config file {str(path)!r} does not exist (looked for {', '.join(tried)})")
-
-
-def load_config(path: str | Path, overrides: list[str] = (), expected: type = Config):
-    """Import a config file, call its `get_config()`, apply all overrides, then validate once."""
-    path = resolve_config_path(path)
-    spec = importlib.util.spec_from_file_location(f"_cppo_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(
-            f"config file {str(path)!r} failed to load: {type(e).__name__}: {e}"
-        ) from e
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {str(path)!r} defines no get_config()")
-    cfg = module.get_config()
-    expected_types = expected if isinstance(expected, tuple) else (expected,)
-    if not isinstance(cfg, expected_types):
-        raise ConfigError(
-            f"config file {str(path)!r}: get_config() returned {type(cfg).__name__}, "
-            f"expected {' or '.join(t.__name__ for t in expected_types)}"
-        )
-    return apply_overrides(cfg, list(overrides))
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

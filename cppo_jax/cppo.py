@@ -1,6 +1,6 @@
 """The CPPO algorithm core: group advantages and completion pruning (pure, jit-friendly).
 
-One CPPO step, in order (docs/CPPO_SPEC.md section 1):
+One CPPO step, in order (the paper, arXiv 2503.22342):
 
 1. Draw Q questions: Q = floor(b / (1 - p)) with dynamic allocation, else Q = b (`num_questions`).
 2. Roll out G completions per question.
@@ -13,8 +13,10 @@ One CPPO step, in order (docs/CPPO_SPEC.md section 1):
 6. Reference and old-policy forward passes on the kept Q * k completions only.
 7. mu policy updates on the kept completions (the loss lives in `cppo_jax.loss`).
 
-Letters: Q questions, G completions per question, K kept per question, N = Q * G flattened,
-b questions per step of plain GRPO, p pruning rate in [0, 1), k (= K) kept per question.
+Letters (docs/conventions.md): Q questions, G completions per question, K (the paper's k) kept per
+question, N = Q * G rolled-out completions, M kept (trained) sequences (Q * K in question scope), P
+prompt and C completion tokens, W process slices (`scope="process"`); b questions per step of plain
+GRPO, p pruning rate in [0, 1).
 
 Selection is exact and reproducible: candidates are ranked by a stable sort, so among equal |A|
 the lower index wins, and the returned indices are sorted ascending within each question.
@@ -33,10 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import Config, ConfigError, CPPOConfig
-
-METRICS = ("smallest", "largest", "random")
-SCALES = ("group", "batch", "none")
+from cppo_jax.config import ADV_SCALES, METRICS, Config, ConfigError, CPPOConfig
 
 
 def _as_fraction(p) -> Fraction:
@@ -111,8 +110,8 @@ def group_advantages(rewards_QG: jax.Array, scale: str = "group", eps: float = 1
     scale: "group" (per-question std, GRPO/CPPO), "batch" (std over all Q * G rewards),
     "none" (Dr. GRPO: r - group mean). A group whose rewards are all equal gets A = 0.
     """
-    if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {ADV_SCALES}")
     if rewards_QG.ndim != 2:
         raise ValueError(f"rewards_QG must be [Q, G], got shape {rewards_QG.shape}")
     _check_group_size(rewards_QG.shape[1])
@@ -127,7 +126,8 @@ def group_advantages(rewards_QG: jax.Array, scale: str = "group", eps: float = 1
 
 
 def _rank(key_XG: jax.Array, metric: str, rng: jax.Array | None) -> jax.Array:
-    """Indices along the last axis, best first; stable, so equal keys keep the lower index first."""
+    """Indices along the last axis, best first; stable, so equal keys keep the lower index first.
+    X: any leading axes (questions, slices, or none), G: the candidates ranked together."""
     _check_metric(metric)
     if metric == "random":
         if rng is None:
@@ -163,7 +163,7 @@ def keep_indices(
 def keep_indices_batch(
     adv_N: jax.Array, n_keep: int, metric: str = "smallest", rng: jax.Array | None = None
 ) -> jax.Array:
-    """idx_K (int32): `scope="batch"`, one selection over the flattened (per-device) batch.
+    """idx_M (int32): `scope="batch"`, one selection over the flattened (per-device) batch.
 
     The released code keeps floor(N (1 - p)): pass n_keep = num_kept(N, p). Same metrics, tie
     rule (lower index first) and ascending output order as `keep_indices`.
@@ -209,9 +209,9 @@ def keep_indices_process(
         raise ValueError(
             f"processes must divide the Q={Q} questions of a step into equal slices, got {processes}"
         )
-    adv_SX = adv_QG.reshape(processes, Q // processes * G)  # S slices of X completions
-    idx_SK = keep_indices(adv_SX, n_keep, metric=metric, rng=rng)
-    return (idx_SK + jnp.arange(processes, dtype=jnp.int32)[:, None] * adv_SX.shape[1]).reshape(-1)
+    adv_WX = adv_QG.reshape(processes, Q // processes * G)  # W slices of X completions each
+    idx_Wn = keep_indices(adv_WX, n_keep, metric=metric, rng=rng)  # n = n_keep per slice
+    return (idx_Wn + jnp.arange(processes, dtype=jnp.int32)[:, None] * adv_WX.shape[1]).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)

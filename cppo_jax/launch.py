@@ -23,7 +23,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, load_config
+from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError
+from cppo_jax.config_io import load_config
 
 MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"
 
@@ -117,10 +118,10 @@ def _has_chat_template(folder: Path) -> bool:
 
 def check_startable(cfg: Config) -> None:
     """Raise ConfigError naming the key when the run would fail on start (see the module docstring)."""
-    from cppo_jax.plan import has_tokenizer
+    from cppo_jax.models.tokenizer import has_tokenizer
     from cppo_jax.rewards import registry
 
-    key, folder = _model_key(cfg), Path(cfg.model.init_checkpoint or cfg.model.path)
+    key, folder = _model_key(cfg), Path(cfg.model.start_folder)
     warm_start = bool(cfg.model.init_checkpoint and cfg.model.warm_start and not folder.exists())
     if not warm_start:  # else the warm start writes it, tokenizer included
         if not folder.is_dir():

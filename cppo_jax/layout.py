@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import MESH_AXES, Config
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
@@ -174,7 +174,7 @@ def memory_plan(
     The logits chunk is 3 float32 [rows, chunk, V] buffers (logits, probs, their gradient).
     Fitted against XLA's buffer assignment of the train step on CPU (tests/test_sharding.py).
     """
-    axis = {a: int(mesh.get(a, 1)) for a in ("data", "fsdp", "tensor")}
+    axis = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
     dp, tp = axis["data"] * axis["fsdp"], axis["tensor"]
     pb = _BYTES[tcfg.param_dtype]
     cb = _BYTES[tcfg.dtype]
@@ -227,23 +227,6 @@ def memory_plan(
     )
 
 
-def resolve_mesh(cfg: Config, num_devices: int) -> dict[str, int]:
-    """The mesh sizes a run on `num_devices` devices gets from `cfg.mesh` (as sharding.make_mesh)."""
-    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
-    if -1 in sizes.values():
-        if num_devices % fixed:
-            raise ConfigError(f"{given}: the fixed axes do not divide the {num_devices} devices")
-        return {k: (num_devices // fixed if v == -1 else v) for k, v in sizes.items()}
-    if fixed != num_devices:
-        raise ConfigError(
-            f"{given} = {fixed} devices, but the plan is for {num_devices}; make the product "
-            f"{num_devices} (one axis may be -1: the rest)"
-        )
-    return sizes
-
-
 def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
     """The report's lines for a `MemoryPlan`, ending with `fits: yes|no|unknown`."""
     mesh = plan.mesh
@@ -279,7 +262,7 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
 
 def mesh_overrides(mesh: dict[str, int]) -> str:
     """`mesh.data=D mesh.fsdp=F mesh.tensor=T`: the overrides that select `mesh`."""
-    return " ".join(f"mesh.{a}={mesh[a]}" for a in ("data", "fsdp", "tensor"))
+    return " ".join(f"mesh.{a}={mesh[a]}" for a in MESH_AXES)
 
 
 def candidate_meshes(num_devices: int, questions: int) -> list[dict[str, int]]:

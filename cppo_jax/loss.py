@@ -1,7 +1,9 @@
 """Masks, memory-bounded token log-probs and the clipped GRPO/CPPO policy loss (pure, no model).
 
-Letters: N sequences (the kept Q * K completions), C completion tokens, T tokens, D model width,
-V vocabulary. Static (Python) arguments: loss_type, beta, eps_low, eps_high, max_completion_len,
+Letters (docs/conventions.md): N completions (the masks take any rows of completions, e.g. all Q * G
+rolled out), M kept (trained) sequences, C completion tokens, D model width, V vocabulary. The log-prob
+helpers take any [M, T] block of tokens (step.py passes the C completion positions); inside the chunked
+one, X chunks of c tokens. Static (Python) arguments: loss_type, beta, eps_low, eps_high, max_completion_len,
 chunk_size, return_entropy; everything else may be traced.
 
 Masking truncated completions (`mask_truncated`) is the caller's choice: pass
@@ -13,8 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
-
+from cppo_jax.config import LOSS_TYPES
 
 # --------------------------------------------------------------------------- masks
 
@@ -64,117 +65,117 @@ def _check_temperature(temperature) -> None:
 
 
 def token_logps_from_logits(
-    logits_NTV: jax.Array, targets_NT: jax.Array, temperature: float = 1.0
+    logits_MTV: jax.Array, targets_MT: jax.Array, temperature: float = 1.0
 ) -> jax.Array:
-    """logp_NT (float32): log-softmax(logits / temperature) at the targets. For small V only."""
+    """logp_MT (float32): log-softmax(logits / temperature) at the targets. For small V only."""
     _check_temperature(temperature)
-    z_NTV = logits_NTV.astype(jnp.float32) / temperature
-    logp_NTV = jax.nn.log_softmax(z_NTV, axis=-1)
-    return jnp.take_along_axis(logp_NTV, targets_NT[..., None], axis=-1)[..., 0]
+    z_MTV = logits_MTV.astype(jnp.float32) / temperature
+    logp_MTV = jax.nn.log_softmax(z_MTV, axis=-1)
+    return jnp.take_along_axis(logp_MTV, targets_MT[..., None], axis=-1)[..., 0]
 
 
-def token_entropy(logits_NTV: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """ent_NT (float32): entropy of softmax(logits / temperature). For small V only."""
+def token_entropy(logits_MTV: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """ent_MT (float32): entropy of softmax(logits / temperature). For small V only."""
     _check_temperature(temperature)
-    z_NTV = logits_NTV.astype(jnp.float32) / temperature
-    logp_NTV = jax.nn.log_softmax(z_NTV, axis=-1)
-    return -jnp.sum(jnp.exp(logp_NTV) * logp_NTV, axis=-1)
+    z_MTV = logits_MTV.astype(jnp.float32) / temperature
+    logp_MTV = jax.nn.log_softmax(z_MTV, axis=-1)
+    return -jnp.sum(jnp.exp(logp_MTV) * logp_MTV, axis=-1)
 
 
-def _chunk_logps(h_NcD, w_DV, t_Nc, temperature, return_entropy):
-    """One chunk of tokens: the only place a [N, c, V] float32 logits block exists."""
-    z_NcV = jnp.einsum("ncd,dv->ncv", h_NcD, w_DV, preferred_element_type=jnp.float32)
-    z_NcV = z_NcV / temperature
-    lse_Nc = jax.nn.logsumexp(z_NcV, axis=-1)
-    logp_Nc = jnp.take_along_axis(z_NcV, t_Nc[..., None], axis=-1)[..., 0] - lse_Nc
+def _chunk_logps(h_McD, w_DV, t_Mc, temperature, return_entropy):
+    """One chunk of tokens: the only place a [M, c, V] float32 logits block exists."""
+    z_McV = jnp.einsum("mcd,dv->mcv", h_McD, w_DV, preferred_element_type=jnp.float32)
+    z_McV = z_McV / temperature
+    lse_Mc = jax.nn.logsumexp(z_McV, axis=-1)
+    logp_Mc = jnp.take_along_axis(z_McV, t_Mc[..., None], axis=-1)[..., 0] - lse_Mc
     if not return_entropy:
-        return logp_Nc, None
-    p_NcV = jnp.exp(z_NcV - lse_Nc[..., None])
-    return logp_Nc, lse_Nc - jnp.sum(p_NcV * z_NcV, axis=-1)
+        return logp_Mc, None
+    p_McV = jnp.exp(z_McV - lse_Mc[..., None])
+    return logp_Mc, lse_Mc - jnp.sum(p_McV * z_McV, axis=-1)
 
 
 def token_logps_from_hidden(
-    h_NTD: jax.Array,
+    h_MTD: jax.Array,
     w_DV: jax.Array,
-    targets_NT: jax.Array,
+    targets_MT: jax.Array,
     temperature: float = 1.0,
     chunk_size: int = 128,
     return_entropy: bool = False,
 ):
-    """logp_NT (float32) = log-softmax(h @ w / temperature) at the targets, chunked over T.
+    """logp_MT (float32) = log-softmax(h @ w / temperature) at the targets, chunked over T.
 
     The T axis is cut into chunks of chunk_size tokens (the last one may be shorter); a scan
     (lax.map) visits them and each chunk is rematerialised in the backward pass (jax.checkpoint),
-    so forward and backward hold a few [N, chunk_size, V] float32 blocks, never [N, T, V].
+    so forward and backward hold a few [M, chunk_size, V] float32 blocks, never [M, T, V].
     Logits are h @ w accumulated in float32 (h and w may be bfloat16). Inside: X chunks of c tokens.
-    With return_entropy=True returns (logp_NT, entropy_NT), the entropy from the same chunks.
+    With return_entropy=True returns (logp_MT, entropy_MT), the entropy from the same chunks.
     """
     _check_temperature(temperature)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    N, T, D = h_NTD.shape
-    if targets_NT.shape != (N, T):
-        raise ValueError(f"targets_NT must be {(N, T)}, got {targets_NT.shape}")
+    M, T, D = h_MTD.shape
+    if targets_MT.shape != (M, T):
+        raise ValueError(f"targets_MT must be {(M, T)}, got {targets_MT.shape}")
     if T == 0:
-        empty_NT = jnp.zeros((N, 0), jnp.float32)
-        return (empty_NT, empty_NT) if return_entropy else empty_NT
+        empty_MT = jnp.zeros((M, 0), jnp.float32)
+        return (empty_MT, empty_MT) if return_entropy else empty_MT
     c = min(chunk_size, T)
     n_full, T_full = T // c, (T // c) * c
 
-    def one(h_NcD, t_Nc):
-        return _chunk_logps(h_NcD, w_DV, t_Nc, temperature, return_entropy)
+    def one(h_McD, t_Mc):
+        return _chunk_logps(h_McD, w_DV, t_Mc, temperature, return_entropy)
 
     one = jax.checkpoint(one, prevent_cse=False)
 
     def per_chunk(args):
         return one(*args)
 
-    # [N, n_full * c, D] -> [n_full, N, c, D]: chunks become the scanned axis.
-    h_XNcD = h_NTD[:, :T_full].reshape(N, n_full, c, D).swapaxes(0, 1)
-    t_XNc = targets_NT[:, :T_full].reshape(N, n_full, c).swapaxes(0, 1)
-    logp_XNc, ent_XNc = jax.lax.map(per_chunk, (h_XNcD, t_XNc))
-    logps, ents = [logp_XNc.swapaxes(0, 1).reshape(N, T_full)], []
+    # [M, n_full * c, D] -> [n_full, M, c, D]: chunks become the scanned axis.
+    h_XMcD = h_MTD[:, :T_full].reshape(M, n_full, c, D).swapaxes(0, 1)
+    t_XMc = targets_MT[:, :T_full].reshape(M, n_full, c).swapaxes(0, 1)
+    logp_XMc, ent_XMc = jax.lax.map(per_chunk, (h_XMcD, t_XMc))
+    logps, ents = [logp_XMc.swapaxes(0, 1).reshape(M, T_full)], []
     if return_entropy:
-        ents.append(ent_XNc.swapaxes(0, 1).reshape(N, T_full))
+        ents.append(ent_XMc.swapaxes(0, 1).reshape(M, T_full))
     if T_full < T:  # the tail chunk, shorter than c
-        logp_Nr, ent_Nr = one(h_NTD[:, T_full:], targets_NT[:, T_full:])
-        logps.append(logp_Nr)
-        ents.append(ent_Nr)
-    logp_NT = jnp.concatenate(logps, axis=1) if len(logps) > 1 else logps[0]
+        logp_Mr, ent_Mr = one(h_MTD[:, T_full:], targets_MT[:, T_full:])
+        logps.append(logp_Mr)
+        ents.append(ent_Mr)
+    logp_MT = jnp.concatenate(logps, axis=1) if len(logps) > 1 else logps[0]
     if not return_entropy:
-        return logp_NT
-    ent_NT = jnp.concatenate(ents, axis=1) if len(ents) > 1 else ents[0]
-    return logp_NT, ent_NT
+        return logp_MT
+    ent_MT = jnp.concatenate(ents, axis=1) if len(ents) > 1 else ents[0]
+    return logp_MT, ent_MT
 
 
 # --------------------------------------------------------------------------- loss
 
 
-def _masked_mean(x_NT: jax.Array, mask_NT: jax.Array) -> jax.Array:
-    return jnp.sum(x_NT * mask_NT) / jnp.maximum(jnp.sum(mask_NT), 1.0)
+def _masked_mean(x_MC: jax.Array, mask_MC: jax.Array) -> jax.Array:
+    return jnp.sum(x_MC * mask_MC) / jnp.maximum(jnp.sum(mask_MC), 1.0)
 
 
-def _aggregate(per_token_NT, mask_NT, loss_type, max_completion_len, num_tokens_in_batch):
-    total = jnp.sum(per_token_NT * mask_NT)
+def _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len, num_tokens_in_batch):
+    total = jnp.sum(per_token_MC * mask_MC)
     if loss_type == "token_mean":
-        return total / jnp.maximum(jnp.sum(mask_NT), 1.0)
+        return total / jnp.maximum(jnp.sum(mask_MC), 1.0)
     if loss_type == "dapo":
-        n_tokens = jnp.sum(mask_NT) if num_tokens_in_batch is None else num_tokens_in_batch
+        n_tokens = jnp.sum(mask_MC) if num_tokens_in_batch is None else num_tokens_in_batch
         return total / jnp.maximum(n_tokens, 1.0)
     if loss_type == "seq_mean":
-        per_seq_N = jnp.sum(per_token_NT * mask_NT, axis=1)
-        return jnp.mean(per_seq_N / jnp.maximum(jnp.sum(mask_NT, axis=1), 1.0))
+        per_seq_M = jnp.sum(per_token_MC * mask_MC, axis=1)
+        return jnp.mean(per_seq_M / jnp.maximum(jnp.sum(mask_MC, axis=1), 1.0))
     # dr_grpo: a constant denominator, so every token weighs the same whatever the lengths.
-    return total / (per_token_NT.shape[0] * max_completion_len)
+    return total / (per_token_MC.shape[0] * max_completion_len)
 
 
-def _check_loss_args(loss_type, beta, ref_logp_NT, max_completion_len) -> None:
+def _check_loss_args(loss_type, beta, ref_logp_MC, max_completion_len) -> None:
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
     if isinstance(beta, bool) or not isinstance(beta, int | float):
         raise ValueError(f"beta must be a static Python float, got {beta!r}")
-    if beta != 0 and ref_logp_NT is None:
-        raise ValueError(f"beta={beta} needs ref_logp_NT (pass beta=0.0 to skip the KL term)")
+    if beta != 0 and ref_logp_MC is None:
+        raise ValueError(f"beta={beta} needs ref_logp_MC (pass beta=0.0 to skip the KL term)")
     if loss_type == "dr_grpo" and (max_completion_len is None or max_completion_len < 1):
         raise ValueError(
             f'loss_type="dr_grpo" needs max_completion_len >= 1, got {max_completion_len!r}'
@@ -182,11 +183,11 @@ def _check_loss_args(loss_type, beta, ref_logp_NT, max_completion_len) -> None:
 
 
 def policy_loss(
-    logp_NT: jax.Array,
-    old_logp_NT: jax.Array,
-    ref_logp_NT: jax.Array | None,
-    adv_N: jax.Array,
-    mask_NT: jax.Array,
+    logp_MC: jax.Array,
+    old_logp_MC: jax.Array,
+    ref_logp_MC: jax.Array | None,
+    adv_M: jax.Array,
+    mask_MC: jax.Array,
     *,
     loss_type: str = "token_mean",
     eps_low: float = 0.2,
@@ -199,47 +200,47 @@ def policy_loss(
 
     Per token: ratio = exp(logp - old); pg = -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A);
     kl = exp(ref - logp) - (ref - logp) - 1, added as beta * kl. old_logp and ref_logp get no
-    gradient (with mu = 1 pass old_logp_NT = logp_NT: the ratio is 1, its gradient is not).
-    beta == 0 (static) skips the KL term and never touches ref_logp_NT (it may be None); the "kl"
+    gradient (with mu = 1 pass old_logp_MC = logp_MC: the ratio is 1, its gradient is not).
+    beta == 0 (static) skips the KL term and never touches ref_logp_MC (it may be None); the "kl"
     metric is then 0.
 
     loss_type: "token_mean" (released CPPO code: sum over masked tokens / their count),
-    "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (N * max_completion_len)),
+    "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (M * max_completion_len)),
     "dapo" (sum / tokens of the whole batch: num_tokens_in_batch when micro-batching, else this
     call's masked tokens). Empty masks give a zero loss, never a division by zero.
     Metrics (masked token means): loss, kl, clip_ratio/low_mean (ratio < 1 - eps_low, A < 0),
     clip_ratio/high_mean (ratio > 1 + eps_high, A > 0), clip_ratio/region_mean (either), ratio/mean and
     ratio/abs_dev_mean (mean |ratio - 1|: how far the policy is from the one that sampled).
     """
-    _check_loss_args(loss_type, beta, ref_logp_NT, max_completion_len)
-    dtype = logp_NT.dtype
-    mask_NT = mask_NT.astype(dtype)
-    adv_N1 = adv_N.astype(dtype)[:, None]
-    old_logp_NT = jax.lax.stop_gradient(old_logp_NT)
+    _check_loss_args(loss_type, beta, ref_logp_MC, max_completion_len)
+    dtype = logp_MC.dtype
+    mask_MC = mask_MC.astype(dtype)
+    adv_M1 = adv_M.astype(dtype)[:, None]
+    old_logp_MC = jax.lax.stop_gradient(old_logp_MC)
 
-    ratio_NT = jnp.exp(logp_NT - old_logp_NT)
-    clipped_NT = jnp.clip(ratio_NT, 1 - eps_low, 1 + eps_high)
-    per_token_NT = -jnp.minimum(ratio_NT * adv_N1, clipped_NT * adv_N1)
+    ratio_MC = jnp.exp(logp_MC - old_logp_MC)
+    clipped_MC = jnp.clip(ratio_MC, 1 - eps_low, 1 + eps_high)
+    per_token_MC = -jnp.minimum(ratio_MC * adv_M1, clipped_MC * adv_M1)
     if beta != 0:
-        delta_NT = jax.lax.stop_gradient(ref_logp_NT) - logp_NT
-        kl_NT = jnp.exp(delta_NT) - delta_NT - 1
-        per_token_NT = per_token_NT + beta * kl_NT
-        kl = _masked_mean(jax.lax.stop_gradient(kl_NT), mask_NT)
+        delta_MC = jax.lax.stop_gradient(ref_logp_MC) - logp_MC
+        kl_MC = jnp.exp(delta_MC) - delta_MC - 1
+        per_token_MC = per_token_MC + beta * kl_MC
+        kl = _masked_mean(jax.lax.stop_gradient(kl_MC), mask_MC)
     else:
         kl = jnp.zeros((), dtype)
 
-    loss = _aggregate(per_token_NT, mask_NT, loss_type, max_completion_len, num_tokens_in_batch)
+    loss = _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len, num_tokens_in_batch)
 
-    ratio_NT = jax.lax.stop_gradient(ratio_NT)
-    low_NT = ((ratio_NT < 1 - eps_low) & (adv_N1 < 0)).astype(dtype)
-    high_NT = ((ratio_NT > 1 + eps_high) & (adv_N1 > 0)).astype(dtype)
+    ratio_MC = jax.lax.stop_gradient(ratio_MC)
+    low_MC = ((ratio_MC < 1 - eps_low) & (adv_M1 < 0)).astype(dtype)
+    high_MC = ((ratio_MC > 1 + eps_high) & (adv_M1 > 0)).astype(dtype)
     metrics = {
         "loss": jax.lax.stop_gradient(loss),
         "kl": kl,
-        "clip_ratio/low_mean": _masked_mean(low_NT, mask_NT),
-        "clip_ratio/high_mean": _masked_mean(high_NT, mask_NT),
-        "clip_ratio/region_mean": _masked_mean(jnp.maximum(low_NT, high_NT), mask_NT),
-        "ratio/mean": _masked_mean(ratio_NT, mask_NT),
-        "ratio/abs_dev_mean": _masked_mean(jnp.abs(ratio_NT - 1), mask_NT),
+        "clip_ratio/low_mean": _masked_mean(low_MC, mask_MC),
+        "clip_ratio/high_mean": _masked_mean(high_MC, mask_MC),
+        "clip_ratio/region_mean": _masked_mean(jnp.maximum(low_MC, high_MC), mask_MC),
+        "ratio/mean": _masked_mean(ratio_MC, mask_MC),
+        "ratio/abs_dev_mean": _masked_mean(jnp.abs(ratio_MC - 1), mask_MC),
     }
     return loss, metrics

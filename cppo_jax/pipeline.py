@@ -19,13 +19,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cppo_jax.config import DataConfig
+from cppo_jax.config import PROMPT_FORMATS, DataConfig
+from cppo_jax.rewards.registry import TASK_EVAL
 from cppo_jax.tasks.prompts import plain_prompt, resolve_system_prompt
 
 if TYPE_CHECKING:  # imported where used: the memory plan needs this module, not grain
     import grain
 
-ACCURACY_REWARD = {"arith": "arith_accuracy", "gsm8k": "gsm8k_accuracy", "math": "math_accuracy"}
+# The accuracy reward of each task (the `strict` rule of rewards.registry.TASK_EVAL).
+ACCURACY_REWARD = {task: rules["strict"] for task, rules in TASK_EVAL.items()}
+# Sampling seeds: runs (or evaluations) with neighbouring seeds draw from disjoint seed ranges.
+SEED_STRIDE = 1_000_003
 
 
 @dataclasses.dataclass
@@ -76,8 +80,10 @@ def encode_prompts(
 ) -> PromptSet:
     """Left-padded prompt ids of `examples` (`data.system_prompt`: None is the task's own prompt)."""
     system = resolve_system_prompt(task, system_prompt)
-    if prompt_format not in ("chat", "plain"):
-        raise ValueError(f"unknown prompt format {prompt_format!r}; expected 'chat' or 'plain'")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(
+            f"unknown prompt format {prompt_format!r}; expected one of {PROMPT_FORMATS}"
+        )
     ids = np.full((len(examples), max_len), tokenizer.pad_id, np.int32)
     valid = np.zeros((len(examples), max_len), bool)
     truncated = 0
@@ -134,6 +140,12 @@ def load_prompt_sets(cfg: DataConfig, tokenizer, max_len: int, eval_size: int = 
         test_set = test_set.take(np.arange(min(eval_size, len(test))))
     stats = {"bad_rows": train_stats.get("bad_rows", 0), "truncated": train_set.truncated}
     return PromptSets(train_set, val_set, test_set, stats)
+
+
+def sample_seeds(seed: int, index_Q) -> np.ndarray:
+    """Per-question sampling seeds from a run's `seed` and the questions' indices, so that what a
+    question samples does not depend on how the questions are batched."""
+    return (seed * SEED_STRIDE + np.asarray(index_Q)) % (2**31)
 
 
 def decode_completions(tokenizer, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:

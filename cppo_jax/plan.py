@@ -3,7 +3,7 @@
 `plan_report(cfg)` loads the config's data (records counted, bad rows reported, the validation split held
 out), tokenizes every prompt through the real pipeline when the tokenizer folder exists (else says it did
 not), derives the shapes of one step (Q, G, k, M, P, C) and the number of steps, reads the model's size
-from `config.json` in its folder (or, without one, from `KNOWN_MODELS` by name) and plans the memory
+from `config.json` in its folder (or, without one, from `models.known.KNOWN_MODELS` by name) and plans the memory
 per device on the config's mesh (`memory_plan`): params, AdamW moments, gradients, reference params,
 activations with and without remat, the logits chunk and the rollout KV cache, ending in `fits: yes/no`.
 
@@ -16,128 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 from pathlib import Path
 
 from cppo_jax import layout, pipeline
-from cppo_jax.config import Config, ConfigError
-from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan, resolve_mesh
+from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, MeshConfig
+from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
+from cppo_jax.models.known import KNOWN_MODELS, ModelSize, find_known_model, model_size
+from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
-__all__ = [
-    "KNOWN_MODELS",
-    "MemoryPlan",
-    "ModelSize",
-    "Plan",
-    "choose_mesh",
-    "find_known_model",
-    "has_tokenizer",
-    "memory_lines",
-    "memory_plan",
-    "model_folder",
-    "model_size",
-    "plan_report",
-    "plan_run",
-    "resolve_mesh",
-    "tokenizer_folder",
-]
-
-# config.json of the paper's models (the fields that fix the parameter count).
-KNOWN_MODELS: dict[str, dict] = {
-    "Qwen2.5-1.5B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": 151936,
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-06,
-        "tie_word_embeddings": True,
-        "hidden_act": "silu",
-        "use_sliding_window": False,
-        "torch_dtype": "bfloat16",
-    },
-    "Qwen2.5-7B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": 152064,
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-06,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "use_sliding_window": False,
-        "torch_dtype": "bfloat16",
-    },
-}
-# Names that identify a known model: "Qwen2.5-1.5B-Instruct", "qwen2_5_1p5b", "gsm8k_1p5b", "math7b", ...
-_NAME_PATTERNS = (
-    ("Qwen2.5-1.5B-Instruct", re.compile(r"(?<![\d.])1[._p]5b(?![a-z\d])")),
-    ("Qwen2.5-7B-Instruct", re.compile(r"(?<![\d.])7b(?![a-z\d])")),
-)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def model_folder(cfg: Config) -> str:
-    """The folder the policy starts from (as the Trainer picks it)."""
-    return cfg.model.init_checkpoint or cfg.model.path
-
-
-def tokenizer_folder(cfg: Config) -> str:
-    return cfg.model.tokenizer or model_folder(cfg)
-
-
-def has_tokenizer(folder: str | Path) -> bool:
-    return bool(folder) and any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES)
-
-
-def find_known_model(*names: str) -> str | None:
-    """The `KNOWN_MODELS` entry the first matching name points to (a path's last part, a run name)."""
-    for name in names:
-        if not name:
-            continue
-        text = Path(name).name.lower() or name.lower()
-        for known, pattern in _NAME_PATTERNS:
-            if pattern.search(text):
-                return known
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSize:
-    source: str  # where the architecture came from
-    params: int
-    hf_config: dict
-
-    @property
-    def layers(self) -> int:
-        return int(self.hf_config["num_hidden_layers"])
-
-
-def model_size(hf_config: dict, source: str = "config.json") -> ModelSize:
-    """Exact parameter count of a config.json dict, from the tensors this project's loader reads."""
-    from cppo_jax.models.hf_io import name_table
-    from cppo_jax.models.transformer import TransformerConfig
-
-    try:
-        tcfg = TransformerConfig.from_hf_dict(hf_config)
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from e
-    params = sum(math.prod(entry.nnx_shape) for entry in name_table(tcfg))
-    return ModelSize(source, params, dict(hf_config))
+__all__ = ["Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
 
 
 def _model_plan(cfg: Config) -> ModelSize | None:
-    folder = model_folder(cfg)
+    folder = cfg.model.start_folder
     config_file = Path(folder) / "config.json" if folder else None
     if config_file is not None and config_file.is_file():
         try:
@@ -155,8 +46,6 @@ def _model_plan(cfg: Config) -> ModelSize | None:
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
     """Load, count and (when possible) tokenize the data; returns the number of training questions."""
-    from cppo_jax.config import REQUIRED_PREFIX
-
     d = cfg.data
     missing_train = d.train.startswith(REQUIRED_PREFIX)
     if missing_train:
@@ -189,12 +78,11 @@ def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
         f"({test_stats.get('bad_rows', 0)} bad rows skipped), {eval_n} evaluated"
     )
 
-    folder = tokenizer_folder(cfg)
+    folder = cfg.model.tokenizer_folder
     if not has_tokenizer(folder):
         where = repr(folder) if folder else "no folder configured"
         lines.append(f"tokenizer: none found ({where}): prompts not tokenized")
         return len(train)
-    from cppo_jax.models import Tokenizer
 
     tok = Tokenizer.from_dir(folder)
     chat = "yes" if getattr(tok.hf, "chat_template", None) else "NO (required)"
@@ -276,7 +164,7 @@ def _memory_section(
         if num_devices
         else f"{planned} {devices[0].platform} device(s), {jax.process_count()} process(es)"
     )
-    mesh = resolve_mesh(cfg, planned)
+    mesh = cfg.mesh.sizes(planned)
     m = cfg.mesh
     lines.append(
         f"mesh: data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']} "
@@ -387,7 +275,6 @@ def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> Memor
     `data`) is replaced by `layout.pick_mesh`'s choice. Raises ConfigError with the plan's figures and
     layouts that fit when nothing does.
     """
-    from cppo_jax.config import MeshConfig
     from cppo_jax.cppo import shapes_of
 
     sh = shapes_of(cfg)
@@ -400,7 +287,7 @@ def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> Memor
     tcfg, device_bytes = _tcfg(cfg, size), int(device_memory_gb * 1e9)
     kw = layout.plan_kwargs(cfg, sh, device_bytes)
     if cfg.mesh != MeshConfig():
-        mesh = resolve_mesh(cfg, num_devices)
+        mesh = cfg.mesh.sizes(num_devices)
         plans = [p for p in layout.pick_mesh(tcfg, num_devices, sh.Q, **kw) if p.mesh == mesh]
         if not plans:
             dp = mesh["data"] * mesh["fsdp"]
@@ -428,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
 
     parser = argparse.ArgumentParser(
         prog="python -m cppo_jax.plan",

@@ -5,6 +5,7 @@ Host code: imports no JAX. Only process 0 writes (the caller decides).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -31,10 +32,18 @@ class _Discard:
 
 
 class RunLog:
-    def __init__(self, out_dir: Path, tensorboard: bool = True, write: bool = True):
-        """`write=False` (processes other than 0): keeps `history`, writes nothing."""
+    def __init__(
+        self,
+        out_dir: Path,
+        tensorboard: bool = True,
+        write: bool = True,
+        wandb: dict | None = None,
+    ):
+        """`write=False` (processes other than 0): keeps `history`, writes nothing. `wandb`: the
+        arguments of `wandb.init` (project, entity, name, mode, config) to log there too."""
         self.out_dir = Path(out_dir)
         self._tb = None
+        self._wb = None
         self.history: list[dict] = []
         if not write:
             self._metrics = self._samples = self._events = _Discard()
@@ -47,6 +56,8 @@ class RunLog:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        if wandb is not None:
+            self._wb = _start_wandb(self.out_dir, wandb)
 
     def metrics(self, row: dict) -> None:
         row = {k: _plain(v) for k, v in row.items()}
@@ -57,6 +68,9 @@ class RunLog:
             for key, value in row.items():
                 if isinstance(value, float) and key != "step":
                     self._tb.add_scalar(key, value, step)
+        if self._wb is not None:
+            step = int(row.get("step", len(self.history)))
+            self._wb.log({k: v for k, v in row.items() if isinstance(v, float)}, step=step)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         for row in rows:
@@ -72,18 +86,51 @@ class RunLog:
         """An evaluation: an `eval` event, and its numbers as TensorBoard scalars `eval/<split>/<key>`
         (say `eval/test/accuracy`) at its `step` (steps done, as in metrics.jsonl)."""
         self.event("eval", **result)
-        if self._tb is None:
-            return
         split = result.get("split", "test")
-        for key, value in result.items():
-            if key not in ("step", "n") and isinstance(_plain(value), float):
-                self._tb.add_scalar(f"eval/{split}/{key}", float(value), int(result["step"]))
+        scalars = {
+            f"eval/{split}/{key}": float(value)
+            for key, value in result.items()
+            if key not in ("step", "n") and isinstance(_plain(value), float)
+        }
+        for key, value in scalars.items():
+            if self._tb is not None:
+                self._tb.add_scalar(key, value, int(result["step"]))
+        if self._wb is not None:
+            self._wb.log(scalars, step=int(result["step"]))
 
     def close(self) -> None:
         for f in (self._metrics, self._samples, self._events):
             f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wb is not None:
+            self._wb.finish()
+            self._wb = None
+
+
+def wandb_settings(cfg) -> dict:
+    """`wandb.init` arguments of a run's `Config`: project, entity and mode from `logging`, the run
+    name, and the whole config (every key, as config.json holds it)."""
+    log = cfg.logging
+    return {
+        "project": log.wandb_project,
+        "entity": log.wandb_entity,
+        "name": cfg.trainer.run_name,
+        "mode": log.wandb_mode,
+        "config": dataclasses.asdict(cfg),
+    }
+
+
+def _start_wandb(out_dir: Path, kwargs: dict):
+    """A W&B run writing under `out_dir/wandb` (offline mode needs no network nor account)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "config key 'logging.wandb' = true needs the wandb package: pip install wandb "
+            "(or pip install -e '.[wandb]')"
+        ) from e
+    return wandb.init(dir=str(out_dir), **kwargs)
 
 
 def reward_metrics(rewards_QG, per_fn: dict, lengths_N, finished_N) -> dict[str, float]:

@@ -21,9 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cppo_jax.config import MeshConfig
+from cppo_jax.config import MESH_AXES, ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
 DATA_AXES = ("data", "fsdp")  # the axes questions (and so sequences) are split over
 
 # Logical axis name -> mesh axes, in the order they are tried. None: never sharded.
@@ -48,32 +47,20 @@ RULES: dict[str, tuple[str, ...] | None] = {
 }
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """The mesh does not fit the devices or the batch; the message names the config keys."""
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all), -1 resolved to the rest."""
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
-    if -1 in sizes.values():
-        if n % fixed:
-            raise MeshError(
-                f"{given}: the fixed axes ({fixed} devices) do not divide the {n} devices; "
-                f"choose mesh sizes whose product divides {n}"
-            )
-        sizes = {k: (n // fixed if v == -1 else v) for k, v in sizes.items()}
-    elif fixed != n:
-        raise MeshError(
-            f"{given} = {fixed} devices, but there are {n}; set the sizes so their product is {n} "
-            f"(one of them may be -1: the rest)"
-        )
-    shape = tuple(sizes[a] for a in AXES)
-    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
-    return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+    try:
+        sizes = cfg.sizes(len(devices))
+    except ConfigError as e:
+        raise MeshError(str(e)) from None
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
 def data_parallel_size(mesh: Mesh) -> int:

@@ -1,6 +1,6 @@
 """The jitted device functions of a CPPO step: completion log-probs and the policy update.
 
-N kept sequences, P prompt slots (left-padded), C completion slots (right-padded), T = P + C.
+M kept (trained) sequences, P prompt slots (left-padded), C completion slots (right-padded), T = P + C.
 Both functions take the model as (graphdef, params) so params and optimizer state are plain pytrees that
 the mesh can shard and `jax.jit` can donate. Shapes are fixed by the config (Q, k, P, C), so each function
 compiles once per run; a non-finite loss or gradient skips the update in-graph and is reported.
@@ -27,12 +27,12 @@ from cppo_jax.rollout.sampler import positions_from_valid
 
 
 class Batch(NamedTuple):
-    tokens_NT: jax.Array  # int32: prompt then completion
-    valid_NT: jax.Array  # bool: real prompt tokens, completion tokens up to and including EOS
-    mask_NC: jax.Array  # float32: completion tokens that count in the loss
-    adv_N: jax.Array  # float32
-    old_logp_NC: jax.Array | None  # mu > 1 or rollout.overlap only
-    ref_logp_NC: jax.Array | None  # beta > 0 only
+    tokens_MT: jax.Array  # int32: prompt then completion
+    valid_MT: jax.Array  # bool: real prompt tokens, completion tokens up to and including EOS
+    mask_MC: jax.Array  # float32: completion tokens that count in the loss
+    adv_M: jax.Array  # float32
+    old_logp_MC: jax.Array | None  # mu > 1 or rollout.overlap only
+    ref_logp_MC: jax.Array | None  # beta > 0 only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +65,18 @@ class StepSpec:
         )
 
 
-def completion_logps(model, tokens_NT, valid_NT, spec: StepSpec, return_entropy: bool = False):
-    """log p(completion token | everything before it), [N, C], without [N, T, V] logits; with
-    `return_entropy`, (logp_NC, entropy_NC): the entropy of each next-token distribution."""
+def completion_logps(model, tokens_MT, valid_MT, spec: StepSpec, return_entropy: bool = False):
+    """log p(completion token | everything before it), [M, C], without [M, T, V] logits; with
+    `return_entropy`, (logp_MC, entropy_MC): the entropy of each next-token distribution."""
     P = spec.prompt_len
-    pos_NT = positions_from_valid(valid_NT)
-    h_NTD, _ = model.hidden(tokens_NT[:, :-1], pos_NT[:, :-1], valid_NT[:, :-1])
-    h_NCD = h_NTD[:, P - 1 :]
+    pos_MT = positions_from_valid(valid_MT)
+    h_MTD, _ = model.hidden(tokens_MT[:, :-1], pos_MT[:, :-1], valid_MT[:, :-1])
+    h_MCD = h_MTD[:, P - 1 :]
     return loss_lib.token_logps_from_hidden(
-        h_NCD,
+        h_MCD,
         # Gathered over fsdp (D whole), split by vocabulary: logits stay split by sequence.
         sharding_lib.constrain(model.unembed_weight(), (None, "vocab")),
-        tokens_NT[:, P:],
+        tokens_MT[:, P:],
         temperature=spec.temperature,
         chunk_size=spec.logp_chunk,
         return_entropy=return_entropy,
@@ -125,17 +125,17 @@ def update_count(opt_state) -> jax.Array:
 
 def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
     model = nnx.merge(graphdef, params)
-    logp_NC, ent_NC = completion_logps(
-        model, batch.tokens_NT, batch.valid_NT, spec, return_entropy=True
+    logp_MC, ent_MC = completion_logps(
+        model, batch.tokens_MT, batch.valid_MT, spec, return_entropy=True
     )
     # The sampling policy's log-probs when given (mu > 1, or a stale rollout); else the ratio is 1.
-    old_NC = batch.old_logp_NC if batch.old_logp_NC is not None else jax.lax.stop_gradient(logp_NC)
+    old_MC = batch.old_logp_MC if batch.old_logp_MC is not None else jax.lax.stop_gradient(logp_MC)
     loss, metrics = loss_lib.policy_loss(
-        logp_NC,
-        old_NC,
-        batch.ref_logp_NC if spec.beta > 0 else None,
-        batch.adv_N,
-        batch.mask_NC,
+        logp_MC,
+        old_MC,
+        batch.ref_logp_MC if spec.beta > 0 else None,
+        batch.adv_M,
+        batch.mask_MC,
         loss_type=spec.loss_type,
         eps_low=spec.eps_low,
         eps_high=spec.eps_high,
@@ -143,9 +143,9 @@ def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
         max_completion_len=spec.max_completion_len,
     )
     # TRL's `entropy`: masked token mean of the policy's next-token entropy (at the temperature).
-    mask_NC = batch.mask_NC.astype(jnp.float32)
-    ent_NC = jax.lax.stop_gradient(ent_NC)
-    metrics["entropy"] = jnp.sum(ent_NC * mask_NC) / jnp.maximum(jnp.sum(mask_NC), 1.0)
+    mask_MC = batch.mask_MC.astype(jnp.float32)
+    ent_MC = jax.lax.stop_gradient(ent_MC)
+    metrics["entropy"] = jnp.sum(ent_MC * mask_MC) / jnp.maximum(jnp.sum(mask_MC), 1.0)
     return loss, metrics
 
 
@@ -156,26 +156,26 @@ def _all_finite(tree) -> jax.Array:
 
 def _grads(params, graphdef, batch: Batch, spec: StepSpec):
     grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
-    N = batch.tokens_NT.shape[0]
+    M = batch.tokens_MT.shape[0]
     m = spec.micro_batch
-    if m <= 0 or m >= N:
+    if m <= 0 or m >= M:
         (loss, metrics), grads = grad_fn(params, graphdef, batch, spec)
         return loss, metrics, grads
-    if N % m:
-        raise ValueError(f"trainer.micro_batch={m} must divide the {N} kept sequences of a step")
+    if M % m:
+        raise ValueError(f"trainer.micro_batch={m} must divide the {M} kept sequences of a step")
     # Gradient accumulation: equal-size micro-batches, averaged (exact for seq-level means of equal
     # weight; token_mean is re-weighted by each micro-batch's share of the masked tokens).
-    # Micro-batch j holds rows j, j + N/m, j + 2N/m, ...: with the rows split over devices in
+    # Micro-batch j holds rows j, j + M/m, j + 2M/m, ...: with the rows split over devices in
     # contiguous blocks, every micro-batch takes m/devices rows from each device, without moving any.
     micro = Batch(*(_strided_split(x, m) for x in batch))
-    tokens_total = jnp.maximum(batch.mask_NC.sum(), 1.0)
+    tokens_total = jnp.maximum(batch.mask_MC.sum(), 1.0)
 
     def body(acc, mb: Batch):
         (loss, metrics), grads = grad_fn(params, graphdef, mb, spec)
         if spec.loss_type in ("token_mean", "dapo"):
-            w = mb.mask_NC.sum() / tokens_total
+            w = mb.mask_MC.sum() / tokens_total
         else:
-            w = 1.0 / (N // m)
+            w = 1.0 / (M // m)
         acc = jax.tree.map(lambda a, g: a + w * g, acc, (loss, metrics, grads))
         return acc, None
 
@@ -195,13 +195,13 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec):
     return loss, metrics, grads
 
 
-def _strided_split(x_N: jax.Array | None, m: int) -> jax.Array | None:
-    """[N, ...] -> [N/m, m, ...], micro-batch j = rows j, j + N/m, ...; the m rows keep the batch sharding."""
-    if x_N is None:
+def _strided_split(x_M: jax.Array | None, m: int) -> jax.Array | None:
+    """[M, ...] -> [M/m, m, ...], micro-batch j = rows j, j + M/m, ...; the m rows keep the batch sharding."""
+    if x_M is None:
         return None
-    N = x_N.shape[0]
-    x_XmN = x_N.reshape(m, N // m, *x_N.shape[1:]).swapaxes(0, 1)
-    return sharding_lib.constrain(x_XmN, (None, "batch") + (None,) * (x_N.ndim - 1))
+    M = x_M.shape[0]
+    x_XmM = x_M.reshape(m, M // m, *x_M.shape[1:]).swapaxes(0, 1)
+    return sharding_lib.constrain(x_XmM, (None, "batch") + (None,) * (x_M.ndim - 1))
 
 
 def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec, mesh=None):
@@ -221,11 +221,11 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec,
     return params, opt_state, metrics
 
 
-def logps_fn(params, tokens_NT, valid_NT, *, graphdef, spec: StepSpec, mesh=None):
+def logps_fn(params, tokens_MT, valid_MT, *, graphdef, spec: StepSpec, mesh=None):
     """Completion log-probs of a frozen model (reference or old policy)."""
     with sharding_lib.use_mesh(mesh):
         model = nnx.merge(graphdef, params)
-        return completion_logps(model, tokens_NT, valid_NT, spec)
+        return completion_logps(model, tokens_MT, valid_MT, spec)
 
 
 def compiled(graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | None = None):

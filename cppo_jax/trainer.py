@@ -31,7 +31,8 @@ from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config import Config, ConfigError, save_config
+from cppo_jax.config import Config, ConfigError
+from cppo_jax.config_io import save_config
 from cppo_jax.models import Tokenizer, load_hf
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
@@ -39,7 +40,7 @@ from cppo_jax.rollout.backend import make_backend
 from cppo_jax.rollout.draw import StepRollout, draw_rollout
 from cppo_jax.rollout.overlap import Overlap
 from cppo_jax.rollout.sampling import SamplingParams
-from cppo_jax.runlog import RunLog
+from cppo_jax.runlog import RunLog, wandb_settings
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab: int, model_path: str) -> None:
@@ -76,6 +77,9 @@ class Trainer:
             save_config(cfg, self.out_dir / "config.json")
         self.shapes = cppo.shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
+        self.model_path = (
+            path  # the Hugging Face folder the run starts from (exports keep its fields)
+        )
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
         # The mesh: questions split whole over (data, fsdp); params sharded by the rules.
         self.mesh = sharding_lib.make_mesh(cfg.mesh)
@@ -156,7 +160,12 @@ class Trainer:
             timeout_s=cfg.reward.timeout_s,
         )
         self.accuracy_fn = pipeline.ACCURACY_REWARD[cfg.data.task]
-        self.log = RunLog(self.out_dir, tensorboard=cfg.logging.tensorboard, write=self.main)
+        self.log = RunLog(
+            self.out_dir,
+            tensorboard=cfg.logging.tensorboard,
+            write=self.main,
+            wandb=wandb_settings(cfg) if cfg.logging.wandb else None,
+        )
         self.log.event("data", train=len(self.train_set), **self.data_stats)  # skipped, cut prompts
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)

@@ -9,11 +9,10 @@ scored (the last batch is padded by wrapping, the padding dropped) under each ev
 from __future__ import annotations
 
 import numpy as np
-from flax import nnx
 
 from cppo_jax import distributed
 from cppo_jax import profile as prof
-from cppo_jax.models import save_hf
+from cppo_jax.export import export_policy
 from cppo_jax.runlog import phase_table, plot_curves
 
 SAMPLED_SEED = 2**30  # question i of a sampled evaluation is seeded SAMPLED_SEED + i
@@ -75,11 +74,14 @@ def validate(trainer, step: int) -> None:
     r = evaluate(trainer, step, split="validation")
     if trainer.best_val is None or r["accuracy"] > trainer.best_val:
         trainer.best_val = r["accuracy"]
-        save_hf(
-            nnx.merge(trainer.graphdef, trainer.params),
+        export_policy(
+            trainer.graphdef,
+            trainer.params,
+            trainer.cfg,
             trainer.out_dir / "best",
-            extra_config={"cppo_step": step, "cppo_val_accuracy": r["accuracy"]},
-            tokenizer_dir=trainer.tokenizer.path,
+            trainer.model_path,
+            cppo_step=step,
+            cppo_val_accuracy=r["accuracy"],
         )
         trainer.log.event("best", step=step, accuracy=r["accuracy"])
 

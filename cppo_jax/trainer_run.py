@@ -3,7 +3,8 @@
 `train(trainer)` is `Trainer.train`: resume if asked, push the weights, evaluate (test split, greedy and
 sampled) and validate, then the steps, each logged, with an evaluation every `trainer.eval_every` steps
 (validation when a validation split is held out) and a checkpoint every `trainer.checkpoint_every`; then
-the last checkpoint, validation, evaluation and the run's files (`trainer_eval.write_summary`).
+the last checkpoint, validation, the final policy as a Hugging Face folder `export/`, evaluation and the
+run's files (`trainer_eval.write_summary`).
 
 A SIGTERM/SIGINT (`cppo_jax.stopping`) stops at the next step boundary with a checkpoint; a rollout-server
 failure stops with a checkpoint of the last finished update (`guarded_step`).
@@ -12,6 +13,7 @@ failure stops with a checkpoint of the last finished update (`guarded_step`).
 from __future__ import annotations
 
 from cppo_jax import trainer_eval
+from cppo_jax.export import EXPORT_DIR, export_policy
 from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.stopping import SignalStopError, StopSignals
 
@@ -43,6 +45,14 @@ def train(trainer, progress=None) -> dict:
             trainer.save(trainer.num_steps)
         stop_if_asked(trainer, stop, trainer.num_steps)
     trainer_eval.validate(trainer, trainer.num_steps)
+    export_policy(
+        trainer.graphdef,
+        trainer.params,
+        trainer.cfg,
+        trainer.out_dir / EXPORT_DIR,
+        trainer.model_path,
+        cppo_step=trainer.num_steps,
+    )
     after = trainer.evaluate(trainer.num_steps, sampled=True)
     table = trainer_eval.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}

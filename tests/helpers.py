@@ -296,7 +296,7 @@ def sampled_reward(trainer, n: int, seed: int = 7) -> np.ndarray:
 
 def reward_rise_config(out_dir: Path, *overrides: str):
     """A short CPPO run on 8 fixed arith questions from the shipped warm start (each step sees all 8)."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
 
     return load_config(
         Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py",

@@ -159,17 +159,25 @@ def test_phase_speedup_quick(tmp_path):
 
 def test_paper_table_quick(tmp_path):
     rows = load_script("paper_table").main(["--quick", "--out", str(tmp_path)])
-    # One pass over the same 8 questions: GRPO in 4 steps of 2, CPPO p = 0.5 (allocation) in 2 of 4.
-    assert [(r["method"], r["p"], r["Q"], r["k"], r["steps"]) for r in rows] == [
-        ("GRPO", 0.0, 2, 4, 4),
-        ("CPPO", 0.5, 4, 2, 2),
+    # One pass over the same 8 questions: GRPO in 4 steps of 2, CPPO p = 0.5 (allocation) in 2 of 4,
+    # and the control: GRPO sampling only k = 2 per question for CPPO's Q = 4 questions per step.
+    assert [(r["method"], r["p"], r["G"], r["Q"], r["k"], r["steps"]) for r in rows] == [
+        ("GRPO", 0.0, 4, 2, 4, 4),
+        ("CPPO", 0.5, 4, 4, 2, 2),
+        ("GRPO (G = 2)", 0.0, 2, 4, 2, 2),
     ]
     assert all(r["questions"] == 8 for r in rows)
-    assert all(0.0 <= r["accuracy"] <= 1.0 and r["train_s"] > 0 < r["train_cpu_s"] for r in rows)
+    assert all(0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["sampled"] <= 1.0 for r in rows)
+    assert all(r["train_s"] > 0 < r["train_cpu_s"] for r in rows)
     assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
     report = (tmp_path / "paper_table.md").read_text()
     table = _table_rows(report, "| method | G | p | k |")
-    assert [row[:4] for row in table] == [["GRPO", "4", "0", "4"], ["CPPO", "4", "0.5", "2"]]
+    assert [row[:4] for row in table] == [
+        ["GRPO", "4", "0", "4"],
+        ["CPPO", "4", "0.5", "2"],
+        ["GRPO (G = 2)", "2", "0", "2"],
+    ]
+    assert "sampled accuracy" in report and "AdamW 0.0001 constant" in report
     assert "accuracy" in report and "training time s" in report and "speedup (CPU)" in report
     assert "os.cpu_count()" in report and "shared with other jobs" in report
     raw = __import__("json").loads((tmp_path / "paper_table.json").read_text())

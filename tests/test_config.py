@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cppo_jax import config as C
+from cppo_jax import config_io as CI
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.name != "tiny_sft.py")
@@ -20,13 +21,13 @@ def test_shipped_configs_load(path):
         if "7b" in path.name or "1p5b" in path.name
         else []
     )
-    cfg = C.load_config(path, extra)
+    cfg = CI.load_config(path, extra)
     assert isinstance(cfg, C.Config)
-    assert C.from_dict(json.loads(json.dumps(C.to_dict(cfg)))) == cfg
+    assert CI.from_dict(json.loads(json.dumps(CI.to_dict(cfg)))) == cfg
 
 
 def test_overrides_are_parsed_by_type():
-    cfg = C.apply_overrides(
+    cfg = CI.apply_overrides(
         C.Config(),
         [
             "cppo.pruning_rate=0.875",
@@ -66,7 +67,7 @@ def test_overrides_are_parsed_by_type():
 )
 def test_bad_values_name_key_value_and_allowed(override, culprit, allowed):
     with pytest.raises(C.ConfigError) as e:
-        C.apply_overrides(C.Config(), [override])
+        CI.apply_overrides(C.Config(), [override])
     msg = str(e.value)
     assert culprit in msg and allowed in msg
     assert override.split("=", 1)[1].strip("[]") in msg
@@ -76,47 +77,47 @@ def test_unknown_key_suggests_the_close_one():
     with pytest.raises(
         C.ConfigError, match=r"unknown config key 'cppo\.prunning_rate'.*pruning_rate"
     ):
-        C.apply_overrides(C.Config(), ["cppo.prunning_rate=0.5"])
+        CI.apply_overrides(C.Config(), ["cppo.prunning_rate=0.5"])
     with pytest.raises(C.ConfigError, match="unknown config key 'nope.x'"):
-        C.apply_overrides(C.Config(), ["nope.x=1"])
+        CI.apply_overrides(C.Config(), ["nope.x=1"])
 
 
 def test_malformed_override_and_sections():
     with pytest.raises(C.ConfigError, match="malformed"):
-        C.apply_overrides(C.Config(), ["cppo.pruning_rate"])
+        CI.apply_overrides(C.Config(), ["cppo.pruning_rate"])
     with pytest.raises(C.ConfigError, match="is a section"):
-        C.apply_overrides(C.Config(), ["cppo=1"])
+        CI.apply_overrides(C.Config(), ["cppo=1"])
 
 
 def test_cross_field_rules():
     with pytest.raises(C.ConfigError, match="rollout.vllm_url"):
-        C.apply_overrides(C.Config(), ["rollout.backend=vllm"])
+        CI.apply_overrides(C.Config(), ["rollout.backend=vllm"])
     with pytest.raises(C.ConfigError, match="nothing to overlap"):
-        C.apply_overrides(C.Config(), ["rollout.overlap=1"])
+        CI.apply_overrides(C.Config(), ["rollout.overlap=1"])
 
 
 def test_config_files_errors(tmp_path):
     with pytest.raises(C.ConfigError, match="does not exist"):
-        C.load_config(tmp_path / "missing.py")
+        CI.load_config(tmp_path / "missing.py")
     bad = tmp_path / "bad.py"
     bad.write_text("def get_config(:\n")
     with pytest.raises(C.ConfigError, match="bad.py.*failed to load"):
-        C.load_config(bad)
+        CI.load_config(bad)
     none = tmp_path / "none.py"
     none.write_text("x = 1\n")
     with pytest.raises(C.ConfigError, match="defines no get_config"):
-        C.load_config(none)
+        CI.load_config(none)
     wrong = tmp_path / "wrong.py"
     wrong.write_text("def get_config():\n    return {'cppo': {}}\n")
     with pytest.raises(C.ConfigError, match="returned dict, expected Config"):
-        C.load_config(wrong)
+        CI.load_config(wrong)
 
 
 def test_from_dict_rejects_unknown_and_mistyped_keys():
     with pytest.raises(C.ConfigError, match="unknown config key 'cppo.bogus'"):
-        C.from_dict({"cppo": {"bogus": 1}})
+        CI.from_dict({"cppo": {"bogus": 1}})
     with pytest.raises(C.ConfigError, match="'cppo.num_generations' = '16'.*int"):
-        C.from_dict({"cppo": {"num_generations": "16"}})
+        CI.from_dict({"cppo": {"num_generations": "16"}})
 
 
 @pytest.mark.parametrize(
@@ -132,25 +133,25 @@ def test_from_dict_rejects_unknown_and_mistyped_keys():
 )
 def test_overrides_are_validated_once_after_all_are_applied(overrides):
     """Each of these failed when every single override was validated on its own."""
-    cfg = C.apply_overrides(C.Config(), overrides)
+    cfg = CI.apply_overrides(C.Config(), overrides)
     for item in overrides:
         key, _, _ = item.partition("=")
         section, name = key.split(".")
         assert getattr(getattr(cfg, section), name) is not None
     # The whole is still validated: the same pairs, left half-done, are refused naming the key.
     with pytest.raises(C.ConfigError, match="rollout.vllm_url"):
-        C.apply_overrides(C.Config(), ["rollout.backend=vllm"])
+        CI.apply_overrides(C.Config(), ["rollout.backend=vllm"])
     with pytest.raises(C.ConfigError, match="mesh"):
-        C.apply_overrides(C.Config(), ["mesh.fsdp=-1"])
+        CI.apply_overrides(C.Config(), ["mesh.fsdp=-1"])
 
 
 def test_config_found_by_bare_name(monkeypatch, tmp_path):
     """`--config math7b.py` (what users are told to type) finds configs/math7b.py from anywhere."""
     monkeypatch.chdir(tmp_path)
     for name in ("math7b.py", "math7b", "tiny_cpu.py"):
-        path = C.resolve_config_path(name)
+        path = CI.resolve_config_path(name)
         assert path.parent.name == "configs" and path.stem == Path(name).stem
-    cfg = C.load_config("math7b.py", ["model.path=/nonexistent/ok-for-validation"])
+    cfg = CI.load_config("math7b.py", ["model.path=/nonexistent/ok-for-validation"])
     assert cfg.model.path == "/nonexistent/ok-for-validation"
     with pytest.raises(C.ConfigError, match="nosuch.py"):
-        C.resolve_config_path("nosuch.py")
+        CI.resolve_config_path("nosuch.py")

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cppo_jax import cppo
+from cppo_jax.config import ADV_SCALES, METRICS
 
 try:
     import reference_numpy as ref
@@ -59,7 +60,7 @@ PAIRWISE = ("smallest", "largest")
 
 @jax.jit
 def _all_advantages(r_QG):
-    return {scale: cppo.group_advantages(r_QG, scale) for scale in cppo.SCALES}
+    return {scale: cppo.group_advantages(r_QG, scale) for scale in ADV_SCALES}
 
 
 @jax.jit
@@ -261,7 +262,7 @@ def test_output_is_sorted_ascending():
     np.testing.assert_array_equal(cppo.keep_indices(adv, 3, metric="largest"), [[1, 3, 5]])
 
 
-@pytest.mark.parametrize("metric", cppo.METRICS)
+@pytest.mark.parametrize("metric", METRICS)
 def test_k_equal_g_keeps_everything(metric):
     adv = jnp.asarray(np.random.default_rng(0).normal(size=(3, 6)))
     rng = jax.random.key(1)
@@ -487,7 +488,7 @@ def test_paper_configs_match_the_released_settings(name, processes, p):
     The fork (scripts/CPPO*.sh): `processes` GPUs of 16 completions each; with allocation each draws
     16 / int(G (1 - p)) questions of G = 16 and keeps 16 completions of its slice (drops int(N p)).
     """
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.cppo import shapes_of
 
     cfg = load_config(name, [f"cppo.pruning_rate={p}"])

@@ -94,7 +94,8 @@ def test_launch_refuses_incomplete_flags(capsys):
 
 def test_warm_start_is_not_run_by_every_process(tmp_path, monkeypatch):
     from cppo_jax import launch
-    from cppo_jax.config import ConfigError, load_config
+    from cppo_jax.config import ConfigError
+    from cppo_jax.config_io import load_config
 
     target = tmp_path / "warm"
     cfg = load_config(ROOT / "configs" / "tiny_cpu.py", [f"model.init_checkpoint={target}"])

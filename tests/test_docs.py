@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import docs_gen
 from cppo_jax.config import Config
 from cppo_jax.sft import SFTConfig
+from tools import docs_gen
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

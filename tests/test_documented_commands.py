@@ -11,7 +11,7 @@ plan, and what each launch script prints with `--dry-run` (the commands it would
   rows, 256 generated arith problems instead of 20000) so that tokenizing stays fast; a supervised warm
   start config (it has no dry run) runs 2 steps into a temporary folder; `make demo` is its Makefile recipe, run the same way;
 - `python -m cppo_jax.evaluate ...` with `--dry-run`; `python -m cppo_jax.plan ...` as written, its shown
-  output (`$ ` blocks) checked line by line; `python -m cppo_jax.docs_gen` as `--check`;
+  output (`$ ` blocks) checked line by line; `python -m tools.docs_gen` as `--check`;
 - launch scripts (and `sbatch SCRIPT`) with `--dry-run`, then every trainer command they print.
 Placeholder paths that do not exist here are stood in for: a model folder named like a paper model gets
 that model's config.json, a safetensors header at its real shapes (no data) and a tiny tokenizer; a
@@ -36,11 +36,14 @@ import subprocess
 import time
 from pathlib import Path
 
-from cppo_jax import docs_gen, evaluate, launch, plan
-from cppo_jax.config import Config, load_config
+from cppo_jax import eval_checkpoint, evaluate, launch, plan
+from cppo_jax.config import Config
+from cppo_jax.config_io import load_config
+from cppo_jax.models import known
 from cppo_jax.sft import SFTConfig
 from tests.documented import _ENV, NOT_RUN, Doc, _head, _synopsis, collect
 from tests.test_launch import model_folder
+from tools import docs_gen
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_GB = 80  # the documented GPU (docs/reproducing.md, docs/scale_out.md, gpu_node.sh's default)
@@ -55,12 +58,12 @@ class StandIns:
         self.tmp, self.docs, self.made = tmp, docs, {}
 
     def model(self, path: str) -> str:
-        known = plan.find_known_model(path)
-        assert known, f"{path}: no such folder and not a model this test can stand in for"
-        if known not in self.made:
-            folder = model_folder(self.tmp / "models", known, plan.KNOWN_MODELS[known])
-            self.made[known] = str(folder)
-        return self.made[known]
+        name = known.find_known_model(path)
+        assert name, f"{path}: no such folder and not a model this test can stand in for"
+        if name not in self.made:
+            folder = model_folder(self.tmp / "models", name, known.KNOWN_MODELS[name])
+            self.made[name] = str(folder)
+        return self.made[name]
 
     def train_file(self, path: str) -> str:
         if path not in self.made:
@@ -95,7 +98,7 @@ class StandIns:
         import numpy as np
 
         from cppo_jax.checkpoint import Checkpointer
-        from cppo_jax.config import save_config
+        from cppo_jax.config_io import save_config
 
         run = Path(path)
         best = run.name == "best"
@@ -113,7 +116,7 @@ class StandIns:
             self.made[str(run)] = str(folder)
         folder = Path(self.made[str(run)])
         if best:
-            rcfg = evaluate.run_config(folder)
+            rcfg = eval_checkpoint.run_config(folder)
             return self.model(Path(rcfg.model.path).name if rcfg.model.path else str(folder))
         return str(folder)
 
@@ -208,7 +211,7 @@ class Runner:
         argv[0] = argv[0].removeprefix(f"{ROOT}/")
         if "cppo_jax.launch" in argv:
             return self.launch(argv[argv.index("cppo_jax.launch") + 1 :], env), []
-        m = re.match(r"^\S*python3? -m cppo_jax\.(\w+)", head)
+        m = re.match(r"^\S*python3? -m (?:cppo_jax|tools)\.(\w+)", head)
         if m:
             return self.module(m.group(1), argv[3:], doc), []
         if argv[0] == "sbatch":
@@ -241,7 +244,7 @@ class Runner:
             shrink.append(f"data.train={self.s.gsm8k_sample()}")
         if cfg.data.train == "arith":  # generated: 20000 problems by default
             shrink.append("data.num_train=256")
-        paper_model = plan.find_known_model(cfg.model.path)
+        paper_model = known.find_known_model(cfg.model.path)
         if devices is None and paper_model:
             devices, gb = _mesh_product(overrides) or 1, GPU_GB
         machine = ["--devices", str(devices), "--device-memory-gb", str(gb)] if devices else []

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cppo_jax import eval_checkpoint
 from cppo_jax import evaluate as ev
 from cppo_jax.rewards import gsm8k
 
@@ -121,7 +122,7 @@ class _StubBackend:
 
 
 def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, monkeypatch):
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks import arith
@@ -153,6 +154,14 @@ def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, mo
     # aime24: 30 questions x 2 samples in calls of 2 questions; only sample 0 of questions 0-2 is right.
     assert by_name["aime24"]["n"] == 30 and by_name["aime24"]["samples"] == 2
     assert by_name["aime24"]["accuracy"] == pytest.approx(3 / 60)
+    # pass@k: 3 questions with 1 of 2 samples right; pass@1 = mean@2, pass@2 = 3 / 30.
+    assert by_name["aime24"]["pass@1"] == pytest.approx(3 / 60)
+    assert by_name["aime24"]["pass@2"] == pytest.approx(3 / 30)
+    assert "pass@1" not in by_name["arith"]  # one greedy sample: no pass@k
+    assert (
+        "| aime24 | 2 | 5.00% | pass@1 5.00%, pass@2 10.00% |"
+        in (tmp_path / "eval" / "summary.md").read_text()
+    )
     rows = _rows(tmp_path / "eval" / "aime24.jsonl")
     assert [(r["id"], r["sample"]) for r in rows] == [(q, j) for q in range(30) for j in range(2)]
     assert [r["correct"] for r in rows[:6]] == [True, False] * 3
@@ -167,7 +176,8 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
 
     from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config import ConfigError, load_config, save_config
+    from cppo_jax.config import ConfigError
+    from cppo_jax.config_io import load_config, save_config
     from cppo_jax.models import load_hf
 
     cfg = load_config(TINY_CPU, [f"model.init_checkpoint={tiny_model}", "model.warm_start="])
@@ -181,8 +191,11 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     ckpt.save(3, {"params": trained, "opt_state": tx.init(trained)}, {"step": 3})
     ckpt.close()
 
-    assert ev.checkpoint_kind(run) == "run" and ev.checkpoint_kind(tiny_model) == "hf"
-    policy = ev.load_policy(None, run)
+    assert (
+        eval_checkpoint.checkpoint_kind(run) == "run"
+        and eval_checkpoint.checkpoint_kind(tiny_model) == "hf"
+    )
+    policy = eval_checkpoint.load_policy(None, run)
     assert policy.kind == "run" and policy.step == 3 and policy.run_config == cfg
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), policy.params, trained)
     assert all(jax.tree.leaves(same))
@@ -191,7 +204,7 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     (no_model / "checkpoints").mkdir(parents=True)
     save_config(load_config(TINY_CPU, ["model.init_checkpoint="]), no_model / "config.json")
     with pytest.raises(ConfigError, match="model.path is required: a local Hugging Face folder"):
-        ev.load_policy(None, no_model)
+        eval_checkpoint.load_policy(None, no_model)
 
 
 def test_user_errors_exit_2_with_the_culprit(tiny_model, tmp_path, capsys):
@@ -208,7 +221,7 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     tiny_model, tmp_path, monkeypatch
 ):
     """configs/gsm8k_1p5b.py: `accuracy` is the released (lenient) rule; both rules are in every output."""
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
     from cppo_jax.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT
@@ -247,3 +260,25 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     assert (
         "| 75.00% (released) | 75.00% | 50.00% |" in (tmp_path / "eval" / "summary.md").read_text()
     )
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    """Against hand counts, and against the definition: the share of all k-subsets of the n samples
+    that hold a correct one."""
+    import itertools
+
+    from cppo_jax.eval_report import pass_at_k
+
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 3 of the 6 pairs hold the right one
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(16, 2, 8) == pytest.approx(
+        1 - (14 * 13 * 12 * 11 * 10 * 9 * 8 * 7) / (16 * 15 * 14 * 13 * 12 * 11 * 10 * 9) * 1
+    )  # 1 - C(14,8)/C(16,8)
+    for n, c, k in [(5, 2, 2), (6, 1, 3), (7, 3, 4), (8, 0, 2), (8, 5, 5)]:
+        right = [True] * c + [False] * (n - c)
+        subsets = list(itertools.combinations(range(n), k))
+        share = sum(any(right[i] for i in sub) for sub in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(share, rel=1e-12), (n, c, k)
+    with pytest.raises(ValueError, match="n=4, c=5"):
+        pass_at_k(4, 5, 1)

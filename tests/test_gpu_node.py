@@ -158,8 +158,8 @@ def test_push_bytes_of_the_paper_models():
     """The projected push sizes in docs/vllm.md: every parameter in the serving dtype, the tied
     embedding of 1.5B written twice (vLLM reloads lm_head.weight). Parameter counts as published:
     Qwen2.5-1.5B 1,543,714,304 (tied), Qwen2.5-7B 7,615,616,512."""
+    from cppo_jax.models.known import KNOWN_MODELS
     from cppo_jax.models.transformer import TransformerConfig
-    from cppo_jax.plan import KNOWN_MODELS
     from cppo_jax.rollout.vllm_backend import push_bytes
 
     small = TransformerConfig.from_hf_dict(KNOWN_MODELS["Qwen2.5-1.5B-Instruct"])

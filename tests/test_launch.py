@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from cppo_jax import launch, plan
-from cppo_jax.config import ConfigError, load_config
+from cppo_jax.config import ConfigError
+from cppo_jax.config_io import load_config
+from cppo_jax.models import known
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = str(ROOT / "configs" / "gsm8k_1p5b.py")
@@ -161,11 +163,11 @@ def test_math7b_dry_run_without_weights(tmp_path):
 
 
 def test_known_sizes_by_name_when_there_is_no_config_json():
-    assert plan.find_known_model("/models/Qwen2.5-7B-Instruct") == "Qwen2.5-7B-Instruct"
-    assert plan.find_known_model("", "gsm8k_1p5b") == "Qwen2.5-1.5B-Instruct"
-    assert plan.find_known_model("/models/Qwen2.5-72B-Instruct") is None
-    assert plan.model_size(QWEN25_1P5B).params == PARAMS_1P5B
-    assert plan.model_size(plan.KNOWN_MODELS["Qwen2.5-7B-Instruct"]).params == PARAMS_7B
+    assert known.find_known_model("/models/Qwen2.5-7B-Instruct") == "Qwen2.5-7B-Instruct"
+    assert known.find_known_model("", "gsm8k_1p5b") == "Qwen2.5-1.5B-Instruct"
+    assert known.find_known_model("/models/Qwen2.5-72B-Instruct") is None
+    assert known.model_size(QWEN25_1P5B).params == PARAMS_1P5B
+    assert known.model_size(known.KNOWN_MODELS["Qwen2.5-7B-Instruct"]).params == PARAMS_7B
 
 
 def test_dry_run_tokenizes_prompts_when_the_folder_has_a_tokenizer(tmp_path):

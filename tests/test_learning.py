@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax.config import load_config
+from cppo_jax.config_io import load_config
 from cppo_jax.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

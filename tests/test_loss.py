@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cppo_jax import cppo, loss
+from cppo_jax.config import LOSS_TYPES
 
 try:
     import reference_numpy as ref
@@ -38,7 +39,7 @@ _loss = jax.jit(loss.policy_loss, static_argnames=_STATIC)
 
 def _per_loss_type(f):
     """jit(x -> {loss_type: f(x, loss_type)}): one compilation for all four aggregations."""
-    return jax.jit(lambda *args: {lt: f(*args, loss_type=lt) for lt in loss.LOSS_TYPES})
+    return jax.jit(lambda *args: {lt: f(*args, loss_type=lt) for lt in LOSS_TYPES})
 
 
 def _batch(seed, N=4, T=6, spread=0.6, mask_p=0.8):
@@ -62,7 +63,7 @@ def _batch(seed, N=4, T=6, spread=0.6, mask_p=0.8):
 def _all_configs(logp, old, ref_logp, adv, mask, eps_low, eps_high):
     """policy_loss for every loss_type and beta in {0, 0.04}; eps traced, so one compile per shape."""
     out = {}
-    for loss_type in loss.LOSS_TYPES:
+    for loss_type in LOSS_TYPES:
         for beta in (0.0, 0.04):
             kw = dict(loss_type=loss_type, beta=beta, max_completion_len=logp.shape[1] + 3)
             out[loss_type, beta] = loss.policy_loss(
@@ -173,7 +174,7 @@ def test_gradient_matches_finite_differences_inside_and_outside_the_clip():
     @jax.jit
     def grads_and_differences(lp):
         out = {}
-        for loss_type in loss.LOSS_TYPES:
+        for loss_type in LOSS_TYPES:
 
             def f(x, loss_type=loss_type):
                 kw = dict(loss_type=loss_type, beta=0.04, max_completion_len=7)
@@ -246,7 +247,7 @@ def test_policy_loss_rejects_bad_arguments():
         loss.policy_loss(logp, old, ref_logp, adv, mask, loss_type="sum")
     with pytest.raises(ValueError, match="max_completion_len"):
         loss.policy_loss(logp, old, ref_logp, adv, mask, loss_type="dr_grpo")
-    with pytest.raises(ValueError, match="ref_logp_NT"):
+    with pytest.raises(ValueError, match="ref_logp_MC"):
         loss.policy_loss(logp, old, None, adv, mask, beta=0.04)
     with pytest.raises(ValueError, match="static Python float"):
         jax.jit(lambda b: loss.policy_loss(logp, old, ref_logp, adv, mask, beta=b))(0.04)
@@ -383,5 +384,5 @@ def test_logps_reject_bad_arguments():
         loss.token_logps_from_hidden(h, w, t, chunk_size=0)
     with pytest.raises(ValueError, match="temperature"):
         loss.token_logps_from_hidden(h, w, t, temperature=0.0)
-    with pytest.raises(ValueError, match="targets_NT"):
+    with pytest.raises(ValueError, match="targets_MT"):
         loss.token_logps_from_hidden(h, w, t[:, :2])

@@ -1,6 +1,6 @@
 """The memory plan's numbers against what a live tiny Trainer holds and what XLA allocates for its step.
 
-`plan.memory_plan` (what `trainer.dry_run=true` prints, and the plan for the paper's configs on 8 x 80 GB)
+`layout.memory_plan` (what `trainer.dry_run=true` prints, and the plan for the paper's configs on 8 x 80 GB)
 predicts per-device bytes. Here a real Trainer of a tiny config is built on this CPU and measured:
   resident: the bytes of every params / AdamW state / reference-params shard on the device (live arrays);
   train step: XLA's buffer assignment of the compiled train step with the Trainer's own arguments
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cppo_jax import plan
+from cppo_jax import layout, plan
 from cppo_jax import step as step_lib
 from cppo_jax.models.hf_io import read_hf_config
 from cppo_jax.trainer import Trainer
@@ -53,9 +53,9 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layer
             remat=m.remat,
             scan_layers=m.scan_layers,
         )
-        mp = plan.memory_plan(
+        mp = layout.memory_plan(
             tcfg,
-            plan.resolve_mesh(cfg, len(jax.devices())),
+            cfg.mesh.sizes(len(jax.devices())),
             rows=sh.M,
             prompt_len=sh.P,
             completion_len=sh.C,
@@ -116,7 +116,7 @@ def test_plan_command_prints_the_plan_for_a_machine_we_do_not_have(capsys):
     assert "fits: no" in out.out and "the memory plan does not fit" in out.err
     assert "on these 8 devices mesh.data=2 mesh.fsdp=4 mesh.tensor=1 fits" in out.err
     assert plan.main([*args, "mesh.data=16"]) == 2
-    assert "plan is for 8" in capsys.readouterr().err
+    assert "but there are 8" in capsys.readouterr().err
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -157,8 +157,8 @@ def reward_len(completions, **kwargs):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, arith_model_dir):
     """`python -m cppo_jax.launch --config configs/tiny_cpu.py ...` with a user's TRL-style reward file
-    (by its path) and the format reward only (no accuracy reward), the progress bar on; stdout and
-    stderr merged."""
+    (by its path) and the format reward only (no accuracy reward), the progress bar on, W&B offline;
+    stdout and stderr merged."""
     tmp = tmp_path_factory.mktemp("launch")
     (tmp / "my_rewards.py").write_text(USER_REWARDS)
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # the reward file is found by its path alone
@@ -184,6 +184,9 @@ def launched(tmp_path_factory, arith_model_dir):
         "trainer.run_name=user",
         "logging.plot=false",
         "logging.progress=true",
+        "logging.wandb=true",
+        "logging.wandb_mode=offline",
+        "logging.wandb_project=cppo-tests",
     ]
     proc = subprocess.run(
         cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -216,3 +219,57 @@ def test_progress_bar_is_closed_before_the_summary_which_is_printed_once(launche
     assert "3/3" in out[:summary_at]  # the bar reached its end before the summary
     assert "cppo:" not in out[summary_at:], out[summary_at:]  # and never printed again after it
     assert "acc=" not in out  # no accuracy among the training rewards: none shown
+
+
+def wandb_records(path: Path) -> list:
+    """The records of an offline W&B run file (`run-*.wandb`): a 7-byte header (`:W&B`, magic,
+    version), then LevelDB's log format: 32 KiB blocks of records `crc32c(4) length(2) type(1) data`,
+    a record split over blocks as FIRST (2), MIDDLE (3), LAST (4); FULL (1) is whole."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, block, parts, records = 7, 32768, [], []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's last bytes are padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            break
+        parts.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(b"".join(parts))
+            records.append(record)
+            parts = []
+    return records
+
+
+def test_wandb_offline_run_holds_the_metrics_evaluations_and_config(launched):
+    proc, run = launched
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (file,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    records = wandb_records(file)
+    (info,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert info.project == "cppo-tests" and info.display_name == "user"
+    history: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item
+            }
+            for key, value in row.items():
+                history.setdefault(key, {})[int(row["_step"])] = value
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(history["reward"]) == [1, 2, 3]
+    for row in metrics:
+        for key in ("reward", "learning_rate", "kl", "completions/mean_length"):
+            assert history[key][row["step"]] == pytest.approx(row[key], rel=EPS64), key
+    evals = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if e["event"] == "eval"]
+    assert sorted(history["eval/test/accuracy"]) == [e["step"] for e in evals] == [0, 2, 3]
+    config = {i.key: json.loads(i.value_json) for i in info.config.update}
+    assert config["cppo"]["pruning_rate"] == 0.5 and config["trainer"]["run_name"] == "user"

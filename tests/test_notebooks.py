@@ -119,3 +119,57 @@ def test_pruning_explained_runs(tmp_path):
     assert "p = 0.875  k =  2   kept:" in text
     assert "| 1 | 0.875 | 2 | 8 | 16 | 16 | 128 |" in text  # the allocation table (b = 1)
     assert _images(nb) >= 2
+
+
+def _install_cell(name: str) -> str:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def test_install_cell_skips_an_installed_package_and_installs_the_wheel_keeping_jax(tmp_path):
+    """The first cell of each notebook: nothing to do where cppo_jax imports (here, and what
+    the executions above ran); on a fresh runtime it pip-installs CPPO_SOURCE (here the wheel that
+    `make dist` builds, in a dry run) with every installed jax* package pinned to its version."""
+    import importlib.metadata
+    import subprocess
+
+    cells = {name: _install_cell(name) for name in NAMES}
+    assert len(set(cells.values())) == 1, "the notebooks' install cells differ"
+    cell = cells[NAMES[0]]
+    assert "make dist" in cell and "CPPO_SOURCE" in cell
+
+    def run(**env):
+        return subprocess.run(
+            [sys.executable, "-c", cell],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    skipped = run()
+    assert skipped.returncode == 0 and "is installed: nothing to do" in skipped.stdout
+
+    dist = tmp_path / "dist"
+    made = subprocess.run(
+        ["make", "-s", "dist", f"DIST={dist}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    (wheel,) = dist.glob("cppo_jax-*.whl")
+    report = tmp_path / "report.json"
+    forced = run(
+        CPPO_FORCE_INSTALL="1",
+        CPPO_SOURCE=str(wheel),
+        CPPO_PIP_ARGS=f"--dry-run --no-deps --report {report}",
+    )
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    for pkg in ("jax", "jaxlib"):  # the runtime's JAX, pinned
+        assert f"{pkg}=={importlib.metadata.version(pkg)}" in forced.stdout, forced.stdout
+    (item,) = json.loads(report.read_text())["install"]
+    assert item["metadata"]["name"] == "cppo_jax" and item["download_info"]["url"].endswith(
+        wheel.name
+    )
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "cppo_jax/assets/tiny_arith/model.safetensors" in names  # the quick start's model

@@ -129,8 +129,8 @@ def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_
     assert min(moved) > 0
     # Old-policy log-probs: those of the weights that sampled the batch.
     for s, batch in enumerate(seen):
-        want = np.asarray(trainer.logps(sampled_by[s], batch.tokens_NT, batch.valid_NT))
-        np.testing.assert_allclose(batch.old_logp_NC, want, atol=1e-6, err_msg=f"step {s}")
+        want = np.asarray(trainer.logps(sampled_by[s], batch.tokens_MT, batch.valid_MT))
+        np.testing.assert_allclose(batch.old_logp_MC, want, atol=1e-6, err_msg=f"step {s}")
     assert history[0]["ratio/abs_dev_mean"] < 1e-5  # on-policy: the ratio is 1
     assert all(m["ratio/abs_dev_mean"] > 1e-6 for m in history[1:])
     assert all(np.isfinite(m["loss"]) for m in history)
@@ -236,7 +236,7 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
     inner = trainer.train_step
 
     def spy(params, opt_state, batch):
-        seen.append(batch.old_logp_NC)
+        seen.append(batch.old_logp_MC)
         return inner(params, opt_state, batch)
 
     trainer.train_step = spy

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import plan
+from cppo_jax import layout, plan
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import MeshConfig, load_config
+from cppo_jax.config import MeshConfig
+from cppo_jax.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
@@ -332,9 +333,9 @@ def test_plan_for_the_paper_configs_on_8_x_80gb(tmp_path, capsys):
             tcfg = TransformerConfig.from_hf_dict(
                 hf, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
             )
-            mp = plan.memory_plan(
+            mp = layout.memory_plan(
                 tcfg,
-                plan.resolve_mesh(cfg, 8),
+                cfg.mesh.sizes(8),
                 rows=sh.M,
                 prompt_len=sh.P,
                 completion_len=sh.C,
@@ -343,7 +344,7 @@ def test_plan_for_the_paper_configs_on_8_x_80gb(tmp_path, capsys):
                 device_bytes=80 * 10**9,
             )
             print(f"--- {name} (G={sh.G}, Q={sh.Q}, M={sh.M}) on 8 x 80 GB, mesh {shape}")
-            print("\n".join(plan.memory_lines(mp, m.param_dtype)))
+            print("\n".join(layout.memory_lines(mp, m.param_dtype)))
             verdicts[name, shape] = mp.fits
     # Qwen2.5-7B at G = 16, fp32 params, AdamW and a reference: pure data parallelism holds a
     # whole copy of everything on each GPU (too much); sharding params over fsdp fits.
@@ -365,7 +366,7 @@ def test_plan_report_prints_the_per_device_plan(tmp_path):
     assert "memory per device (mesh data=1 fsdp=8 tensor=1" in text
     assert "fits: yes" in text
     bad = load_config(ROOT / "configs" / "math7b.py", [*overrides[:2], "mesh.data=16"])
-    with pytest.raises(ValueError, match=r"mesh\.data=16.*plan is for 8"):
+    with pytest.raises(ValueError, match=r"mesh\.data=16.*but there are 8"):
         plan.plan_report(bad, num_devices=8, device_memory_gb=80)
 
 
@@ -412,7 +413,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
         - mem.alias_size_in_bytes
         + mem.temp_size_in_bytes
     )
-    mp = plan.memory_plan(
+    mp = layout.memory_plan(
         tcfg, {}, rows=N, prompt_len=P, completion_len=C, beta=0.04, logp_chunk=16
     )
     estimate = mp.train_peak - mp.reference  # the reference params are not a train-step argument

@@ -26,9 +26,8 @@ from cppo_jax.config import (
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
-    apply_overrides,
-    to_dict,
 )
+from cppo_jax.config_io import apply_overrides, to_dict
 from cppo_jax.cppo import shapes_of
 from cppo_jax.trainer import NonFiniteError, Trainer
 from tests.helpers import spread_reward
@@ -187,7 +186,7 @@ def test_nonfinite_loss_skips_updates_then_stops_with_state_saved(tmp_path, arit
     inner = trainer.train_step
 
     def poisoned(params, opt_state, batch):
-        return inner(params, opt_state, batch._replace(adv_N=batch.adv_N * jnp.nan))
+        return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan))
 
     trainer.train_step = poisoned
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
@@ -244,7 +243,7 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path, arith_model_
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=6", "trainer.checkpoint_every=2")
     config_file = tmp_path / "cfg.py"
     config_file.write_text(
-        "import json\nfrom cppo_jax.config import from_dict\n"
+        "import json\nfrom cppo_jax.config_io import from_dict\n"
         f"DATA = json.loads({json.dumps(json.dumps(to_dict(cfg)))})\n"
         "def get_config():\n    return from_dict(DATA)\n"
     )
@@ -343,15 +342,15 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
 
         def spy(params, opt_state, batch):
             # The log-probs of the params this update starts from (before they are donated).
-            start_logps.append(np.asarray(inner_logps(params, batch.tokens_NT, batch.valid_NT)))
+            start_logps.append(np.asarray(inner_logps(params, batch.tokens_MT, batch.valid_MT)))
             batches.append(batch)
             return inner_step(params, opt_state, batch)
 
         trainer.train_step = spy
         trainer.step(0)
         assert len(batches) == 2 and batches[0] is batches[1]  # the same batch twice
-        old_NC = np.asarray(batches[0].old_logp_NC)
-        mask_NC = np.asarray(batches[0].mask_NC) > 0
+        old_NC = np.asarray(batches[0].old_logp_MC)
+        mask_NC = np.asarray(batches[0].mask_MC) > 0
         np.testing.assert_array_equal(old_NC[mask_NC], start_logps[0][mask_NC])  # pre-update params
         ratio_NC = np.exp(start_logps[1] - old_NC)
         moved = np.abs(ratio_NC[mask_NC] - 1.0)

@@ -10,7 +10,8 @@ environment through launch/vllm_server.sh (about 3-5 minutes, once per machine).
   `Trainer` that raises the mean sampled reward like the embedded run of test_trainer.py, and the server
   killed mid-run (a clear, fast RolloutServerError); rollout.overlap = 1 through the server
   (benchmarks/overlap.py --quick);
-- untied model (random, hidden 64): probe log-probs after updates (one that changes only lm_head).
+- untied model (random, hidden 64, trained two steps): the run's `export/` served as it is (greedy equal to
+  the embedded sampler's), then probe log-probs after updates (one that changes only lm_head).
 
 The launch scripts' --dry-run and the vLLM demo config are checked without a server.
 """
@@ -87,11 +88,26 @@ def tied(tmp_path_factory):
         yield server, model_dir, folder
 
 
+def trained_export(folder: Path) -> Path:
+    """An untied random model trained two steps (embedded sampler, a spread reward): its run's
+    `export/`, the folder a user hands to vLLM."""
+    from cppo_jax.trainer import Trainer
+    from tests.helpers import spread_reward
+    from tests.test_trainer import small_config
+
+    start = build_model_dir(folder / "start", tied=False, seed=1)
+    cfg = small_config(folder, start, "trainer.steps=2", *spread_reward(folder))
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return folder / "run" / "export"
+
+
 @pytest.fixture(scope="class")
 def untied(tmp_path_factory):
-    server, model_dir, folder = _serve(
-        tmp_path_factory, "vllm_untied", lambda f: build_model_dir(f, tied=False, seed=1)
-    )
+    server, model_dir, folder = _serve(tmp_path_factory, "vllm_untied", trained_export)
     with server:
         print(f"\nvLLM server (untied) up in {server.start_s:.1f} s")
         yield server, model_dir, folder
@@ -422,6 +438,33 @@ class TestTiedServer:
 
 @pytest.mark.vllm
 class TestUntiedServer:
+    def test_serves_a_runs_export_as_it_is(self, untied, tmp_path):
+        """The export of a trained run, served without any push: greedy completions equal the
+        embedded sampler's on the trained params (runs first: later tests push other weights)."""
+        import jax.numpy as jnp
+
+        from cppo_jax.rollout.backend import EmbeddedBackend
+        from cppo_jax.rollout.vllm_backend import samples_from_completions
+
+        server, model_dir, _ = untied
+        assert model_dir.name == "export" and (model_dir.parent / "checkpoints").is_dir()
+        backend, graphdef, params, sp, tok = _setup(server, model_dir, tmp_path)
+        questions = ["What is 12 + 30?", "7 * 8?", "Compute 100 - 1.", "2 + 2 = ?"]
+        prompt_QP, valid_QP = _prompts(tok, questions)
+        C = 12
+        want = EmbeddedBackend(graphdef, sp).greedy(
+            params, jnp.asarray(prompt_QP), jnp.asarray(valid_QP), C
+        )
+        prompts = [list(map(int, row[valid])) for row, valid in zip(prompt_QP, valid_QP)]
+        groups = backend.client.generate(
+            prompts, n=1, max_tokens=C, temperature=0.0, stop_token_ids=list(sp.eos_id)
+        )
+        got = samples_from_completions(groups, 1, sp, server.url)
+        np.testing.assert_array_equal(np.asarray(got.tokens_NC), np.asarray(want.tokens_NC))
+        np.testing.assert_array_equal(np.asarray(got.valid_NC), np.asarray(want.valid_NC))
+        assert len({tuple(r) for r in np.asarray(got.tokens_NC).tolist()}) > 1
+        backend.close()
+
     def test_probe_matches_after_updates(self, untied, tmp_path):
         server, model_dir, _ = untied
         backend, _, params, _, tok = _setup(server, model_dir, tmp_path)
@@ -651,7 +694,7 @@ def test_gpu_node_dry_run_follows_the_config_and_the_cpu_switch():
 
 
 def test_tiny_cpu_vllm_config(monkeypatch):
-    from cppo_jax.config import load_config
+    from cppo_jax.config_io import load_config
 
     monkeypatch.delenv("CPPO_VLLM_URL", raising=False)
     cfg = load_config(ROOT / "configs" / "tiny_cpu_vllm.py")

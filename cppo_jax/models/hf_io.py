@@ -28,6 +28,7 @@ from cppo_jax.models.transformer import Transformer, TransformerConfig, has_o_bi
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -325,34 +326,89 @@ def load_hf(
     )
 
 
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' save_pretrained default (5 GB)
+_DTYPE_NAMES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _source_dtype(config: dict) -> str | None:
+    """The dtype a HF config.json says its weights are in (`dtype`, or the older `torch_dtype`)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in _DTYPE_NAMES else None
+
+
+def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Tensors packed in order into shards of at most `max_bytes` (a larger tensor alone)."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    return shards
+
+
 def save_hf(
     model: Transformer,
     path: str | Path,
     extra_config: dict | None = None,
     tokenizer_dir: str | Path | None = None,
+    *,
+    source_dir: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Writes `config.json` and `model.safetensors` (HF names, param dtype), atomically.
+    """Writes a folder that transformers loads and vLLM serves as it is, atomically.
 
-    The folder is built beside `path` and renamed into place; an existing `path` is replaced
-    only once the new folder is complete. Tokenizer files from `tokenizer_dir` are copied along.
-    With several processes every process calls this: the parameters are gathered from all of them
-    and process 0 alone writes.
+    Weights go in HF names and layouts, in `dtype` (default: the dtype `source_dir`'s config.json
+    names, else the param dtype), in one `model.safetensors` or, above `max_shard_bytes`, in shards
+    with an index. `config.json` is `source_dir`'s (the checkpoint the run started from: eos/bos ids,
+    rope scaling and every other field kept) with the architecture fields and dtype written anew and
+    `extra_config` added last. `generation_config.json` is copied from `source_dir`, the tokenizer files
+    from `tokenizer_dir` (default `source_dir`). The folder is built beside `path` and renamed into
+    place; an existing `path` is replaced only once the new folder is complete. With several
+    processes every process calls this: the parameters are gathered and process 0 alone writes.
     """
     path = Path(path)
+    source = Path(source_dir) if source_dir is not None else None
+    base: dict = {}
+    if source is not None and (source / "config.json").is_file():
+        base = json.loads((source / "config.json").read_text())
+    dtype = dtype or _source_dtype(base) or model.cfg.param_dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)}")
     tensors = state_to_hf_tensors(model)
     if jax.process_index() != 0:
         return path
+    tensors = {k: np.ascontiguousarray(v.astype(_DTYPE_NAMES[dtype])) for k, v in tensors.items()}
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else source
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise FileNotFoundError(f"tokenizer folder not found: {tok_dir}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         os.chmod(tmp, 0o755)
-        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        config = model.cfg.to_hf_dict(**(extra_config or {}))
+        shards = _shards(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(v.nbytes for v in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = {**base, **model.cfg.to_hf_dict(torch_dtype=dtype)}
+        if "dtype" in base:
+            config["dtype"] = dtype
+        config.update(extra_config or {})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if tokenizer_dir is not None:
-            tok_dir = Path(tokenizer_dir)
-            if not tok_dir.is_dir():
-                raise FileNotFoundError(f"tokenizer folder not found: {tok_dir}")
+        if source is not None and (source / GENERATION_CONFIG).is_file():
+            shutil.copy2(source / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        if tok_dir is not None:
             for file in sorted(tok_dir.iterdir()):
                 if file.is_file() and file.name in TOKENIZER_FILES:
                     shutil.copy2(file, tmp / file.name)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 # Files of a checkpoint folder whose `eos_token_id` (an id or a list) ends a completion.
 EOS_FILES = ("generation_config.json", "config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _MARK = "\u2063cppo-end-of-turn\u2063"  # an assistant reply the chat template wraps
 
 
@@ -106,3 +107,8 @@ class Tokenizer:
         messages.append({"role": "user", "content": question})
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `folder` holds a tokenizer (any of `TOKENIZER_FILES`)."""
+    return bool(folder) and any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)

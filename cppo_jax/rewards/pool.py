@@ -7,7 +7,7 @@ process and enforces the bound from outside:
 1. Workers are fresh interpreters (`subprocess` + exec: nothing is forked from a parent that may hold JAX
    threads, and unlike multiprocessing's spawn the parent's `__main__` is not re-imported, so a training
    script's imports stay out of the workers). Each sets RLIMIT_AS (`memory_limit_bytes`), imports the reward
-   functions by qualified name, warms them up and reports ready.
+   functions by qualified name, warms them up and reports ready (`cppo_jax.rewards.worker`).
 2. `score` cuts the batch into chunks of up to `chunk_size` items and hands them to idle workers. A worker runs the calls
    of its chunk in order and answers after each one.
 3. Each call has `timeout_s` seconds, counted from the previous answer (or the hand-over). A call that
@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -45,25 +44,11 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 
 from cppo_jax.rewards import registry
+from cppo_jax.rewards.worker import BOOT, call, child_env
 
 __all__ = ["RewardPool"]
 
 logger = logging.getLogger(__name__)
-
-_WARMUP = ("<think>1+1=2</think>\n<answer>$\\boxed{2}$</answer>", "so 1+1 = \\boxed{2}. #### 2")
-
-# Run by each worker: set the memory limit before anything else is imported, then serve.
-_BOOT = """
-import resource, sys
-limit = int(sys.argv[2])
-if limit > 0:
-    try:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    except (ValueError, OSError) as e:
-        print(f"reward worker: cannot set RLIMIT_AS to {limit} bytes: {e}", file=sys.stderr)
-from cppo_jax.rewards.pool import _worker_main
-_worker_main(int(sys.argv[1]))
-"""
 
 
 @dataclass
@@ -99,15 +84,6 @@ def _parse_spec(entry) -> _Spec:
     if not math.isfinite(weight):
         raise ValueError(f"weight of reward {name!r} must be finite, got {weight!r}")
     return _Spec(name, weight, registry.reference(fn))
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = "1"
-    return env
 
 
 def _shutdown(workers: list[_Worker]) -> None:
@@ -182,13 +158,13 @@ class RewardPool:
                 [
                     sys.executable,
                     "-c",
-                    _BOOT,
+                    BOOT,
                     str(child_sock.fileno()),
                     str(self.memory_limit_bytes),
                 ],
                 pass_fds=(child_sock.fileno(),),
                 stdin=subprocess.DEVNULL,
-                env=_child_env(),
+                env=child_env(),
             )
         finally:
             child_sock.close()
@@ -299,7 +275,7 @@ class RewardPool:
         f = len(self.specs)
         for i, (c, s) in enumerate(zip(completions, solutions)):
             for j in js:
-                status, value = _call(self._inline[j], c, s, ctx[i])
+                status, value = call(self._inline[j], c, s, ctx[i])
                 run.record(i * f + j, status, value, registry.drain_notes(), scores_FN)
 
     def _score_workers(self, completions, solutions, ctx, scores_FN, run: _Run, js) -> None:
@@ -429,51 +405,3 @@ class _Run:
         else:
             self.errors[j] += 1
             logger.debug("reward call failed on item %d: %s", i, value)
-
-
-def _call(fn: Callable, completion: str, solution: str, context=None) -> tuple[str, object]:
-    """Call one `registry.item_fn`; ("ok", float), ("abstain", None) or ("error", reason)."""
-    try:
-        value = fn(completion, solution, context)
-        if value is None:
-            return "abstain", None
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-            return "error", f"returned {type(value).__name__}, not a number"
-        value = float(value)
-        if not math.isfinite(value):
-            return "error", f"returned {value}"
-        return "ok", value
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # also math-verify's TimeoutException, a BaseException
-        return "error", f"{type(e).__name__}: {str(e)[:200]}"
-
-
-def _worker_main(fd: int) -> None:
-    """Entry point of a worker interpreter (see _BOOT): load the functions, then answer tasks until EOF."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    for name in ("math_verify", "latex2sympy2_extended"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # they log whole inputs on timeouts
-    conn = Connection(fd)
-    _, refs = conn.recv()
-    try:
-        fns = [registry.item_fn(registry.resolve_ref(ref)) for ref in refs]
-    except BaseException as e:
-        conn.send(("init_error", f"{type(e).__name__}: {e}"))
-        return
-    for fn in fns:
-        _call(fn, *_WARMUP)
-    registry.drain_notes()
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] != "run":
-            return
-        for task, j, completion, solution, context in msg[1]:
-            status, value = _call(fns[j], completion, solution, context)
-            conn.send((task, status, value, registry.drain_notes()))

@@ -33,8 +33,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from cppo_jax.config import TASKS
+
 __all__ = [
     "TASK_EVAL",
+    "TASK_REWARDS",
     "RewardFn",
     "as_pair_fn",
     "display_name",
@@ -70,10 +73,15 @@ _BUILTIN: dict[str, str] = {
     "arith_format": "cppo_jax.rewards.gsm8k:format_reward",
     "arith_eval_released": "cppo_jax.rewards.gsm8k:eval_released",
 }
-# Per task: the accuracy reward (`eval.rule=strict` counts accuracy > 0) and the released evaluation rule.
+# Per task (`data.task`): its (accuracy, format) rewards, what an evaluation writes for each completion.
+TASK_REWARDS: dict[str, tuple[str, str]] = {
+    task: (f"{task}_accuracy", f"{task}_format") for task in TASKS
+}
+# Per task: the two accuracy rules (`eval.rule`): `strict` counts accuracy reward > 0, `released` is the
+# released code's evaluation rule.
 TASK_EVAL: dict[str, dict[str, str]] = {
-    task: {"strict": f"{task}_accuracy", "released": f"{task}_eval_released"}
-    for task in ("arith", "gsm8k", "math")
+    task: {"strict": accuracy, "released": f"{task}_eval_released"}
+    for task, (accuracy, _) in TASK_REWARDS.items()
 }
 _REGISTRY: dict[str, str] = dict(_BUILTIN)
 _NOTES: Counter[str] = Counter()

@@ -2,7 +2,7 @@
 
 Every process draws the whole global batch of question ids (cheap: `pipeline.question_order` gives
 step `step`'s row) and lays prompts and seeds out as global arrays over the mesh. Question q of step
-`step` is sampled with seed `(seed * SEED_STRIDE + step * Q + q) mod 2**31`, so each question of each step
+`step` is sampled with seed `pipeline.sample_seeds(seed, step * Q + q)`, so each question of each step
 has its own random numbers, the same however the batch is split or the run is resumed.
 """
 
@@ -16,8 +16,6 @@ import numpy as np
 
 from cppo_jax import distributed, pipeline
 from cppo_jax.rollout.sampling import Samples
-
-SEED_STRIDE = 1_000_003  # between the seeds of two runs' step 0 (trainer.seed, trainer.seed + 1)
 
 
 @dataclasses.dataclass
@@ -41,7 +39,7 @@ def draw_rollout(
     Q = len(batch)
     prompt_QP = distributed.rows(batch.ids_nP, mesh)
     pvalid_QP = distributed.rows(batch.valid_nP, mesh)
-    seeds = (seed * SEED_STRIDE + step * Q + np.arange(Q)) % (2**31)
+    seeds = pipeline.sample_seeds(seed, step * Q + np.arange(Q))
     seeds_Q = distributed.rows(seeds.astype(np.uint32), mesh)
     t = time.perf_counter()
     samples = jax.block_until_ready(backend.generate(params, prompt_QP, pvalid_QP, seeds_Q, G))

@@ -16,7 +16,6 @@ from __future__ import annotations
 __all__ = [
     "GSM8K_SYSTEM_PROMPT",
     "MATH_SYSTEM_PROMPT",
-    "PROMPT_FORMATS",
     "SYSTEM_PROMPT",
     "TINY_SYSTEM_PROMPT",
     "chat_messages",
@@ -48,8 +47,6 @@ SYSTEM_PROMPT = GSM8K_SYSTEM_PROMPT
 
 # A short instruction for the tiny synthetic task, whose model has a context of a few dozen tokens.
 TINY_SYSTEM_PROMPT = "Think in <think> </think>, then answer in <answer> </answer>."
-
-PROMPT_FORMATS = ("chat", "plain")
 
 _BY_TASK = {
     "gsm8k": GSM8K_SYSTEM_PROMPT,

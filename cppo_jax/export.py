@@ -1,0 +1,122 @@
+"""A trained policy as a Hugging Face folder that transformers loads and vLLM serves as it is.
+
+Every run ends with `<run>/export/` (the final policy); `best/` (validation) is written the same way.
+Any checkpoint of a finished or stopped run can be exported later:
+
+    python -m cppo_jax.export --run runs/tiny_cpu              # latest checkpoint -> runs/tiny_cpu/export
+    python -m cppo_jax.export --run runs/tiny_cpu --step 20    # -> runs/tiny_cpu/export-step20
+
+The folder keeps the starting checkpoint's config.json fields (eos/bos ids, rope scaling, ...), its
+dtype (a bfloat16 checkpoint is exported in bfloat16) and its generation_config.json, with the tokenizer
+files copied; weights above 5 GB are sharded with an index, as `save_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from cppo_jax import step as step_lib
+from cppo_jax.checkpoint import Checkpointer, CheckpointError
+from cppo_jax.config import Config, ConfigError
+from cppo_jax.config_io import from_dict
+from cppo_jax.models.hf_io import read_hf_config, save_hf
+from cppo_jax.models.transformer import Transformer
+
+EXPORT_DIR = "export"
+
+
+def export_policy(
+    graphdef, params, cfg: Config, out: str | Path, source: str | Path, **extra
+) -> Path:
+    """Write `params` (merged with `graphdef`) to `out` as a Hugging Face folder; `extra` goes into
+    its config.json (e.g. the step). Every process calls it; process 0 writes."""
+    return save_hf(
+        nnx.merge(graphdef, params),
+        out,
+        extra_config=extra,
+        tokenizer_dir=cfg.model.tokenizer or None,
+        source_dir=source,
+    )
+
+
+def abstract_state(cfg: Config, source: str | Path) -> tuple[nnx.GraphDef, dict]:
+    """The graph and the {params, opt_state} shapes a run's checkpoints hold, placed on one device."""
+    model_cfg = read_hf_config(
+        source,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        scan_layers=cfg.model.scan_layers,
+    )
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    opt_state = jax.eval_shape(step_lib.make_optimizer(cfg.optim, 1).init, params)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
+    return graphdef, jax.tree.map(place, {"params": params, "opt_state": opt_state})
+
+
+def export_run(
+    run: str | Path,
+    step: int | None = None,
+    out: str | Path | None = None,
+    source: str | Path | None = None,
+) -> Path:
+    """Export checkpoint `step` (default: the latest) of the run folder `run`; returns the folder.
+
+    `source` is the Hugging Face folder the run started from (default: the run's
+    `model.init_checkpoint`, else `model.path`)."""
+    run = Path(run)
+    config_file = run / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"--run {run}: no config.json there (not a run folder)")
+    cfg = from_dict(json.loads(config_file.read_text()))
+    src = Path(source or cfg.model.start_folder)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the run's starting checkpoint {src} has no config.json (config key "
+            "'model.init_checkpoint' / 'model.path'); pass --source FOLDER"
+        )
+    ckpt = Checkpointer(run / "checkpoints")
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise CheckpointError(f"--run {run}: no checkpoint under {ckpt.directory}")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"--step {step}: not a checkpoint of {run} (there are {steps})")
+        step = steps[-1] if step is None else step
+        graphdef, abstract = abstract_state(cfg, src)
+        state, _ = ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+    if out is None:
+        out = run / (EXPORT_DIR if step == steps[-1] else f"{EXPORT_DIR}-step{step}")
+    return export_policy(graphdef, state["params"], cfg, out, src, cppo_step=step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cppo_jax.export", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--run", required=True, help="the run folder (runs/<run_name>)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--out", default=None, help="output folder (default: <run>/export)")
+    parser.add_argument(
+        "--source", default=None, help="the HF folder the run started from (default: its config's)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        path = export_run(args.run, args.step, args.out, args.source)
+    except (FileNotFoundError, CheckpointError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

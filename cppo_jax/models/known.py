@@ -1,0 +1,95 @@
+"""The sizes of the paper's models, and the exact parameter count of any config.json.
+
+`KNOWN_MODELS` holds the released config.json fields of the paper's two policies (those that fix the
+parameter count), so a plan can size a model whose folder is not on this machine; `find_known_model`
+recognises them by name ("Qwen2.5-7B-Instruct", "math7b", "gsm8k_1p5b", ...). `model_size` counts the
+parameters from the tensors this project's loader reads (`hf_io.name_table`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+__all__ = ["KNOWN_MODELS", "ModelSize", "find_known_model", "model_size"]
+
+# config.json of the paper's models (the fields that fix the parameter count).
+KNOWN_MODELS: dict[str, dict] = {
+    "Qwen2.5-1.5B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen2.5-7B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+# Names that identify a known model: "Qwen2.5-1.5B-Instruct", "qwen2_5_1p5b", "gsm8k_1p5b", "math7b", ...
+_NAME_PATTERNS = (
+    ("Qwen2.5-1.5B-Instruct", re.compile(r"(?<![\d.])1[._p]5b(?![a-z\d])")),
+    ("Qwen2.5-7B-Instruct", re.compile(r"(?<![\d.])7b(?![a-z\d])")),
+)
+
+
+def find_known_model(*names: str) -> str | None:
+    """The `KNOWN_MODELS` entry the first matching name points to (a path's last part, a run name)."""
+    for name in names:
+        if not name:
+            continue
+        text = Path(name).name.lower() or name.lower()
+        for known, pattern in _NAME_PATTERNS:
+            if pattern.search(text):
+                return known
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    source: str  # where the architecture came from
+    params: int
+    hf_config: dict
+
+    @property
+    def layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+
+def model_size(hf_config: dict, source: str = "config.json") -> ModelSize:
+    """Exact parameter count of a config.json dict, from the tensors this project's loader reads."""
+    from cppo_jax.models.hf_io import name_table
+    from cppo_jax.models.transformer import TransformerConfig
+
+    try:
+        tcfg = TransformerConfig.from_hf_dict(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+    params = sum(math.prod(entry.nnx_shape) for entry in name_table(tcfg))
+    return ModelSize(source, params, dict(hf_config))
