@@ -21,6 +21,7 @@ TASKS = ("arith", "gsm8k", "math")  # data.task: prompt, rewards and answer form
 ARCHS = ("qwen2", "llama")
 DTYPES = ("float32", "bfloat16")
 PROMPT_FORMATS = ("chat", "plain")
+ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
 METRICS = ("smallest", "largest", "random")  # cppo.metric: which |A| are pruned
 SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
@@ -115,11 +116,15 @@ class DataConfig:
     prompt_format: str = "chat"  # "chat": the tokenizer's chat template; "plain": no template
     long_prompts: str = "truncate"  # or "reject"
     bad_rows: str = "skip"  # or "error"
+    question_field: str = ""  # a user file's question column ("": the task's, question or problem)
+    answer_field: str = ""  # its answer column ("": the task's, answer or solution)
+    answer_format: str = "auto"  # how the gold answer sits in it (ANSWER_FORMATS)
     shuffle: bool = True
     seed: int = 0
 
     def __post_init__(self):
         _choice("data.task", self.task, TASKS)
+        _choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
         _choice("data.long_prompts", self.long_prompts, ("truncate", "reject"))
         _choice("data.prompt_format", self.prompt_format, PROMPT_FORMATS)
         _choice("data.bad_rows", self.bad_rows, ("skip", "error"))

@@ -40,7 +40,9 @@ MEANINGS: dict[str, str] = {
     "data.task": "Prompt format, system prompt and answer parsing: `arith` (the tiny synthetic task), "
     "`gsm8k` or `math`.",
     "data.train": "Training questions: a shipped data set name (`arith`, `gsm8k`, `math500`, ...) or a "
-    "local .jsonl / .jsonl.gz / .parquet file or folder.",
+    "local .jsonl / .jsonl.gz / .json / .csv / .parquet file, a folder of `<split>.<suffix>` files, or "
+    "a saved Hugging Face dataset folder (`save_to_disk`); a file's own columns and answer layout: "
+    "`data.question_field`, `data.answer_field`, `data.answer_format`.",
     "data.test": "Held-out questions evaluated before and after training (and every "
     "`trainer.eval_every` steps without a validation split); same forms as `data.train`.",
     "data.split_train": "Split of `data.train` to read.",
@@ -52,6 +54,13 @@ MEANINGS: dict[str, str] = {
     "code); `plain`: the system prompt and the question on their own lines, no template.",
     "data.long_prompts": "A prompt longer than `data.max_prompt_len`: `truncate` keeps its last tokens, "
     "`reject` raises an error naming the example.",
+    "data.question_field": "A user's data file: the column holding the question (empty: the task's own, "
+    "`question` for gsm8k, `problem` for math). Shipped data sets ignore it.",
+    "data.answer_field": "A user's data file: the column holding the answer or solution (empty: the "
+    "task's own, `answer` for gsm8k, `solution` for math).",
+    "data.answer_format": "Where the gold answer sits in that column: `auto` (the task's rule: after "
+    "`####` for gsm8k, the last `\\boxed{}` for math), `boxed`, `last_number` or `whole` (the text is "
+    "the answer). A row without one is a bad row (`data.bad_rows`).",
     "data.bad_rows": "A malformed data row: `skip` it (counted and reported) or raise an `error` naming "
     "the file and line.",
     "data.shuffle": "Shuffle the training questions (per epoch, from `data.seed`).",
