@@ -347,9 +347,18 @@ class EvalConfig:
     rule: str = (
         "strict"  # the headline accuracy: "released" (spec section 4) or "strict" (reward > 0)
     )
+    samples: int = (
+        0  # python -m cppo_jax.evaluate: completions per question (0: each benchmark's own)
+    )
+    temperature: float | None = None  # its sampling temperature (None: each benchmark's own)
+    top_p: float | None = None  # its top-p (None: each benchmark's own)
 
     def __post_init__(self):
         _choice("eval.rule", self.rule, EVAL_RULES)
+        _check(self.samples >= 0, "eval.samples", self.samples, ">= 0")
+        t, p = self.temperature, self.top_p
+        _check(t is None or t >= 0, "eval.temperature", t, "None or >= 0")
+        _check(p is None or 0 < p <= 1, "eval.top_p", p, "None or in (0, 1]")
 
 
 WANDB_MODES = ("online", "offline")

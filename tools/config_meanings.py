@@ -162,6 +162,11 @@ MEANINGS: dict[str, str] = {
     "eval.rule": "The headline accuracy (summary, best checkpoint): `released`, the released code's "
     "lenient rule (spec section 4: exact, single number, or last number, on the extracted answer, else "
     "on the raw text; MATH: math-verify of the boxed answer), or `strict`, accuracy reward > 0.",
+    "eval.samples": "`python -m cppo_jax.evaluate`: completions per question for every benchmark (0: each "
+    "benchmark's own, 1 greedy or 4 for AMC23/AIME24); accuracy is then mean@n, and pass@k is reported.",
+    "eval.temperature": "Its sampling temperature (None: each benchmark's own; must be > 0 with "
+    "several samples).",
+    "eval.top_p": "Its top-p (None: each benchmark's own).",
     # logging
     "logging.progress": "Show a progress bar (reward, accuracy, kept, phase times).",
     "logging.tensorboard": "Write TensorBoard events under `<run>/tensorboard`.",
