@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16")
 PROMPT_FORMATS = ("chat", "plain")
 ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
-METRICS = ("smallest", "largest", "random")  # cppo.metric: which |A| are pruned
+METRICS = ("smallest", "largest", "random", "max_variance")  # cppo.metric: what is pruned
 SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
 ADV_SCALES = ("group", "batch", "none")
 LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
@@ -182,7 +182,9 @@ class CPPOConfig:
     questions_per_step: int = 4  # b: questions per step of plain GRPO
     pruning_rate: float = 0.0  # p
     allocation: bool = False  # draw floor(b / (1 - p)) questions
-    metric: str = "smallest"  # drop the smallest |A|; "largest" and "random" are ablations
+    metric: str = (
+        "smallest"  # drop the smallest |A|; "max_variance": PODS; "largest", "random": ablations
+    )
     scope: str = "question"  # "question" (the paper), "process" (the TRL fork), "batch" (verl)
     processes: int = 1  # scope="process": slices of the step ranked separately
     adv_scale: str = "group"  # "batch" or "none" (Dr. GRPO)
@@ -202,6 +204,11 @@ class CPPOConfig:
         _check(0 <= self.pruning_rate < 1, "cppo.pruning_rate", self.pruning_rate, "in [0, 1)")
         _choice("cppo.metric", self.metric, METRICS)
         _choice("cppo.scope", self.scope, SCOPES)
+        if self.metric == "max_variance" and self.scope != "question":
+            raise ConfigError(
+                "config key 'cppo.metric' = 'max_variance' keeps the subset of each question's group "
+                f"with the largest reward variance: it needs cppo.scope='question', not {self.scope!r}"
+            )
         _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
         _choice("cppo.loss_type", self.loss_type, LOSS_TYPES)

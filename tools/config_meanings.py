@@ -88,8 +88,10 @@ MEANINGS: dict[str, str] = {
     "k = max(1, floor(G (1 - p))) are kept. 0 is GRPO.",
     "cppo.allocation": "Dynamic allocation: draw Q = floor(b / (1 - p)) questions per step so that "
     "Q k is about b G (GRPO's trained batch).",
-    "cppo.metric": "Which completions are pruned: `smallest` drops the smallest |A| (CPPO); `largest` "
-    "and `random` are ablations.",
+    "cppo.metric": "Which completions are pruned: `smallest` drops the smallest |A| (CPPO); "
+    "`max_variance` keeps the k of each group whose rewards vary most (PODS, arXiv 2504.13818: some "
+    "of the lowest and the rest of the highest rewards; question scope only); `largest` and `random` "
+    "are ablations.",
     "cppo.scope": "`question`: keep k per question (the paper's text); `process`: one top-|A| over each "
     "of `cppo.processes` slices of the step, dropping int(N p) of its N (the released TRL fork, which "
     "produced the paper's tables); `batch`: one top-|A| over the whole batch, keeping floor(Q G (1 - p)) "
