@@ -115,15 +115,19 @@ def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransf
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
-    """`optax.clip_by_global_norm` (same state, same arithmetic) that takes the gradients' global norm
-    as the extra argument `grad_norm` when the caller has it, instead of a second pass to compute it."""
+    """`optax.clip_by_global_norm` (same state, same threshold) that takes the gradients' global norm
+    as the extra argument `grad_norm` when the caller has it, instead of a second pass to compute it.
+
+    Gradients above the threshold are multiplied by max_norm / norm (optax divides by the norm, then
+    multiplies: within a rounding of this); a scalar factor fuses into AdamW's moment updates, where
+    a division made XLA write the clipped gradients out and read them back.
+    """
 
     def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
         del params, extra_args
         norm = optax.global_norm(updates) if grad_norm is None else grad_norm
-        trigger = norm < max_norm
-        clip = lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)  # noqa: E731
-        return jax.tree.map(clip, updates), state
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 

@@ -16,9 +16,10 @@ from cppo_jax import step as step_lib
 from cppo_jax.config import OptimConfig
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
-# A handful of roundings apart: the same formulas, fused differently by XLA (and the clip's norm
-# summed in another order).
-RTOL = 16 * F32_EPS
+# Normwise per leaf (max |ours - optax| <= RTOL * max |optax|): the same formulas, fused differently
+# by XLA and the clip scaling by max_norm / norm where optax divides then multiplies, are a few
+# roundings apart; elementwise relative error would be unbounded where a moment's two terms cancel.
+RTOL = 4 * F32_EPS
 
 CFG = OptimConfig(
     lr=1e-2, schedule="cosine", warmup_ratio=0.2, weight_decay=0.1, b1=0.8, b2=0.95, grad_clip=1.0
@@ -77,7 +78,10 @@ def _assert_close(ours, ref, what: str):
         if a.dtype.kind in "iu":
             np.testing.assert_array_equal(a, b, err_msg=f"{what} {path}")
         else:
-            np.testing.assert_allclose(a, b, rtol=RTOL, atol=0, err_msg=f"{what} {path}")
+            err, scale = np.max(np.abs(a - b)), np.max(np.abs(b))
+            assert err <= RTOL * scale, (
+                f"{what} {path}: max error {err:.3g}, max |optax| {scale:.3g}"
+            )
 
 
 @pytest.mark.parametrize(
