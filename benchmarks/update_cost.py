@@ -130,8 +130,8 @@ def run(args) -> dict:
     graphdef, params, n_params, spec, tx, batch = build(args.quick)
     copy = lambda t: jax.tree.map(lambda x: x.copy(), t)  # noqa: E731
 
-    grads_fn = jax.jit(functools.partial(step_lib._grads, graphdef=graphdef, spec=spec))
-    loss, _, grads = grads_fn(params, batch=batch)
+    grads_fn = jax.jit(lambda params, batch: step_lib._grads(params, graphdef, batch, spec))
+    loss, _, grads = grads_fn(params, batch)
     grads = jax.block_until_ready(grads)
     step, _ = step_lib.compiled(graphdef, tx, spec)
     update = jax.jit(functools.partial(step_lib.apply_update, tx=tx), donate_argnums=(0, 1))
@@ -147,14 +147,29 @@ def run(args) -> dict:
             lambda: (copy(params), tx.init(params), grads, loss),
             True,
         ),
-        ("grads only", lambda p, b: grads_fn(p, batch=b), lambda: (params, batch), False),
+        ("grads only", grads_fn, lambda: (params, batch), False),
     ]
+    hlo = {}
+    shapes = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(params)}
     for name, fn, make_state, donated in programs:
+        # What XLA made of it: param-shaped copies, fusions, temporary bytes.
+        compiled = fn.lower(*make_state()).compile()
+        text = compiled.as_text()
+        copies = [x for x in text.splitlines() if " copy(" in x and any(s in x for s in shapes)]
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        hlo[name] = (len(copies), text.count(" fusion("), temp)
         rows[name] = measure(fn, make_state(), args.calls, donated)
         print(f"{name}: CPU {rows[name][0]:.3f} s, wall {rows[name][1]:.3f} s", flush=True)
     info = _common.machine()
     info.update(load_before=load_before, load_after=_common.load_average())
-    return {"rows": rows, "params": n_params, "machine": info, "calls": args.calls}
+    return {
+        "quick": args.quick,
+        "rows": rows,
+        "hlo": hlo,
+        "params": n_params,
+        "machine": info,
+        "calls": args.calls,
+    }
 
 
 def report(result: dict, argv: list[str], minutes: float) -> str:
@@ -171,7 +186,8 @@ def report(result: dict, argv: list[str], minutes: float) -> str:
         f"{' ' + ' '.join(argv) if argv else ''}` in {minutes:.1f} min.",
         "",
         _common.machine_line(result["machine"]),
-        f"- Model: the 20.7M model of benchmarks/phase_speedup.py ({result['params'] / 1e6:.1f}M "
+        f"- Model: the {'--quick test' if result['quick'] else '20.7M'} model of "
+        f"benchmarks/phase_speedup.py ({result['params'] / 1e6:.1f}M "
         f"parameters, float32, random weights); batch M = {M} rows, P = {P} prompt slots, C = {C} "
         "completion slots, beta = 0.04, mu = 2 (old and reference log-probs given); AdamW, "
         "grad_clip = 1.0, constant learning rate 1e-6.",
@@ -187,6 +203,15 @@ def report(result: dict, argv: list[str], minutes: float) -> str:
         lines.append(
             f"| {name} | {cpu:.3f} | {wall:.3f} | {cpu / step_cpu:.2f} | {wall / step_wall:.2f} |"
         )
+    lines += [
+        "",
+        "## What XLA compiled (CPU, after optimizations)",
+        "",
+        "| program | copies of param-shaped arrays | fusions | temporary MiB |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, (copies, fusions, temp) in result["hlo"].items():
+        lines.append(f"| {name} | {copies} | {fusions} | {temp / 2**20:.0f} |")
     before_cpu, before_wall = rows["optax update (before)"]
     met = "met" if fixed_wall < TARGET_S else "MISSED"
     lines += [
@@ -198,6 +223,16 @@ def report(result: dict, argv: list[str], minutes: float) -> str:
         f"{before_wall:.3f} wall s ({before_cpu / fixed_cpu:.1f}x the CPU seconds).",
         f"- Train step - grads only: {step_cpu - grads_cpu:.3f} CPU s, "
         f"{step_wall - grads_wall:.3f} wall s.",
+        "- Where the optax update's time went (XLA dump, `--dump`): `jnp.where(finite, new, old)` "
+        "over the AdamW state kept old and new moments alive, so XLA copied both moments first (the "
+        "param-shaped copies above); `isfinite` wrote a boolean array per gradient before reducing "
+        "it; the clip's division wrote the clipped gradients out for each moment's fusion to read "
+        "back; the params' fusion recomputed the moments from the copies. The update now: one "
+        "reduction over the gradients (the norm serves the clip, the metric and the finiteness "
+        "check), then one fusion per moment and one per param, in place, under `lax.cond`.",
+        "- Copies of param-shaped arrays left in the train step are in its gradient part (the "
+        "`grads only` row has them too): zero-filled broadcasts, the layer scan's gradient "
+        "accumulators.",
         "- Memory traffic floor: params, gradients and two Adam moments read, params and moments "
         f"written, plus one read of the gradients for the norm: 8 x {result['params'] * 4 / 1e6:.0f} MB"
         f" = {8 * result['params'] * 4 / 1e9:.2f} GB per update.",
@@ -214,6 +249,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "update_cost.md").write_text(text)
     print(text)
+    return result
 
 
 if __name__ == "__main__":
