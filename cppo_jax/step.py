@@ -235,15 +235,17 @@ def apply_update(params, opt_state, grads, loss, *, tx):
     norm before the clip.
 
     The norm is computed once (clip, metric and finiteness check), and the update runs under
-    `lax.cond`, so a step reads the gradients twice and params and Adam moments once, in place
-    (donated): selecting between new and old values afterwards kept both alive, copying the moments.
+    `lax.cond`, so XLA updates the (donated) params and Adam moments in place: selecting between new
+    and old values afterwards kept both alive, and XLA copied the moments on every update.
+    A `tx` from `make_optimizer` clips with that norm; any other optax transform gets it and ignores it.
     """
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & _all_finite(grads, grad_norm)
 
     def update(state):
         params, opt_state = state
-        updates, opt_state = tx.update(grads, opt_state, params, grad_norm=grad_norm)
+        update_fn = optax.with_extra_args_support(tx).update
+        updates, opt_state = update_fn(grads, opt_state, params, grad_norm=grad_norm)
         return optax.apply_updates(params, updates), opt_state
 
     params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))

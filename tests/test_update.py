@@ -173,3 +173,19 @@ def test_donated_update_copies_no_params_or_moments():
     shapes = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(params)}
     copies = [line for line in hlo.splitlines() if " copy(" in line]
     assert not [c for c in copies if any(s in c for s in shapes)], copies
+
+
+def test_any_optax_transform_updates_and_skips():
+    """A plain optax transform (no extra arguments) is applied as is; non-finite still skips."""
+    tx = optax.scale(-0.5)
+    assert not isinstance(tx, optax.GradientTransformationExtraArgs)
+    update = jax.jit(functools.partial(step_lib.apply_update, tx=tx))
+    params = _params()
+    grads = _grads(params, 3, 2.0)
+    new, state, _, finite = update(params, tx.init(params), grads, jnp.float32(0.5))
+    assert bool(finite)
+    _assert_close(new, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), "params")
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(np.nan), grads)
+    kept, _, _, finite = update(params, state, bad, jnp.float32(0.5))
+    assert not bool(finite)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(*map(jax.tree.leaves, (kept, params))))
