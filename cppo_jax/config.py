@@ -21,8 +21,9 @@ TASKS = ("arith", "gsm8k", "math")  # data.task: prompt, rewards and answer form
 ARCHS = ("qwen2", "llama")
 DTYPES = ("float32", "bfloat16")
 PROMPT_FORMATS = ("chat", "plain")
+ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
-METRICS = ("smallest", "largest", "random")  # cppo.metric: which |A| are pruned
+METRICS = ("smallest", "largest", "random", "max_variance")  # cppo.metric: what is pruned
 SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
 ADV_SCALES = ("group", "batch", "none")
 LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
@@ -115,11 +116,15 @@ class DataConfig:
     prompt_format: str = "chat"  # "chat": the tokenizer's chat template; "plain": no template
     long_prompts: str = "truncate"  # or "reject"
     bad_rows: str = "skip"  # or "error"
+    question_field: str = ""  # a user file's question column ("": the task's, question or problem)
+    answer_field: str = ""  # its answer column ("": the task's, answer or solution)
+    answer_format: str = "auto"  # how the gold answer sits in it (ANSWER_FORMATS)
     shuffle: bool = True
     seed: int = 0
 
     def __post_init__(self):
         _choice("data.task", self.task, TASKS)
+        _choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
         _choice("data.long_prompts", self.long_prompts, ("truncate", "reject"))
         _choice("data.prompt_format", self.prompt_format, PROMPT_FORMATS)
         _choice("data.bad_rows", self.bad_rows, ("skip", "error"))
@@ -177,7 +182,9 @@ class CPPOConfig:
     questions_per_step: int = 4  # b: questions per step of plain GRPO
     pruning_rate: float = 0.0  # p
     allocation: bool = False  # draw floor(b / (1 - p)) questions
-    metric: str = "smallest"  # drop the smallest |A|; "largest" and "random" are ablations
+    metric: str = (
+        "smallest"  # drop the smallest |A|; "max_variance": PODS; "largest", "random": ablations
+    )
     scope: str = "question"  # "question" (the paper), "process" (the TRL fork), "batch" (verl)
     processes: int = 1  # scope="process": slices of the step ranked separately
     adv_scale: str = "group"  # "batch" or "none" (Dr. GRPO)
@@ -197,6 +204,11 @@ class CPPOConfig:
         _check(0 <= self.pruning_rate < 1, "cppo.pruning_rate", self.pruning_rate, "in [0, 1)")
         _choice("cppo.metric", self.metric, METRICS)
         _choice("cppo.scope", self.scope, SCOPES)
+        if self.metric == "max_variance" and self.scope != "question":
+            raise ConfigError(
+                "config key 'cppo.metric' = 'max_variance' keeps the subset of each question's group "
+                f"with the largest reward variance: it needs cppo.scope='question', not {self.scope!r}"
+            )
         _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
         _choice("cppo.loss_type", self.loss_type, LOSS_TYPES)
@@ -342,9 +354,18 @@ class EvalConfig:
     rule: str = (
         "strict"  # the headline accuracy: "released" (spec section 4) or "strict" (reward > 0)
     )
+    samples: int = (
+        0  # python -m cppo_jax.evaluate: completions per question (0: each benchmark's own)
+    )
+    temperature: float | None = None  # its sampling temperature (None: each benchmark's own)
+    top_p: float | None = None  # its top-p (None: each benchmark's own)
 
     def __post_init__(self):
         _choice("eval.rule", self.rule, EVAL_RULES)
+        _check(self.samples >= 0, "eval.samples", self.samples, ">= 0")
+        t, p = self.temperature, self.top_p
+        _check(t is None or t >= 0, "eval.temperature", t, "None or >= 0")
+        _check(p is None or 0 < p <= 1, "eval.top_p", p, "None or in (0, 1]")
 
 
 WANDB_MODES = ("online", "offline")

@@ -129,6 +129,10 @@ def _rank(key_XG: jax.Array, metric: str, rng: jax.Array | None) -> jax.Array:
     """Indices along the last axis, best first; stable, so equal keys keep the lower index first.
     X: any leading axes (questions, slices, or none), G: the candidates ranked together."""
     _check_metric(metric)
+    if metric == "max_variance":
+        raise ValueError(
+            'metric="max_variance" selects within each question\'s group (scope "question")'
+        )
     if metric == "random":
         if rng is None:
             raise ValueError('metric="random" needs an rng key (rng=jax.random.key(...))')
@@ -148,7 +152,8 @@ def keep_indices(
     """idx_QK (int32): per question the k kept completions, sorted ascending within each row.
 
     metric: "smallest" drops the smallest |A| (keeps the k largest), "largest" drops the largest
-    |A| (keeps the k smallest), "random" keeps k uniformly without replacement (needs rng).
+    |A| (keeps the k smallest), "random" keeps k uniformly without replacement (needs rng),
+    "max_variance" keeps the k whose advantages (so rewards: one affine map per group) vary most.
     Ties in |A| keep the lower index first. k is a static Python int.
     """
     if adv_QG.ndim != 2:
@@ -156,8 +161,34 @@ def keep_indices(
     G = adv_QG.shape[1]
     _check_group_size(G)
     _check_k(k, G)
+    if metric == "max_variance":
+        return max_variance_indices(adv_QG, k)
     rank_QG = _rank(adv_QG, metric, rng)
     return jnp.sort(rank_QG[:, :k], axis=1)
+
+
+def max_variance_indices(x_QG: jax.Array, k: int) -> jax.Array:
+    """idx_QK: per row the k entries of largest variance (PODS' max-variance down-sampling).
+
+    The best k-subset of sorted values is always some i lowest plus the k - i highest (PODS,
+    arXiv 2504.13818), so the k + 1 splits are scored with prefix sums and the best taken (the
+    smallest i on ties); static shapes throughout. Equal values keep the lower index first."""
+    Q, G = x_QG.shape
+    order_QG = jnp.argsort(x_QG, axis=1, stable=True).astype(jnp.int32)
+    s_QG = jnp.take_along_axis(x_QG, order_QG, axis=1).astype(jnp.float32)
+    s_QG = s_QG - s_QG.mean(axis=1, keepdims=True)  # centred: the sums of squares stay well scaled
+    zero = jnp.zeros((Q, 1), jnp.float32)
+    c1 = jnp.concatenate([zero, jnp.cumsum(s_QG, axis=1)], axis=1)  # [Q, G + 1] prefix sums
+    c2 = jnp.concatenate([zero, jnp.cumsum(s_QG * s_QG, axis=1)], axis=1)
+    i = jnp.arange(k + 1)  # i lowest + (k - i) highest
+    sum1 = c1[:, i] + c1[:, G:] - c1[:, G - k + i]
+    sum2 = c2[:, i] + c2[:, G:] - c2[:, G - k + i]
+    var_QI = sum2 / k - (sum1 / k) ** 2
+    best_Q = jnp.argmax(var_QI, axis=1)  # first maximum: the smallest i
+    pos = jnp.arange(G)
+    keep_QG = (pos < best_Q[:, None]) | (pos >= G - k + best_Q[:, None])
+    picked_QK = jnp.argsort(~keep_QG, axis=1, stable=True)[:, :k]  # sorted positions kept
+    return jnp.sort(jnp.take_along_axis(order_QG, picked_QK, axis=1), axis=1)
 
 
 def keep_indices_batch(

@@ -1,22 +1,29 @@
 """Reading question/answer data sets, and normalising their rows to one example format.
 
 - `load_records(name_or_path, split)`: a shipped data set by name (`gsm8k` train/test, `math500`, `amc23`,
-  `aime24`, all test), a local `.jsonl`, `.jsonl.gz` or `.parquet` file (or a folder holding
-  `<split>.jsonl[.gz]`/`<split>.parquet`), or, with network access and the `datasets` package, a hub name.
+  `aime24`, all test), a local `.jsonl`, `.jsonl.gz`, `.json` (a list of objects), `.csv` or `.parquet`
+  file, a folder holding `<split>.<one of those>`, a local Hugging Face dataset folder (what
+  `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write: Arrow files, read with pyarrow), or, with
+  network access and the `datasets` package, a hub name.
   Rows that are not valid UTF-8, not a JSON object, or lack a required field are skipped and listed in the
   result's `bad_rows` as `(line number, reason)`; with `strict=True` the first one raises ValueError.
-- `to_example(record, task)`: `{"question", "solution", "answer"}` for the rewards of `task`: GSM8K keeps its
-  `#### N` solution; MATH keeps its `\\boxed{}` solution; AMC23 and AIME24 get the solution `\\boxed{answer}`
-  so that the MATH reward applies.
+- `to_example(record, task, answer_format)`: `{"question", "solution", "answer"}` for the rewards of `task`:
+  GSM8K keeps its `#### N` solution; MATH keeps its `\\boxed{}` solution; AMC23 and AIME24 get the solution
+  `\\boxed{answer}` so that the MATH reward applies. A user's file whose answer column holds the answer
+  another way names it (`answer_format`: the last `\\boxed{}`, the last number, or the whole text), and the
+  solution becomes the task's form of that answer (`#### N`, `\\boxed{N}`). `rename` maps a file's own
+  column names onto the task's.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import importlib.resources
 import importlib.util
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -27,6 +34,7 @@ __all__ = [
     "last_boxed",
     "load_examples",
     "load_records",
+    "rename",
     "to_example",
 ]
 
@@ -56,7 +64,8 @@ TASKS: dict[str, tuple[str, ...]] = {
     "arith": ("question", "solution", "answer"),
 }
 _TASK_ALIASES = {"math500": "math"}
-_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".csv", ".parquet")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 class Records(list):
@@ -98,6 +107,12 @@ def load_records(
             strict,
         )
     required = tuple(required or ())
+    if os.path.isdir(os.path.join(text, split or "train")) and os.path.isfile(
+        os.path.join(text, "dataset_dict.json")
+    ):  # DatasetDict.save_to_disk: one saved Dataset per split
+        text = os.path.join(text, split or "train")
+    if os.path.isfile(os.path.join(text, "state.json")):  # Dataset.save_to_disk
+        return _from_rows(_arrow_rows(text), text, required, strict)
     if os.path.isdir(text):
         return _load_file(_split_file(text, split), required, strict)
     if os.path.isfile(text):
@@ -129,12 +144,26 @@ def load_examples(
     ]
 
 
-def to_example(record: dict, task: str) -> dict:
-    """`{"question", "solution", "answer"}` of one row for `task` (gsm8k, math, amc23, aime24, arith)."""
+def rename(record: dict, fields: dict[str, str]) -> dict:
+    """`record` with its columns renamed by `fields` (the file's name -> the task's name)."""
+    return {fields.get(k, k): v for k, v in record.items()}
+
+
+def to_example(record: dict, task: str, answer_format: str = "auto") -> dict:
+    """`{"question", "solution", "answer"}` of one row for `task` (gsm8k, math, amc23, aime24, arith).
+
+    `answer_format` other than "auto": the gold answer is the last `\\boxed{}` ("boxed"), the last number
+    ("last_number") or the whole text ("whole") of the task's answer column (gsm8k: answer, math: solution),
+    and the solution is written in the task's form around it."""
     task = _task_name(task)
     missing = [k for k in TASKS[task] if record.get(k) is None]
     if missing:
         raise ValueError(f"{task} row lacks field(s) {missing}; it has {sorted(record)}")
+    if answer_format != "auto" and task in ("gsm8k", "math"):
+        question_key, answer_key = TASKS[task][:2]
+        gold = _extract(str(record[answer_key]), answer_format)
+        solution = f"#### {gold}" if task == "gsm8k" else f"\\boxed{{{gold}}}"
+        return {"question": str(record[question_key]), "solution": solution, "answer": gold}
     if task == "gsm8k":
         solution = str(record["answer"])
         _, sep, tail = solution.rpartition("####")
@@ -158,6 +187,21 @@ def to_example(record: dict, task: str) -> dict:
             "answer": answer,
         }
     return {k: str(record[k]) for k in ("question", "solution", "answer")}  # arith
+
+
+def _extract(text: str, answer_format: str) -> str:
+    if answer_format == "whole":
+        gold = text.strip()
+    elif answer_format == "boxed":
+        gold = last_boxed(text)
+    elif answer_format == "last_number":
+        numbers = _NUMBER.findall(text)
+        gold = numbers[-1].replace(",", "") if numbers else None
+    else:
+        raise ValueError(f"unknown answer format {answer_format!r}")
+    if not gold:
+        raise ValueError(f"no answer ({answer_format}) in {text[:200]!r}")
+    return gold
 
 
 def last_boxed(text: str) -> str | None:
@@ -238,14 +282,57 @@ def _gunzip(data: bytes, source: str) -> bytes:
 
 def _load_file(path: str, required: tuple[str, ...], strict: bool) -> Records:
     if path.endswith(".parquet"):
-        return _load_parquet(path, required, strict)
+        _need_pyarrow(path)
+        import pyarrow.parquet as pq
+
+        return _from_rows(pq.read_table(path).to_pylist(), path, required, strict)
+    if path.endswith(".csv"):
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = [{k: v if v != "" else None for k, v in r.items()} for r in csv.DictReader(fh)]
+        return _from_rows(rows, path, required, strict)  # an empty cell is a missing value
+    if path.endswith(".json"):
+        return _from_rows(_json_rows(path), path, required, strict)
     with open(path, "rb") as fh:
         data = fh.read()
     if path.endswith(".gz"):
         data = _gunzip(data, path)
     elif not path.endswith(".jsonl"):
-        raise ValueError(f"{path!r}: expected a .jsonl, .jsonl.gz or .parquet file")
+        raise ValueError(f"{path!r}: expected one of {', '.join(_SUFFIXES)}")
     return _read_jsonl_bytes(data, path, required, strict)
+
+
+def _json_rows(path: str) -> list:
+    """A .json file's rows: a list of objects (a file of JSON lines is read as such)."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        rows = json.loads(data)
+    except json.JSONDecodeError:
+        return [row for _, row in _parse_lines(data.split(b"\n"))]
+    if not isinstance(rows, list):
+        raise ValueError(f"{path!r}: expected a JSON list of objects, got a {type(rows).__name__}")
+    return rows
+
+
+def _arrow_rows(folder: str) -> list[dict]:
+    """The rows of a `Dataset.save_to_disk` folder (its Arrow stream files, in state.json's order)."""
+    _need_pyarrow(folder)
+    import pyarrow as pa
+
+    with open(os.path.join(folder, "state.json"), encoding="utf-8") as fh:
+        files = [f["filename"] for f in json.load(fh).get("_data_files", [])]
+    if not files:
+        raise ValueError(f"{folder!r}: state.json lists no data files")
+    rows: list[dict] = []
+    for name in files:
+        with pa.memory_map(os.path.join(folder, name)) as source:
+            rows += pa.ipc.open_stream(source).read_all().to_pylist()
+    return rows
+
+
+def _need_pyarrow(path: str) -> None:
+    if importlib.util.find_spec("pyarrow") is None:
+        raise ImportError(f"reading {path!r} needs pyarrow: pip install pyarrow")
 
 
 def _read_jsonl_bytes(data: bytes, source: str, required: Sequence[str], strict: bool) -> Records:
@@ -292,20 +379,21 @@ def _check_fields(row: dict, required: Sequence[str]) -> str | None:
     return f"missing field(s) {missing}" if missing else None
 
 
-def _load_parquet(path: str, required: tuple[str, ...], strict: bool) -> Records:
-    if importlib.util.find_spec("pyarrow") is None:
-        raise ImportError(f"reading {path!r} needs pyarrow: pip install pyarrow")
-    import pyarrow.parquet as pq
-
-    records = Records(source=path)
-    for rowno, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-        problem = _check_fields(row, required)
+def _from_rows(rows: Iterable, source: str, required: Sequence[str], strict: bool) -> Records:
+    """Rows (1-based numbers) checked for the required fields, as `Records`."""
+    records = Records(source=source)
+    for rowno, row in enumerate(rows, start=1):
+        problem = (
+            _check_fields(row, required)
+            if isinstance(row, dict)
+            else (row if isinstance(row, str) else f"a JSON {type(row).__name__}, not an object")
+        )
         if problem:
             if strict:
-                raise ValueError(f"{path}, row {rowno}: {problem}")
+                raise ValueError(f"{source}, row {rowno}: {problem}")
             records.bad_rows.append((rowno, problem))
         else:
-            records.append(row)
+            records.append(dict(row))
     return records
 
 
@@ -326,13 +414,4 @@ def _load_hub(name: str, split: str | None, required: tuple[str, ...], strict: b
             f"{name!r} is neither a shipped data set ({known}) nor an existing file, and the hub "
             f"could not provide it: {type(e).__name__}: {e}"
         ) from e
-    records = Records(source=f"hub:{name}/{split or 'train'}")
-    for rowno, row in enumerate(ds, start=1):
-        problem = _check_fields(row, required)
-        if problem:
-            if strict:
-                raise ValueError(f"{records.source}, row {rowno}: {problem}")
-            records.bad_rows.append((rowno, problem))
-        else:
-            records.append(dict(row))
-    return records
+    return _from_rows(ds, f"hub:{name}/{split or 'train'}", required, strict)

@@ -75,8 +75,11 @@ def load_benchmark(bench: Benchmark, cfg: Config) -> list[dict]:
 def resolve_benchmarks(
     names: list[str] | None, cfg: Config, max_new_tokens: int | None, samples: int | None
 ) -> list[Benchmark]:
-    """The benchmarks `names` (default: those of `data.task`) with the token and sample overrides."""
+    """The benchmarks `names` (default: those of `data.task`) with the token and sample overrides:
+    `samples` (the command's --samples, sampled benchmarks only), then `eval.samples`, `eval.temperature`
+    and `eval.top_p` (every benchmark), else the benchmark's own protocol."""
     names = list(names or DEFAULT_BENCHMARKS[cfg.data.task])
+    ev = cfg.eval
     out = []
     for name in names:
         if name not in BENCHMARKS:
@@ -85,8 +88,15 @@ def resolve_benchmarks(
         b = dataclasses.replace(
             b,
             max_new_tokens=max_new_tokens or b.max_new_tokens or cfg.rollout.max_new_tokens,
-            samples=samples if samples and b.samples > 1 else b.samples,
+            samples=samples if samples and b.samples > 1 else (ev.samples or b.samples),
+            temperature=b.temperature if ev.temperature is None else ev.temperature,
+            top_p=b.top_p if ev.top_p is None else ev.top_p,
         )
+        if b.samples > 1 and b.temperature == 0:
+            raise EvaluationError(
+                f"benchmark {name!r}: {b.samples} samples per question at temperature 0 would all be "
+                "the same; set eval.temperature > 0 (or eval.samples=1)"
+            )
         out.append(b)
     if len(set(names)) != len(names):
         raise EvaluationError(f"benchmark listed twice in {names}")

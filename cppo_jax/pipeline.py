@@ -62,11 +62,26 @@ def load_examples(cfg: DataConfig, split: str) -> tuple[list[dict], dict]:
 
     shipped = datasets._ALIASES.get(source.lower())
     kind = datasets.SHIPPED[shipped][2] if shipped else cfg.task
-    records = datasets.load_records(
-        source, ds_split, required=datasets.TASKS[kind], strict=cfg.bad_rows == "error"
-    )
-    examples = [datasets.to_example(r, kind) for r in records]
-    return examples, {"bad_rows": len(records.bad_rows), "bad_row_lines": records.bad_rows[:20]}
+    strict = cfg.bad_rows == "error"
+    required = datasets.TASKS[kind]
+    fields, answer_format = {}, "auto"
+    if not shipped:  # a user's file: its own column names and answer layout
+        own = (cfg.question_field or required[0], cfg.answer_field or required[1])
+        fields = {o: t for o, t in zip(own, required) if o != t}
+        required = own + required[2:]
+        answer_format = cfg.answer_format
+    records = datasets.load_records(source, ds_split, required=required, strict=strict)
+    examples, bad = [], list(records.bad_rows)
+    for rowno, record in enumerate(records, start=1):
+        try:
+            examples.append(
+                datasets.to_example(datasets.rename(record, fields), kind, answer_format)
+            )
+        except ValueError as e:  # no answer where data.answer_format looks for one
+            if strict:
+                raise ValueError(f"{records.source}, good row {rowno}: {e}") from e
+            bad.append((rowno, str(e)))
+    return examples, {"bad_rows": len(bad), "bad_row_lines": bad[:20]}
 
 
 def encode_prompts(

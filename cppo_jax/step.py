@@ -103,13 +103,33 @@ def lr_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_updates: int) -> optax.GradientTransformationExtraArgs:
+    """AdamW after the gradient-norm clip: the state of `optax.chain(clip_by_global_norm, adamw)`
+    (so checkpoints restore), the clip taking the norm the step already computed (`grad_norm=`)."""
     lr = lr_schedule(cfg, total_updates)
     parts = []
     if cfg.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+        parts.append(clip_by_global_norm(cfg.grad_clip))
     parts.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     return optax.chain(*parts)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` (same state, same threshold) that takes the gradients' global norm
+    as the extra argument `grad_norm` when the caller has it, instead of a second pass to compute it.
+
+    Gradients above the threshold are multiplied by max_norm / norm (optax divides by the norm, then
+    multiplies: within a rounding of this); a scalar factor fuses into AdamW's moment updates, where
+    a division made XLA write the clipped gradients out and read them back.
+    """
+
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.global_norm(updates) if grad_norm is None else grad_norm
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def update_count(opt_state) -> jax.Array:
@@ -149,9 +169,14 @@ def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
     return loss, metrics
 
 
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves))
+def _all_finite(tree, norm: jax.Array) -> jax.Array:
+    """Whether every element of `tree` is finite, given its global `norm`: a finite norm says so at no
+    cost; only a non-finite one (a NaN or inf, or squares overflowing float32) runs the element check."""
+
+    def each_element():
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+    return jax.lax.cond(jnp.isfinite(norm), lambda: jnp.bool_(True), each_element)
 
 
 def _grads(params, graphdef, batch: Batch, spec: StepSpec):
@@ -204,19 +229,37 @@ def _strided_split(x_M: jax.Array | None, m: int) -> jax.Array | None:
     return sharding_lib.constrain(x_XmM, (None, "batch") + (None,) * (x_M.ndim - 1))
 
 
+def apply_update(params, opt_state, grads, loss, *, tx):
+    """(params, opt_state, grad_norm, finite): one update of `tx` with `grads`, or none (params and
+    state returned untouched) when the loss or a gradient is not finite. `grad_norm` is the global
+    norm before the clip.
+
+    The norm is computed once (clip, metric and finiteness check), and the update runs under
+    `lax.cond`, so XLA updates the (donated) params and Adam moments in place: selecting between new
+    and old values afterwards kept both alive, and XLA copied the moments on every update.
+    A `tx` from `make_optimizer` clips with that norm; any other optax transform gets it and ignores it.
+    """
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & _all_finite(grads, grad_norm)
+
+    def update(state):
+        params, opt_state = state
+        update_fn = optax.with_extra_args_support(tx).update
+        updates, opt_state = update_fn(grads, opt_state, params, grad_norm=grad_norm)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
+    return params, opt_state, grad_norm, finite
+
+
 def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec, mesh=None):
     """One optimizer update; skipped (params and state unchanged) when loss or grads are not finite."""
     with sharding_lib.use_mesh(mesh):
         loss, metrics, grads = _grads(params, graphdef, batch, spec)
-    finite = jnp.isfinite(loss) & _all_finite(grads)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    params, opt_state, grad_norm, finite = apply_update(params, opt_state, grads, loss, tx=tx)
     metrics = dict(metrics)
     metrics["loss"] = loss
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = grad_norm
     metrics["update_skipped"] = (~finite).astype(jnp.float32)
     return params, opt_state, metrics
 

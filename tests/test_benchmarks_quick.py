@@ -201,3 +201,16 @@ def test_compile_quick(tmp_path):
     report = (tmp_path / "compile.md").read_text()
     assert "| 2 | scanned |" in report and "| 2 | unrolled |" in report
     assert "- scanned:" in report and "- unrolled:" in report
+
+
+def test_update_cost_quick(tmp_path):
+    result = load_script("update_cost").main(["--quick", "--calls", "1", "--out", str(tmp_path)])
+    names = ["train step", "update only", "optax update (before)", "grads only"]
+    assert list(result["rows"]) == names and all(
+        c > 0 and w > 0 for c, w in result["rows"].values()
+    )
+    # The update works in place: no param-shaped copies; the select it replaced copied the moments.
+    assert result["hlo"]["update only"][0] == 0 and result["hlo"]["optax update (before)"][0] > 0
+    report = (tmp_path / "update_cost.md").read_text()
+    assert "| program | CPU s | wall s | CPU / train step | wall / train step |" in report
+    assert "| update only | " in report and "os.cpu_count()" in report

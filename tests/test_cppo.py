@@ -270,6 +270,8 @@ def test_k_equal_g_keeps_everything(metric):
         cppo.keep_indices(adv, 6, metric=metric, rng=rng), np.tile(np.arange(6), (3, 1))
     )
     assert cppo.num_kept(16, 0) == 16
+    if metric == "max_variance":  # a group's rule: no batch form (test_max_variance_...)
+        return
     np.testing.assert_array_equal(
         cppo.keep_indices_batch(adv.ravel(), 18, metric=metric, rng=rng), np.arange(18)
     )
@@ -506,3 +508,40 @@ def test_paper_configs_match_the_released_settings(name, processes, p):
     k_fork = int(16 * (1 - p))  # the fork's num_generations with allocation
     assert processes * (16 // k_fork) == sh.Q
     assert processes * 16 == sh.M  # each process trains its 16 completions
+
+
+def test_max_variance_keeps_the_subset_of_largest_variance():
+    """PODS' rule against brute force over every k-subset, on continuous and on binary rewards."""
+    import itertools
+
+    from cppo_jax.cppo import keep_indices
+
+    rng = np.random.default_rng(0)
+    cases = [rng.normal(size=(5, 7)), rng.integers(0, 4, size=(6, 8)).astype(np.float32)]
+    for x_QG in cases:
+        G = x_QG.shape[1]
+        for k in range(1, G + 1):
+            got = np.asarray(keep_indices(jnp.asarray(x_QG), k, metric="max_variance"))
+            assert got.shape == (x_QG.shape[0], k)
+            for q, row in enumerate(x_QG):
+                best = max(np.var(row[list(c)]) for c in itertools.combinations(range(G), k))
+                assert len(set(got[q])) == k and list(got[q]) == sorted(got[q])
+                kept = np.var(row[got[q]])
+                assert kept >= best * (1 - 64 * np.finfo(np.float32).eps) - 1e-30, (q, k)
+    # Binary rewards, 3 right of 8, keep 4: two right and two wrong (variance 1/4, the most a 0/1
+    # subset can have), as PODS keeps m/2 best and m/2 worst.
+    r = jnp.asarray([[1, 0, 0, 1, 0, 0, 1, 0]], jnp.float32)
+    kept = np.asarray(keep_indices(r, 4, metric="max_variance"))[0]
+    assert sorted(np.asarray(r)[0][kept]) == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="within each question"):
+        from cppo_jax.cppo import keep_indices_batch
+
+        keep_indices_batch(jnp.zeros(8), 4, metric="max_variance")
+
+
+def test_max_variance_needs_question_scope():
+    from cppo_jax.config import ConfigError, CPPOConfig
+
+    CPPOConfig(metric="max_variance", pruning_rate=0.5)
+    with pytest.raises(ConfigError, match="needs cppo.scope='question'"):
+        CPPOConfig(metric="max_variance", scope="batch", pruning_rate=0.5)

@@ -150,3 +150,62 @@ def test_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([*GOOD, {"problem": "q", "solution": None}]), path)
     rows = datasets.load_records(path, required=("problem", "solution"))
     assert list(rows) == GOOD and [n for n, _ in rows.bad_rows] == [4]
+
+
+def test_csv_json_and_saved_hugging_face_folders(tmp_path):
+    """The same rows from a .csv, a .json list, a Dataset.save_to_disk folder (Arrow stream files listed
+    in state.json) and a DatasetDict folder of splits, with the bad row counted in each."""
+    import csv
+
+    import pyarrow as pa
+
+    rows = [{"q": "What is 2+2?", "a": "It is 4."}, {"q": "3+4?", "a": "7"}, {"q": "no answer"}]
+    want = [{"q": "What is 2+2?", "a": "It is 4."}, {"q": "3+4?", "a": "7"}]
+    with open(tmp_path / "train.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["q", "a"])
+        writer.writeheader()
+        writer.writerows(rows)
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+
+    def save_to_disk(folder):  # the layout `datasets` writes, without needing the library here
+        folder.mkdir(parents=True)
+        table = pa.Table.from_pylist(rows)
+        path = str(folder / "data-00000-of-00001.arrow")
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        (folder / "state.json").write_text(
+            json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
+        )
+        (folder / "dataset_info.json").write_text("{}")
+
+    save_to_disk(tmp_path / "saved")
+    save_to_disk(tmp_path / "dict" / "train")
+    (tmp_path / "dict" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    for source in ("train.csv", "train.json", "saved", "dict"):
+        got = datasets.load_records(tmp_path / source, "train", required=("q", "a"))
+        assert [dict(r) for r in got] == want, source
+        assert [n for n, _ in got.bad_rows] == [3], source
+    (tmp_path / "obj.json").write_text('{"q": 1}')
+    with pytest.raises(ValueError, match="expected a JSON list of objects, got a dict"):
+        datasets.load_records(tmp_path / "obj.json")
+
+
+def test_answer_formats_and_renamed_columns():
+    row = datasets.rename(
+        {"q": "Sum 2 and 3.", "a": "We add: 2 + 3 = 5, so 5."}, {"q": "question", "a": "answer"}
+    )
+    assert row == {"question": "Sum 2 and 3.", "answer": "We add: 2 + 3 = 5, so 5."}
+    ex = datasets.to_example(row, "gsm8k", "last_number")
+    assert ex == {"question": "Sum 2 and 3.", "solution": "#### 5", "answer": "5"}
+    ex = datasets.to_example(
+        {"problem": "p", "solution": "so $x=\\boxed{\\frac12}$ and 3"}, "math", "boxed"
+    )
+    assert ex["answer"] == "\\frac12" and ex["solution"] == "\\boxed{\\frac12}"
+    ex = datasets.to_example({"problem": "p", "solution": " 1,234 "}, "math", "whole")
+    assert ex["answer"] == "1,234"
+    ex = datasets.to_example(
+        {"question": "q", "answer": "Total: 1,234.5 apples"}, "gsm8k", "last_number"
+    )
+    assert ex["answer"] == "1234.5"
+    with pytest.raises(ValueError, match=r"no answer \(boxed\)"):
+        datasets.to_example({"problem": "p", "solution": "5"}, "math", "boxed")

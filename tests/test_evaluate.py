@@ -282,3 +282,29 @@ def test_pass_at_k_is_the_unbiased_estimator():
         assert pass_at_k(n, c, k) == pytest.approx(share, rel=1e-12), (n, c, k)
     with pytest.raises(ValueError, match="n=4, c=5"):
         pass_at_k(4, 5, 1)
+
+
+def test_eval_samples_temperature_and_top_p_override_the_benchmarks_protocol():
+    from cppo_jax.config_io import apply_overrides, load_config
+    from cppo_jax.eval_benchmarks import resolve_benchmarks
+    from cppo_jax.eval_checkpoint import EvaluationError
+
+    cfg = load_config(TINY_CPU)
+    proto = {
+        b.name: (b.samples, b.temperature, b.top_p)
+        for b in resolve_benchmarks(["arith", "aime24"], cfg, None, None)
+    }
+    assert proto == {"arith": (1, 0.0, 1.0), "aime24": (4, 0.6, 0.95)}  # the paper's protocol
+    cfg8 = apply_overrides(cfg, ["eval.samples=8", "eval.temperature=0.7", "eval.top_p=0.9"])
+    got = {
+        b.name: (b.samples, b.temperature, b.top_p)
+        for b in resolve_benchmarks(["arith", "aime24"], cfg8, None, None)
+    }
+    assert got == {"arith": (8, 0.7, 0.9), "aime24": (8, 0.7, 0.9)}
+    # The command's --samples still wins for sampled benchmarks.
+    (aime,) = resolve_benchmarks(["aime24"], cfg8, None, 2)
+    assert aime.samples == 2
+    with pytest.raises(EvaluationError, match="eval.temperature > 0"):
+        resolve_benchmarks(["arith"], apply_overrides(cfg, ["eval.samples=4"]), None, None)
+    with pytest.raises(ValueError, match="eval.top_p"):
+        apply_overrides(cfg, ["eval.top_p=0"])

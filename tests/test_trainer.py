@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -224,6 +225,75 @@ def test_bad_dataset_rows_are_counted_or_rejected_with_line_number(tmp_path, ari
     strict = apply_overrides(cfg, ["data.bad_rows=error", "trainer.run_name=strict"])
     with pytest.raises(ValueError, match="line 2"):
         Trainer(strict)
+
+
+def test_trains_from_a_users_jsonl_with_its_own_columns_and_from_parquet(tmp_path, arith_model_dir):
+    """A GSM8K-like file whose columns are `problem`/`final` and whose answers are sentences
+    (data.question_field, data.answer_field, data.answer_format=last_number), and a parquet file in
+    GSM8K's own layout: both train a step, with the gold answers the rewards see."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    people = [("Tom", 3, 4), ("Ann", 9, 2), ("Bo", 5, 6), ("Cy", 8, 1)]
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "problem": f"{n} has {a} pens and gets {b} more. How many?",
+                    "final": f"So {a + b} pens.",
+                }
+            )
+            + "\n"
+            for n, a, b in people
+        )
+    )
+    parquet = tmp_path / "train.parquet"
+    rows = [
+        {
+            "question": f"{n} has {a} cards and {b} more. Total?",
+            "answer": f"{a}+{b}={a + b}\n#### {a + b}",
+        }
+        for n, a, b in people
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    sources = {
+        "jsonl": [
+            f"data.train={jsonl}",
+            "data.question_field=problem",
+            "data.answer_field=final",
+            "data.answer_format=last_number",
+        ],
+        "parquet": [f"data.train={parquet}"],
+    }
+    for name, overrides in sources.items():
+        cfg = small_config(
+            tmp_path,
+            arith_model_dir,
+            "data.task=gsm8k",
+            "trainer.steps=1",
+            f"trainer.run_name={name}",
+            *overrides,
+        )
+        trainer = Trainer(cfg)
+        try:
+            answers = sorted(ex["answer"] for ex in trainer.train_set.examples)
+            assert answers == sorted(str(a + b) for _, a, b in people), name
+            assert trainer.data_stats["bad_rows"] == 0
+            metrics = trainer.step(0)
+            assert metrics["cppo/kept"] > 0 and math.isfinite(metrics["loss"]), name
+        finally:
+            trainer.close()
+    bad = small_config(
+        tmp_path,
+        arith_model_dir,
+        "data.task=gsm8k",
+        f"data.train={jsonl}",
+        "data.bad_rows=error",
+        "trainer.run_name=bad",
+    )
+    with pytest.raises(ValueError, match=r"missing field\(s\) \['question', 'answer'\]"):
+        Trainer(bad)  # without the column names, the file's rows lack the task's fields
 
 
 def _launch(config_file: Path, *overrides: str, **kw) -> subprocess.Popen:

@@ -40,7 +40,9 @@ MEANINGS: dict[str, str] = {
     "data.task": "Prompt format, system prompt and answer parsing: `arith` (the tiny synthetic task), "
     "`gsm8k` or `math`.",
     "data.train": "Training questions: a shipped data set name (`arith`, `gsm8k`, `math500`, ...) or a "
-    "local .jsonl / .jsonl.gz / .parquet file or folder.",
+    "local .jsonl / .jsonl.gz / .json / .csv / .parquet file, a folder of `<split>.<suffix>` files, or "
+    "a saved Hugging Face dataset folder (`save_to_disk`); a file's own columns and answer layout: "
+    "`data.question_field`, `data.answer_field`, `data.answer_format`.",
     "data.test": "Held-out questions evaluated before and after training (and every "
     "`trainer.eval_every` steps without a validation split); same forms as `data.train`.",
     "data.split_train": "Split of `data.train` to read.",
@@ -52,6 +54,13 @@ MEANINGS: dict[str, str] = {
     "code); `plain`: the system prompt and the question on their own lines, no template.",
     "data.long_prompts": "A prompt longer than `data.max_prompt_len`: `truncate` keeps its last tokens, "
     "`reject` raises an error naming the example.",
+    "data.question_field": "A user's data file: the column holding the question (empty: the task's own, "
+    "`question` for gsm8k, `problem` for math). Shipped data sets ignore it.",
+    "data.answer_field": "A user's data file: the column holding the answer or solution (empty: the "
+    "task's own, `answer` for gsm8k, `solution` for math).",
+    "data.answer_format": "Where the gold answer sits in that column: `auto` (the task's rule: after "
+    "`####` for gsm8k, the last `\\boxed{}` for math), `boxed`, `last_number` or `whole` (the text is "
+    "the answer). A row without one is a bad row (`data.bad_rows`).",
     "data.bad_rows": "A malformed data row: `skip` it (counted and reported) or raise an `error` naming "
     "the file and line.",
     "data.shuffle": "Shuffle the training questions (per epoch, from `data.seed`).",
@@ -79,8 +88,10 @@ MEANINGS: dict[str, str] = {
     "k = max(1, floor(G (1 - p))) are kept. 0 is GRPO.",
     "cppo.allocation": "Dynamic allocation: draw Q = floor(b / (1 - p)) questions per step so that "
     "Q k is about b G (GRPO's trained batch).",
-    "cppo.metric": "Which completions are pruned: `smallest` drops the smallest |A| (CPPO); `largest` "
-    "and `random` are ablations.",
+    "cppo.metric": "Which completions are pruned: `smallest` drops the smallest |A| (CPPO); "
+    "`max_variance` keeps the k of each group whose rewards vary most (PODS, arXiv 2504.13818: some "
+    "of the lowest and the rest of the highest rewards; question scope only); `largest` and `random` "
+    "are ablations.",
     "cppo.scope": "`question`: keep k per question (the paper's text); `process`: one top-|A| over each "
     "of `cppo.processes` slices of the step, dropping int(N p) of its N (the released TRL fork, which "
     "produced the paper's tables); `batch`: one top-|A| over the whole batch, keeping floor(Q G (1 - p)) "
@@ -153,6 +164,11 @@ MEANINGS: dict[str, str] = {
     "eval.rule": "The headline accuracy (summary, best checkpoint): `released`, the released code's "
     "lenient rule (spec section 4: exact, single number, or last number, on the extracted answer, else "
     "on the raw text; MATH: math-verify of the boxed answer), or `strict`, accuracy reward > 0.",
+    "eval.samples": "`python -m cppo_jax.evaluate`: completions per question for every benchmark (0: each "
+    "benchmark's own, 1 greedy or 4 for AMC23/AIME24); accuracy is then mean@n, and pass@k is reported.",
+    "eval.temperature": "Its sampling temperature (None: each benchmark's own; must be > 0 with "
+    "several samples).",
+    "eval.top_p": "Its top-p (None: each benchmark's own).",
     # logging
     "logging.progress": "Show a progress bar (reward, accuracy, kept, phase times).",
     "logging.tensorboard": "Write TensorBoard events under `<run>/tensorboard`.",
