@@ -147,15 +147,15 @@ def run_one(spec: dict) -> dict:
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per method: accuracy and time as mean (and spread) over seeds; speedup vs GRPO."""
     rows = []
-    for method in dict.fromkeys(r["method"] for r in runs):  # in the order of the runs
-        sel = [r for r in runs if r["method"] == method]
+    for method, p in dict.fromkeys((r["method"], r["p"]) for r in runs):  # in the runs' order
+        sel = [r for r in runs if (r["method"], r["p"]) == (method, p)]
         accs = [r["after"] for r in sel]
         sampled = [r["after_sampled"] for r in sel]
         times = [r["train_s"] for r in sel]
         rows.append(
             {
                 "method": method,
-                "p": sel[0]["p"],
+                "p": p,
                 "G": sel[0]["G"],
                 "k": sel[0]["k"],
                 "Q": sel[0]["Q"],
@@ -360,6 +360,8 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
             )
     info["load_after"] = _common.load_average()
     info["wall_min"] = (time.perf_counter() - start) / 60
+    saved = dict(info, args={k: getattr(args, k) for k in SAVED_ARGS})
+    raw.write_text(json.dumps({"runs": runs, "info": saved}, indent=1) + "\n")
     return runs, info
 
 

@@ -158,12 +158,16 @@ def test_phase_speedup_quick(tmp_path):
 
 
 def test_paper_table_quick(tmp_path):
-    rows = load_script("paper_table").main(["--quick", "--out", str(tmp_path)])
+    rows = load_script("paper_table").main(
+        ["--quick", "--p", "0.5", "0.75", "--out", str(tmp_path)]
+    )
     # One pass over the same 8 questions: GRPO in 4 steps of 2, CPPO p = 0.5 (allocation) in 2 of 4,
-    # and the control: GRPO sampling only k = 2 per question for CPPO's Q = 4 questions per step.
+    # p = 0.75 in 1 of 8, and the control: GRPO sampling only k = 2 per question for the Q = 4
+    # questions per step of CPPO keeping 2 of 4. One row per method and p.
     assert [(r["method"], r["p"], r["G"], r["Q"], r["k"], r["steps"]) for r in rows] == [
         ("GRPO", 0.0, 4, 2, 4, 4),
         ("CPPO", 0.5, 4, 4, 2, 2),
+        ("CPPO", 0.75, 4, 8, 1, 1),
         ("GRPO (G = 2)", 0.0, 2, 4, 2, 2),
     ]
     assert all(r["questions"] == 8 for r in rows)
@@ -175,6 +179,7 @@ def test_paper_table_quick(tmp_path):
     assert [row[:4] for row in table] == [
         ["GRPO", "4", "0", "4"],
         ["CPPO", "4", "0.5", "2"],
+        ["CPPO", "4", "0.75", "1"],
         ["GRPO (G = 2)", "2", "0", "2"],
     ]
     assert "sampled accuracy" in report and "AdamW 0.0001 constant" in report
