@@ -7,6 +7,7 @@ at any moment leaves only complete checkpoints behind (a half-written one is nev
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +82,26 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds an earlier run: checkpoints, or logged steps."""
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        return True
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
+    """A fresh run (trainer.resume=false) in a folder that holds an earlier one: the earlier run is
+    renamed to `<run_name>.earlier-<n>` beside it (the first free n), so nothing is lost and the new
+    run's checkpoints and logs do not mix with it. Returns where it went (None: nothing there)."""
+    run_dir = Path(run_dir)
+    if not holds_a_run(run_dir):
+        return None
+    n = 1
+    while (dest := run_dir.with_name(f"{run_dir.name}.earlier-{n}")).exists():
+        n += 1
+    os.rename(run_dir, dest)
+    return dest

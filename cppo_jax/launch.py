@@ -224,6 +224,11 @@ def run(
 
     ensure_warm_start(cfg, log)
     trainer = Trainer(cfg)
+    if trainer.earlier_run is not None:
+        log(
+            f"{trainer.out_dir} held an earlier run: moved to {trainer.earlier_run} "
+            "(trainer.resume=true continues a run instead)"
+        )
     bar = None
     try:
         bar = _progress(

@@ -279,14 +279,16 @@ def use_compile_cache(setting: str) -> Path | None:
     """Point JAX's persistent compilation cache at `compile_cache_folder(setting)`.
 
     Call it before the first compilation of the process (`cppo_jax.launch` does): JAX decides once,
-    at its first compile, whether a cache is used. Programs that compile in under a second are not
-    stored (JAX's default threshold). Returns the folder, or None when off.
+    at its first compile, whether a cache is used. Every program is stored, however fast it compiled
+    (JAX's default skips those under a second: a run's dozens of small programs, seconds in all).
+    Returns the folder, or None when off.
     """
     folder = compile_cache_folder(setting)
     if folder is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return folder
 
 

@@ -30,7 +30,7 @@ from cppo_jax import cppo, distributed, pipeline, scoring, trainer_eval, trainer
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
-from cppo_jax.checkpoint import Checkpointer, CheckpointError
+from cppo_jax.checkpoint import Checkpointer, CheckpointError, holds_a_run, set_aside_earlier_run
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.config_io import save_config
 from cppo_jax.models import Tokenizer, load_hf
@@ -65,6 +65,14 @@ class Trainer:
     def __init__(self, cfg: Config, model_path: str | Path | None = None):
         self.cfg = cfg
         self.out_dir = Path(cfg.trainer.out_dir).resolve() / cfg.trainer.run_name
+        self.earlier_run = None  # where an earlier run in this folder was moved (a fresh run)
+        if not cfg.trainer.resume and holds_a_run(self.out_dir):
+            if jax.process_count() > 1:  # the processes share the folder: none may move it alone
+                raise ConfigError(
+                    f"run folder {self.out_dir} holds an earlier run: set trainer.resume=true to "
+                    "continue it, or choose another trainer.run_name"
+                )
+            self.earlier_run = set_aside_earlier_run(self.out_dir)
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -166,6 +174,8 @@ class Trainer:
             write=self.main,
             wandb=wandb_settings(cfg) if cfg.logging.wandb else None,
         )
+        if self.earlier_run is not None:
+            self.log.event("earlier_run_moved", to=str(self.earlier_run))
         self.log.event("data", train=len(self.train_set), **self.data_stats)  # skipped, cut prompts
         self.ckpt = Checkpointer(self.out_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.tracer = prof.Tracer(self.out_dir, cfg.trainer.profile_steps)
