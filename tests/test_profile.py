@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,10 @@ from cppo_jax import profile
 
 
 def _tiny_fn():
-    # A fresh function object each call, so its first call compiles.
-    return jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=-1))
+    # A new program each call (its own constant), so that its first call compiles even where the
+    # persistent compilation cache is on (in-process launch tests turn it on, storing every program).
+    c = float(time.time_ns() % 1_000_003) + 1.0
+    return jax.jit(lambda x, w: jnp.tanh(x @ w * c).sum(axis=-1))
 
 
 def _raw(path) -> bytes:
