@@ -182,6 +182,12 @@ def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
         trainer.step(0)
         backend.release.clear()  # the generation of step 2 hangs (a server that never answers)
         trainer.overlap.take(trainer.params, 1)
+        # Until the thread has started it, the generation is only queued and close cancels it (no
+        # abandonment): wait for it to be in flight, as a loaded CI machine may start it late.
+        deadline = time.monotonic() + 60
+        while backend.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.in_flight == 1
         t0 = time.monotonic()
     finally:
         trainer.close()
