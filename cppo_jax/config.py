@@ -23,7 +23,9 @@ DTYPES = ("float32", "bfloat16")
 PROMPT_FORMATS = ("chat", "plain")
 ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
-METRICS = ("smallest", "largest", "random", "max_variance")  # cppo.metric: what is pruned
+# cppo.metric: what is pruned
+METRICS = ("smallest", "largest", "random", "max_variance", "proportional")
+GROUP_METRICS = ("max_variance", "proportional")  # rules within each question's group only
 SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
 ADV_SCALES = ("group", "batch", "none")
 LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
@@ -195,6 +197,8 @@ class CPPOConfig:
     eps_high: float = 0.2
     loss_type: str = "token_mean"
     mask_truncated: bool = False
+    filter_groups: bool = False  # train the groups with reward variance first (DAPO, static)
+    filter_oversample: float = 2.0  # filter_groups: roll out floor(this * trained) questions
 
     def __post_init__(self):
         _check(self.num_generations >= 2, "cppo.num_generations", self.num_generations, ">= 2")
@@ -204,11 +208,14 @@ class CPPOConfig:
         _check(0 <= self.pruning_rate < 1, "cppo.pruning_rate", self.pruning_rate, "in [0, 1)")
         _choice("cppo.metric", self.metric, METRICS)
         _choice("cppo.scope", self.scope, SCOPES)
-        if self.metric == "max_variance" and self.scope != "question":
+        if self.metric in GROUP_METRICS and self.scope != "question":
             raise ConfigError(
-                "config key 'cppo.metric' = 'max_variance' keeps the subset of each question's group "
-                f"with the largest reward variance: it needs cppo.scope='question', not {self.scope!r}"
+                f"config key 'cppo.metric' = {self.metric!r} selects within each question's group: "
+                f"it needs cppo.scope='question', not {self.scope!r}"
             )
+        _check(
+            self.filter_oversample >= 1, "cppo.filter_oversample", self.filter_oversample, ">= 1"
+        )
         _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
         _choice("cppo.loss_type", self.loss_type, LOSS_TYPES)

@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cppo_jax import selection
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import ADV_SCALES, METRICS, Config, ConfigError, CPPOConfig
+from cppo_jax.config import ADV_SCALES, GROUP_METRICS, METRICS, Config, ConfigError, CPPOConfig
 
 
 def _as_fraction(p) -> Fraction:
@@ -129,9 +130,9 @@ def _rank(key_XG: jax.Array, metric: str, rng: jax.Array | None) -> jax.Array:
     """Indices along the last axis, best first; stable, so equal keys keep the lower index first.
     X: any leading axes (questions, slices, or none), G: the candidates ranked together."""
     _check_metric(metric)
-    if metric == "max_variance":
+    if metric in GROUP_METRICS:
         raise ValueError(
-            'metric="max_variance" selects within each question\'s group (scope "question")'
+            f'metric={metric!r} selects within each question\'s group (scope "question")'
         )
     if metric == "random":
         if rng is None:
@@ -153,8 +154,10 @@ def keep_indices(
 
     metric: "smallest" drops the smallest |A| (keeps the k largest), "largest" drops the largest
     |A| (keeps the k smallest), "random" keeps k uniformly without replacement (needs rng),
-    "max_variance" keeps the k whose advantages (so rewards: one affine map per group) vary most.
-    Ties in |A| keep the lower index first. k is a static Python int.
+    "max_variance" keeps the k whose advantages (so rewards: one affine map per group) vary most,
+    "proportional" draws k with replacement with probability |A| / sum |A| (needs rng; train them
+    with `selection.proportional_advantages`). Ties in |A| keep the lower index first. k is a
+    static Python int.
     """
     if adv_QG.ndim != 2:
         raise ValueError(f"adv_QG must be [Q, G], got shape {adv_QG.shape}")
@@ -162,33 +165,13 @@ def keep_indices(
     _check_group_size(G)
     _check_k(k, G)
     if metric == "max_variance":
-        return max_variance_indices(adv_QG, k)
+        return selection.max_variance_indices(adv_QG, k)
+    if metric == "proportional":
+        if rng is None:
+            raise ValueError('metric="proportional" needs an rng key (rng=jax.random.key(...))')
+        return selection.proportional_indices(adv_QG, k, rng)
     rank_QG = _rank(adv_QG, metric, rng)
     return jnp.sort(rank_QG[:, :k], axis=1)
-
-
-def max_variance_indices(x_QG: jax.Array, k: int) -> jax.Array:
-    """idx_QK: per row the k entries of largest variance (PODS' max-variance down-sampling).
-
-    The best k-subset of sorted values is always some i lowest plus the k - i highest (PODS,
-    arXiv 2504.13818), so the k + 1 splits are scored with prefix sums and the best taken (the
-    smallest i on ties); static shapes throughout. Equal values keep the lower index first."""
-    Q, G = x_QG.shape
-    order_QG = jnp.argsort(x_QG, axis=1, stable=True).astype(jnp.int32)
-    s_QG = jnp.take_along_axis(x_QG, order_QG, axis=1).astype(jnp.float32)
-    s_QG = s_QG - s_QG.mean(axis=1, keepdims=True)  # centred: the sums of squares stay well scaled
-    zero = jnp.zeros((Q, 1), jnp.float32)
-    c1 = jnp.concatenate([zero, jnp.cumsum(s_QG, axis=1)], axis=1)  # [Q, G + 1] prefix sums
-    c2 = jnp.concatenate([zero, jnp.cumsum(s_QG * s_QG, axis=1)], axis=1)
-    i = jnp.arange(k + 1)  # i lowest + (k - i) highest
-    sum1 = c1[:, i] + c1[:, G:] - c1[:, G - k + i]
-    sum2 = c2[:, i] + c2[:, G:] - c2[:, G - k + i]
-    var_QI = sum2 / k - (sum1 / k) ** 2
-    best_Q = jnp.argmax(var_QI, axis=1)  # first maximum: the smallest i
-    pos = jnp.arange(G)
-    keep_QG = (pos < best_Q[:, None]) | (pos >= G - k + best_Q[:, None])
-    picked_QK = jnp.argsort(~keep_QG, axis=1, stable=True)[:, :k]  # sorted positions kept
-    return jnp.sort(jnp.take_along_axis(order_QG, picked_QK, axis=1), axis=1)
 
 
 def keep_indices_batch(
@@ -249,31 +232,33 @@ def keep_indices_process(
 class Shapes:
     """The static shapes of one step, fixed by the config: every compiled program keeps them."""
 
-    Q: int  # questions per step
+    Q: int  # questions rolled out per step
     G: int  # completions per question
     k: int  # kept per question (question scope)
     M: int  # kept sequences per step (the trained batch)
     P: int  # prompt slots
     C: int  # completion slots
+    U: int  # questions trained per step: Q, or fewer with `cppo.filter_groups`
 
 
 def step_shapes(algo: CPPOConfig, prompt_len: int, completion_len: int) -> Shapes:
-    """Q, G, k and M of `algo` (exact arithmetic) with P prompt and C completion slots."""
-    Q = num_questions(algo.questions_per_step, algo.pruning_rate, algo.allocation)
+    """Q, G, k, M and U of `algo` (exact arithmetic) with P prompt and C completion slots."""
+    U = num_questions(algo.questions_per_step, algo.pruning_rate, algo.allocation)
+    Q = math.floor(U * _as_fraction(algo.filter_oversample)) if algo.filter_groups else U
     G = algo.num_generations
     k = num_kept(G, algo.pruning_rate)
     if algo.scope == "question":
-        M = Q * k
+        M = U * k
     elif algo.scope == "process":
-        if Q % algo.processes:
+        if U % algo.processes:
             raise ConfigError(
                 f"config key 'cppo.processes' = {algo.processes} is invalid: allowed a divisor of "
-                f"the Q = {Q} questions per step (scope='process' cuts the step into equal slices)"
+                f"the {U} questions trained per step (scope='process' cuts them into equal slices)"
             )
-        M = algo.processes * num_kept_process(Q, G, algo.processes, algo.pruning_rate)
+        M = algo.processes * num_kept_process(U, G, algo.processes, algo.pruning_rate)
     else:
-        M = num_kept(Q * G, algo.pruning_rate)
-    return Shapes(Q, G, k, M, prompt_len, completion_len)
+        M = num_kept(U * G, algo.pruning_rate)
+    return Shapes(Q, G, k, M, prompt_len, completion_len, U)
 
 
 def shapes_of(cfg: Config) -> Shapes:
@@ -284,8 +269,9 @@ def shapes_of(cfg: Config) -> Shapes:
 class Pruned(NamedTuple):
     """What `prune` keeps of a rolled-out step: the trained batch and how it was chosen."""
 
-    adv_QG: jax.Array  # every completion's advantage
-    kept: jax.Array  # flat indices into Q * G: [Q, k] (question scope) or [M]
+    adv_UG: jax.Array  # the advantages of the trained groups (all Q of them without filtering)
+    groups_U: jax.Array  # int32: which of the Q rolled-out groups are trained (ascending)
+    kept: jax.Array  # flat indices into Q * G: [U, k] (question scope) or [M]
     tokens_MT: jax.Array  # prompt then completion of each kept sequence
     valid_MT: jax.Array
     mask_MC: jax.Array  # float32: completion tokens that count in the loss
@@ -308,49 +294,72 @@ def prune(
 ) -> Pruned:
     """Steps 4-5 of a CPPO step as one compiled program: advantages, selection, the kept batch.
 
+    With `cppo.filter_groups` the U of the Q groups whose rewards vary are taken first
+    (`selection.informative_groups`, a gather across the mesh); otherwise U = Q, every group.
     Question scope keeps k per question inside its own group: with the questions split over the
     mesh's data axes every device prunes its own questions and nothing crosses devices. Process
     scope ranks each of `algo.processes` slices of the step together, batch scope the whole step
-    (a global gather). `key` drives `metric="random"`. Shapes are static: new data never compiles.
+    (a global gather). `key` drives `metric="random"` and `"proportional"`. Shapes are static: new
+    data never compiles. Below, n = U * G: the completions of the trained groups.
     """
-    Q, G, M = shapes.Q, shapes.G, shapes.M
+    U, G, M = shapes.U, shapes.G, shapes.M
     with sharding_lib.use_mesh(mesh):
         by_row = lambda x: sharding_lib.constrain(x, ("batch",) + (None,) * (x.ndim - 1))  # noqa: E731
         rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N = map(
             by_row, (rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N)
         )
-        adv_QG = group_advantages(rewards_QG, scale=algo.adv_scale, eps=algo.adv_eps)
+        if algo.filter_groups:
+            groups_U = selection.informative_groups(rewards_QG, U)
+            rows_n = (groups_U[:, None] * G + jnp.arange(G, dtype=jnp.int32)).reshape(-1)
+            rewards_UG, prompt_UP, pvalid_UP = (
+                x[groups_U] for x in (rewards_QG, prompt_QP, pvalid_QP)
+            )
+            tokens_nC, cvalid_nC, finished_n = (
+                x[rows_n] for x in (tokens_NC, cvalid_NC, finished_N)
+            )
+        else:
+            groups_U = jnp.arange(U, dtype=jnp.int32)
+            rows_n = jnp.arange(U * G, dtype=jnp.int32)
+            rewards_UG, prompt_UP, pvalid_UP = rewards_QG, prompt_QP, pvalid_QP
+            tokens_nC, cvalid_nC, finished_n = tokens_NC, cvalid_NC, finished_N
+        adv_UG = group_advantages(rewards_UG, scale=algo.adv_scale, eps=algo.adv_eps)
+        trained_UG = adv_UG  # the advantage a kept completion trains with
+        if algo.metric == "proportional":
+            trained_UG = selection.proportional_advantages(adv_UG, shapes.k)
         if algo.scope == "question":
-            idx_QK = keep_indices(adv_QG, shapes.k, metric=algo.metric, rng=key)
-            kept = by_row(idx_QK + jnp.arange(Q)[:, None] * G)
+            idx_UK = keep_indices(adv_UG, shapes.k, metric=algo.metric, rng=key)
+            kept_n = idx_UK + jnp.arange(U)[:, None] * G
 
-            def pick(x_N):  # [Q*G, ...] -> [Q*k, ...], a gather batched over Q
-                x_QG = x_N.reshape(Q, G, *x_N.shape[1:])
-                idx = idx_QK.reshape(Q, shapes.k, *(1,) * (x_N.ndim - 1))
-                return jnp.take_along_axis(x_QG, idx, axis=1).reshape(M, *x_N.shape[1:])
+            def pick(x_n):  # [U*G, ...] -> [U*k, ...], a gather batched over U
+                x_UG = x_n.reshape(U, G, *x_n.shape[1:])
+                idx = idx_UK.reshape(U, shapes.k, *(1,) * (x_n.ndim - 1))
+                return jnp.take_along_axis(x_UG, idx, axis=1).reshape(M, *x_n.shape[1:])
 
-            rows = lambda x_QP: jnp.repeat(x_QP, shapes.k, axis=0)  # noqa: E731
+            rows = lambda x_UP: jnp.repeat(x_UP, shapes.k, axis=0)  # noqa: E731
         else:
             if algo.scope == "process":
                 per = M // algo.processes
-                kept = keep_indices_process(adv_QG, algo.processes, per, algo.metric, key)
+                kept_n = keep_indices_process(adv_UG, algo.processes, per, algo.metric, key)
             else:
-                kept = keep_indices_batch(adv_QG.reshape(-1), M, metric=algo.metric, rng=key)
-            pick = lambda x_N: x_N[kept]  # noqa: E731
-            rows = lambda x_QP: x_QP[kept // G]  # noqa: E731
-        mask_MC = pick(cvalid_NC).astype(jnp.float32)
+                kept_n = keep_indices_batch(adv_UG.reshape(-1), M, metric=algo.metric, rng=key)
+            pick = lambda x_n: x_n[kept_n]  # noqa: E731
+            rows = lambda x_UP: x_UP[kept_n // G]  # noqa: E731
+        kept = rows_n[kept_n]  # into the Q * G rolled out
+        if algo.scope == "question":
+            kept = by_row(kept)
+        mask_MC = pick(cvalid_nC).astype(jnp.float32)
         if algo.mask_truncated:
-            mask_MC = mask_MC * pick(finished_N)[:, None].astype(jnp.float32)
+            mask_MC = mask_MC * pick(finished_n)[:, None].astype(jnp.float32)
         out = (
-            jnp.concatenate([rows(prompt_QP), pick(tokens_NC)], axis=1),
-            jnp.concatenate([rows(pvalid_QP), pick(cvalid_NC)], axis=1),
+            jnp.concatenate([rows(prompt_UP), pick(tokens_nC)], axis=1),
+            jnp.concatenate([rows(pvalid_UP), pick(cvalid_nC)], axis=1),
             mask_MC,
-            pick(adv_QG.reshape(-1)),
+            pick(trained_UG.reshape(-1)),
         )
         if mesh is not None:
             b_sh = sharding_lib.batch_sharding(mesh, M)
             out = tuple(jax.lax.with_sharding_constraint(x, b_sh) for x in out)
-    return Pruned(adv_QG, kept, *out)
+    return Pruned(adv_UG, groups_U, kept, *out)
 
 
 def nonfinite_questions(rewards_QG: jax.Array) -> jax.Array:

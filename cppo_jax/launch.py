@@ -164,7 +164,8 @@ def _describe(cfg: Config) -> str:
     a = cfg.cppo
     return (
         f"CPPO: G={sh.G}, p={a.pruning_rate}, k={sh.k} kept per question, "
-        f"Q={sh.Q} questions per step (allocation {'on' if a.allocation else 'off'}), "
+        f"Q={sh.Q} questions per step (allocation {'on' if a.allocation else 'off'}"
+        f"{f'; the {sh.U} with reward variance first trained' if a.filter_groups else ''}), "
         f"{sh.M} of {sh.Q * sh.G} completions trained, mu={a.mu}, beta={a.beta}, "
         f"prompt {sh.P} + completion {sh.C} tokens, backend {cfg.rollout.backend}"
     )

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import cppo, distributed, pipeline, scoring, trainer_eval, trainer_run
+from cppo_jax import cppo, distributed, pipeline, scoring, selection, trainer_eval, trainer_run
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
@@ -256,6 +256,8 @@ class Trainer:
         metrics = scoring.rollout_metrics(
             rewards_QG, per_fn, rstats, valid_NC, finished_N, self.accuracy_fn, self.num_tokens
         )
+        if cfg.cppo.filter_groups:
+            metrics.update(selection.filter_counts(rewards_QG, sh.U))
         if cfg.rollout.overlap:
             metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
             metrics["rollout/generate_s"] = rollout.seconds
@@ -334,6 +336,7 @@ class Trainer:
     def _step_counts(self, mask_MC) -> dict:
         return {
             "cppo/questions": float(self.shapes.Q),
+            "cppo/questions_trained": float(self.shapes.U),
             "cppo/kept": float(self.shapes.M),
             "cppo/tokens_trained": float(distributed.to_host(jnp.sum(mask_MC))),
         }

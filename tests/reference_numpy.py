@@ -187,3 +187,21 @@ def completion_mask(ids_NC, eos_id, valid_NC=None) -> np.ndarray:
             if valid and int(ids_NC[i][t]) in eos_ids:
                 break
     return mask_NC
+
+
+def informative_groups(rewards_QG, U: int) -> list[int]:
+    """The U trained groups of DAPO-style filtering: groups whose rewards differ first, then the
+    zero-variance ones, each in index order; returned ascending."""
+    rows = [[float(x) for x in row] for row in np.asarray(rewards_QG, dtype=np.float64)]
+    varied = [q for q, row in enumerate(rows) if max(row) != min(row)]
+    same = [q for q, row in enumerate(rows) if max(row) == min(row)]
+    return sorted((varied + same)[:U])
+
+
+def proportional_probs(adv_QG) -> np.ndarray:
+    """q_g = |A_g| / sum |A| per group (uniform for a group of zeros)."""
+    out = []
+    for row in np.asarray(adv_QG, dtype=np.float64):
+        total = math.fsum(abs(float(a)) for a in row)
+        out.append([abs(float(a)) / total if total > 0 else 1.0 / len(row) for a in row])
+    return np.array(out)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cppo_jax import cppo
-from cppo_jax.config import ADV_SCALES, METRICS
+from cppo_jax.config import ADV_SCALES, GROUP_METRICS, METRICS
 
 try:
     import reference_numpy as ref
@@ -270,7 +270,7 @@ def test_k_equal_g_keeps_everything(metric):
         cppo.keep_indices(adv, 6, metric=metric, rng=rng), np.tile(np.arange(6), (3, 1))
     )
     assert cppo.num_kept(16, 0) == 16
-    if metric == "max_variance":  # a group's rule: no batch form (test_max_variance_...)
+    if metric in GROUP_METRICS:  # a group's rule: no batch form (test_max_variance_..., selection)
         return
     np.testing.assert_array_equal(
         cppo.keep_indices_batch(adv.ravel(), 18, metric=metric, rng=rng), np.arange(18)

@@ -75,7 +75,9 @@ def test_source_is_read_for_comments_and_rules():
     assert "held out of train" in docs_gen.field_comments(DataConfig)["val_size"]
     rules = docs_gen.validation_rules(CPPOConfig)
     assert rules["cppo.pruning_rate"] == ["in [0, 1)"]
-    assert rules["cppo.metric"] == ["one of `smallest`, `largest`, `random`, `max_variance`"]
+    assert rules["cppo.metric"] == [
+        "one of `smallest`, `largest`, `random`, `max_variance`, `proportional`"
+    ]
     assert "mesh.fsdp" in docs_gen.validation_rules(
         MeshConfig
     )  # keys built in a loop over zip(...)

@@ -114,7 +114,7 @@ def _worker() -> dict:
     ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
     tx = step_lib.make_optimizer(ocfg, 10)
 
-    shapes = cppo.Shapes(Q=Q, G=G, k=K, M=M, P=P, C=C)
+    shapes = cppo.Shapes(Q=Q, G=G, k=K, M=M, P=P, C=C, U=Q)
     algo = CPPOConfig(num_generations=G, mask_truncated=True)
 
     def prune(mesh):

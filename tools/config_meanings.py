@@ -90,8 +90,10 @@ MEANINGS: dict[str, str] = {
     "Q k is about b G (GRPO's trained batch).",
     "cppo.metric": "Which completions are pruned: `smallest` drops the smallest |A| (CPPO); "
     "`max_variance` keeps the k of each group whose rewards vary most (PODS, arXiv 2504.13818: some "
-    "of the lowest and the rest of the highest rewards; question scope only); `largest` and `random` "
-    "are ablations.",
+    "of the lowest and the rest of the highest rewards; question scope only); `proportional` draws k "
+    "per group with replacement, with probability |A| / sum |A|, and trains each with advantage "
+    "sign(A) mean |A|: an unbiased estimate of the unpruned gradient (question scope only); `largest` "
+    "and `random` are ablations.",
     "cppo.scope": "`question`: keep k per question (the paper's text); `process`: one top-|A| over each "
     "of `cppo.processes` slices of the step, dropping int(N p) of its N (the released TRL fork, which "
     "produced the paper's tables); `batch`: one top-|A| over the whole batch, keeping floor(Q G (1 - p)) "
@@ -111,6 +113,10 @@ MEANINGS: dict[str, str] = {
     "`dr_grpo`, `dapo` (see cppo_jax/loss.py).",
     "cppo.mask_truncated": "Leave completions that hit `rollout.max_new_tokens` without an EOS out of "
     "the loss (DAPO-style).",
+    "cppo.filter_groups": "Zero-variance filtering (DAPO's dynamic sampling with a fixed shape): roll "
+    "out floor(`cppo.filter_oversample` U) questions and train the U whose rewards are not all equal "
+    "first (zero-variance ones fill the batch when too few vary); the counts are logged as `filter/*`.",
+    "cppo.filter_oversample": "`filter_groups`: questions rolled out per question trained (>= 1).",
     # reward
     "reward.funcs": "Reward functions by registered name (`arith_accuracy`, `gsm8k_format`, "
     "`math_accuracy`, ...), `module:function` or `path/to/file.py:function`; the reward is their "
