@@ -290,6 +290,7 @@ class Pruned(NamedTuple):
     valid_MT: jax.Array
     mask_MC: jax.Array  # float32: completion tokens that count in the loss
     adv_M: jax.Array
+    behav_logp_MC: jax.Array | None = None  # the sampler's log-probs of the kept tokens, when given
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "algo", "mesh"))
@@ -301,6 +302,7 @@ def prune(
     tokens_NC,
     cvalid_NC,
     finished_N,
+    logp_NC=None,
     *,
     shapes: Shapes,
     algo: CPPOConfig,
@@ -312,6 +314,7 @@ def prune(
     mesh's data axes every device prunes its own questions and nothing crosses devices. Process
     scope ranks each of `algo.processes` slices of the step together, batch scope the whole step
     (a global gather). `key` drives `metric="random"`. Shapes are static: new data never compiles.
+    `logp_NC` (the sampler's log-probs, for `cppo.tis_cap`) is gathered like the tokens when given.
     """
     Q, G, M = shapes.Q, shapes.G, shapes.M
     with sharding_lib.use_mesh(mesh):
@@ -346,7 +349,7 @@ def prune(
             jnp.concatenate([rows(pvalid_QP), pick(cvalid_NC)], axis=1),
             mask_MC,
             pick(adv_QG.reshape(-1)),
-        )
+        ) + (() if logp_NC is None else (pick(by_row(logp_NC)),))
         if mesh is not None:
             b_sh = sharding_lib.batch_sharding(mesh, M)
             out = tuple(jax.lax.with_sharding_constraint(x, b_sh) for x in out)
