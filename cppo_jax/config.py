@@ -199,6 +199,7 @@ class CPPOConfig:
     mask_truncated: bool = False
     filter_groups: bool = False  # train the groups with reward variance first (DAPO, static)
     filter_oversample: float = 2.0  # filter_groups: roll out floor(this * trained) questions
+    tis_cap: float = 0.0  # truncated importance sampling: cap of pi_old / pi_sampler; 0: off
 
     def __post_init__(self):
         _check(self.num_generations >= 2, "cppo.num_generations", self.num_generations, ">= 2")
@@ -224,6 +225,12 @@ class CPPOConfig:
         _check(self.beta >= 0, "cppo.beta", self.beta, ">= 0")
         _check(0 <= self.eps_low < 1, "cppo.eps_low", self.eps_low, "in [0, 1)")
         _check(self.eps_high >= 0, "cppo.eps_high", self.eps_high, ">= 0")
+        _check(
+            self.tis_cap == 0 or 1 <= self.tis_cap < math.inf,
+            "cppo.tis_cap",
+            self.tis_cap,
+            "0 (off) or a finite number >= 1",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,4 +420,12 @@ class Config:
                 "config key 'rollout.overlap' = 1 is invalid with rollout.backend='embedded': "
                 "the embedded sampler runs on the training devices, so there is nothing to overlap; "
                 "use rollout.backend='vllm' or rollout.overlap=0"
+            )
+        r = self.rollout
+        if self.cppo.tis_cap and r.backend == "vllm" and not r.overlap and r.temperature != 1:
+            raise ConfigError(
+                f"config key 'cppo.tis_cap' = {self.cppo.tis_cap!r} needs rollout.temperature=1 with "
+                f"rollout.backend='vllm' (got {r.temperature!r}): the server returns log-probs before "
+                "temperature, so they are not the sampling policy's; or use rollout.overlap=1, where "
+                "the trainer computes them itself"
             )

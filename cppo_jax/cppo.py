@@ -276,6 +276,7 @@ class Pruned(NamedTuple):
     valid_MT: jax.Array
     mask_MC: jax.Array  # float32: completion tokens that count in the loss
     adv_M: jax.Array
+    behav_logp_MC: jax.Array | None = None  # the sampler's log-probs of the kept tokens, when given
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "algo", "mesh"))
@@ -287,6 +288,7 @@ def prune(
     tokens_NC,
     cvalid_NC,
     finished_N,
+    logp_NC=None,
     *,
     shapes: Shapes,
     algo: CPPOConfig,
@@ -300,7 +302,8 @@ def prune(
     mesh's data axes every device prunes its own questions and nothing crosses devices. Process
     scope ranks each of `algo.processes` slices of the step together, batch scope the whole step
     (a global gather). `key` drives `metric="random"` and `"proportional"`. Shapes are static: new
-    data never compiles. Below, n = U * G: the completions of the trained groups.
+    data never compiles. Below, n = U * G: the completions of the trained groups. `logp_NC` (the
+    sampler's log-probs, for `cppo.tis_cap`) is gathered like the tokens when given.
     """
     U, G, M = shapes.U, shapes.G, shapes.M
     with sharding_lib.use_mesh(mesh):
@@ -356,6 +359,9 @@ def prune(
             mask_MC,
             pick(trained_UG.reshape(-1)),
         )
+        if logp_NC is not None:
+            logp_nC = by_row(logp_NC)[rows_n] if algo.filter_groups else by_row(logp_NC)
+            out += (pick(logp_nC),)
         if mesh is not None:
             b_sh = sharding_lib.batch_sharding(mesh, M)
             out = tuple(jax.lax.with_sharding_constraint(x, b_sh) for x in out)

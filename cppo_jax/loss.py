@@ -4,7 +4,7 @@ Letters (docs/conventions.md): N completions (the masks take any rows of complet
 rolled out), M kept (trained) sequences, C completion tokens, D model width, V vocabulary. The log-prob
 helpers take any [M, T] block of tokens (step.py passes the C completion positions); inside the chunked
 one, X chunks of c tokens. Static (Python) arguments: loss_type, beta, eps_low, eps_high, max_completion_len,
-chunk_size, return_entropy; everything else may be traced.
+tis_cap, chunk_size, return_entropy; everything else may be traced.
 
 Masking truncated completions (`mask_truncated`) is the caller's choice: pass
 `apply_truncation_mask(mask_NC, truncated_N(...))`, i.e. mask * (1 - truncated), to `policy_loss`.
@@ -195,6 +195,8 @@ def policy_loss(
     beta: float = 0.04,
     max_completion_len: int | None = None,
     num_tokens_in_batch: jax.Array | float | None = None,
+    behav_logp_MC: jax.Array | None = None,
+    tis_cap: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate plus k3 KL, aggregated by loss_type; returns (loss, metrics).
 
@@ -211,8 +213,20 @@ def policy_loss(
     Metrics (masked token means): loss, kl, clip_ratio/low_mean (ratio < 1 - eps_low, A < 0),
     clip_ratio/high_mean (ratio > 1 + eps_high, A > 0), clip_ratio/region_mean (either), ratio/mean and
     ratio/abs_dev_mean (mean |ratio - 1|: how far the policy is from the one that sampled).
+
+    tis_cap > 0 (static) turns on truncated importance sampling: each token's pg term (not the KL
+    term) is multiplied by `tis_weights(old_logp_MC, behav_logp_MC, mask_MC, tis_cap)`, behav_logp_MC
+    being the log-probs of the policy that really sampled the tokens; metrics tis/weight_mean (masked
+    mean weight) and tis/clipped_frac (masked tokens with pi_old / pi_behav > tis_cap). tis_cap = 0
+    leaves the program as it was (behav_logp_MC is not read).
     """
     _check_loss_args(loss_type, beta, ref_logp_MC, max_completion_len)
+    if isinstance(tis_cap, bool) or not isinstance(tis_cap, int | float) or not tis_cap >= 0:
+        raise ValueError(f"tis_cap must be a static Python float >= 0 (0: off), got {tis_cap!r}")
+    if tis_cap and behav_logp_MC is None:
+        raise ValueError(
+            f"tis_cap={tis_cap} needs behav_logp_MC (pass tis_cap=0.0 to turn TIS off)"
+        )
     dtype = logp_MC.dtype
     mask_MC = mask_MC.astype(dtype)
     adv_M1 = adv_M.astype(dtype)[:, None]
@@ -221,6 +235,9 @@ def policy_loss(
     ratio_MC = jnp.exp(logp_MC - old_logp_MC)
     clipped_MC = jnp.clip(ratio_MC, 1 - eps_low, 1 + eps_high)
     per_token_MC = -jnp.minimum(ratio_MC * adv_M1, clipped_MC * adv_M1)
+    if tis_cap:
+        tis_MC = tis_weights(old_logp_MC, behav_logp_MC, mask_MC, tis_cap)
+        per_token_MC = tis_MC * per_token_MC
     if beta != 0:
         delta_MC = jax.lax.stop_gradient(ref_logp_MC) - logp_MC
         kl_MC = jnp.exp(delta_MC) - delta_MC - 1
@@ -243,4 +260,23 @@ def policy_loss(
         "ratio/mean": _masked_mean(ratio_MC, mask_MC),
         "ratio/abs_dev_mean": _masked_mean(jnp.abs(ratio_MC - 1), mask_MC),
     }
+    if tis_cap:
+        is_ratio_MC = jnp.exp(old_logp_MC - jax.lax.stop_gradient(behav_logp_MC).astype(dtype))
+        metrics["tis/weight_mean"] = _masked_mean(tis_MC, mask_MC)
+        metrics["tis/clipped_frac"] = _masked_mean((is_ratio_MC > tis_cap).astype(dtype), mask_MC)
     return loss, metrics
+
+
+def tis_weights(
+    old_logp_MC: jax.Array, behav_logp_MC: jax.Array, mask_MC: jax.Array, cap: float
+) -> jax.Array:
+    """w_MC = min(pi_old / pi_behav, cap) per token, 0 off the mask; no gradient flows through it.
+
+    Truncated importance sampling (Yao et al. 2025): the tokens were sampled by a behaviour policy
+    (the rollout engine, or a stale snapshot) other than the old policy of the PPO ratio; weighting each
+    token's policy-gradient term by w corrects the expectation, and the cap bounds its variance: a token
+    the sampler under-rated (w > 1) is weighted up, never beyond cap. cap may be inf (plain IS).
+    """
+    log_ratio_MC = jax.lax.stop_gradient(old_logp_MC - behav_logp_MC.astype(old_logp_MC.dtype))
+    w_MC = jnp.minimum(jnp.exp(log_ratio_MC), cap)
+    return jnp.where(mask_MC > 0, w_MC, 0.0).astype(old_logp_MC.dtype)

@@ -31,8 +31,9 @@ class Batch(NamedTuple):
     valid_MT: jax.Array  # bool: real prompt tokens, completion tokens up to and including EOS
     mask_MC: jax.Array  # float32: completion tokens that count in the loss
     adv_M: jax.Array  # float32
-    old_logp_MC: jax.Array | None  # mu > 1 or rollout.overlap only
+    old_logp_MC: jax.Array | None  # mu > 1 or rollout.overlap only (None: the current policy's)
     ref_logp_MC: jax.Array | None  # beta > 0 only
+    behav_logp_MC: jax.Array | None = None  # cppo.tis_cap > 0 only: the sampling policy's log-probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class StepSpec:
     max_completion_len: int
     micro_batch: int = 0
     logp_chunk: int = 64
+    tis_cap: float = 0.0  # > 0: truncated importance sampling against batch.behav_logp_MC
 
     @classmethod
     def make(cls, algo: CPPOConfig, prompt_len: int, completion_len: int, temperature: float, **kw):
@@ -61,6 +63,7 @@ class StepSpec:
             beta=algo.beta,
             mu=algo.mu,
             max_completion_len=completion_len,
+            tis_cap=algo.tis_cap,
             **kw,
         )
 
@@ -148,7 +151,8 @@ def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
     logp_MC, ent_MC = completion_logps(
         model, batch.tokens_MT, batch.valid_MT, spec, return_entropy=True
     )
-    # The sampling policy's log-probs when given (mu > 1, or a stale rollout); else the ratio is 1.
+    # The old policy's log-probs when given (mu > 1, or a stale rollout); else the ratio is 1. With
+    # tis_cap the tokens' pg terms are weighted by min(pi_old / pi_behav, tis_cap) (`loss.tis_weights`).
     old_MC = batch.old_logp_MC if batch.old_logp_MC is not None else jax.lax.stop_gradient(logp_MC)
     loss, metrics = loss_lib.policy_loss(
         logp_MC,
@@ -161,6 +165,8 @@ def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
         eps_high=spec.eps_high,
         beta=spec.beta,
         max_completion_len=spec.max_completion_len,
+        behav_logp_MC=batch.behav_logp_MC if spec.tis_cap else None,
+        tis_cap=spec.tis_cap,
     )
     # TRL's `entropy`: masked token mean of the policy's next-token entropy (at the temperature).
     mask_MC = batch.mask_MC.astype(jnp.float32)

@@ -6,7 +6,7 @@ One step (`Trainer.step`):
   3. Score every completion (host reward workers).
   4. Group advantages.
   5. Keep k = floor(G (1 - p)) completions per question by |A| (a static-shape top-k).
-  6. Reference log-probs (beta > 0) and old-policy log-probs (mu > 1) on the kept completions only.
+  6. Reference (beta > 0), old-policy (mu > 1) and sampler (tis_cap) log-probs of the kept completions.
   7. mu policy updates on the kept completions.
 Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
 
@@ -277,26 +277,33 @@ class Trainer:
             samples.tokens_NC,
             samples.valid_NC,
             samples.finished_N,
+            samples.logp_NC if cfg.cppo.tis_cap and not cfg.rollout.overlap else None,
             shapes=sh,
             algo=cfg.cppo,
             mesh=self.mesh,
         )
         tokens_MT, valid_MT = pruned.tokens_MT, pruned.valid_MT
 
-        # 6. Reference and old-policy log-probs, kept completions only.
+        # 6. Reference and old-policy log-probs, kept completions only. With cppo.tis_cap the old
+        # policy is the current one and the sampler's log-probs (with overlap: the snapshot's) weight it.
         ref = old = None
+        behav, tis = pruned.behav_logp_MC, cfg.cppo.tis_cap > 0
         with prof.phase("ref_logps", times):
             if cfg.cppo.beta > 0:
                 ref = _block(self.logps(self.ref_params, tokens_MT, valid_MT))
         with prof.phase("old_logps", times):
-            if cfg.rollout.overlap:  # the sampling policy's (one update behind after step 1)
-                sampled_by = self.params if sample_params is None else sample_params
+            sampled_by = self.params if sample_params is None else sample_params
+            if cfg.rollout.overlap and tis:
+                behav = _block(self.logps(sampled_by, tokens_MT, valid_MT))
+            if cfg.rollout.overlap and not tis:  # the sampler's (one update behind after step 1)
                 old = _block(self.logps(sampled_by, tokens_MT, valid_MT))
             elif cfg.cppo.mu > 1:
                 old = _block(self.logps(self.params, tokens_MT, valid_MT))
 
         # 7. mu updates.
-        train_batch = step_lib.Batch(tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref)
+        train_batch = step_lib.Batch(
+            tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
+        )
         args = (self.params, self.opt_state, train_batch)  # before the donating call
         self.tracer.dump_hlo_once(self.train_step, args, "train_step")
         skipped = 0.0

@@ -148,6 +148,12 @@ def test_prune_with_filter_groups_trains_the_informative_groups(scope):
     np.testing.assert_array_equal(out.tokens_MT[:, P:], tokens_NC[kept])
     np.testing.assert_array_equal(out.valid_MT[:, P:], cvalid_NC[kept])
     np.testing.assert_array_equal(out.valid_MT[:, :P], pvalid_QP[kept // G])
+    # The sampler's log-probs (for cppo.tis_cap) follow the kept rows through the filter.
+    logp_NC = -np.arange(shapes.Q * G * C, dtype=np.float32).reshape(shapes.Q * G, C) / 7
+    with_logp = cppo.prune(
+        *inputs[:1], jax.random.key(0), *inputs[1:], logp_NC=logp_NC, shapes=shapes, algo=algo
+    )
+    np.testing.assert_array_equal(with_logp.behav_logp_MC, logp_NC[kept])
     adv_flat = np.zeros(shapes.Q * G)
     adv_flat[(np.asarray(groups)[:, None] * G + np.arange(G)).reshape(-1)] = adv_UG.reshape(-1)
     np.testing.assert_allclose(out.adv_M, adv_flat[kept], rtol=16 * EPS32, atol=16 * EPS32)

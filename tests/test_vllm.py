@@ -401,6 +401,40 @@ class TestTiedServer:
         assert "| CPPO | 1 | 0 | 8 | 2 |" in report and "Against synchronous GRPO" in report
         assert (tmp_path / "overlap.png").read_bytes()[:4] == b"\x89PNG"
 
+    def test_tis_weights_from_the_server_logprobs(self, tied, tmp_path):
+        """cppo.tis_cap without overlap: the behaviour log-probs are the server's own (fp32 here, at
+        temperature 1), so every weight pi_old / pi_server is 1 within the fp32 log-prob tolerance."""
+        import jax
+
+        from cppo_jax.config_io import apply_overrides
+        from cppo_jax.trainer import Trainer
+
+        server, model_dir, _ = tied
+        cfg = _trainer_config(tmp_path, model_dir, server.url, 2)
+        trainer = Trainer(apply_overrides(cfg, ["cppo.tis_cap=2"]))
+        seen, inner = [], trainer.train_step
+
+        def spy(params, opt_state, batch):
+            seen.append((jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, batch)))
+            return inner(params, opt_state, batch)
+
+        trainer.train_step = spy
+        try:
+            history = [trainer.step(s) for s in range(2)]
+        finally:
+            trainer.close()
+        worst = 0.0
+        for (params, batch), m in zip(seen, history):
+            now = np.asarray(trainer.logps(params, batch.tokens_MT, batch.valid_MT))
+            on = batch.mask_MC > 0
+            log_w = (now - batch.behav_logp_MC)[on]
+            worst = max(worst, float(np.max(np.abs(log_w))))
+            assert on.sum() > 0 and np.all(batch.behav_logp_MC[on] < 0)  # the server's, not zeros
+            assert abs(m["tis/weight_mean"] - 1) <= 10 * TOL and m["tis/clipped_frac"] == 0.0
+            assert np.isfinite(m["loss"]) and m["update_skipped"] == 0.0
+        print(f"\nTIS with the server's log-probs: max |log w| {worst:.2e}")
+        assert worst <= 10 * TOL  # as the greedy log-probs of the first test
+
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""
         from cppo_jax.checkpoint import Checkpointer

@@ -117,6 +117,11 @@ MEANINGS: dict[str, str] = {
     "out floor(`cppo.filter_oversample` U) questions and train the U whose rewards are not all equal "
     "first (zero-variance ones fill the batch when too few vary); the counts are logged as `filter/*`.",
     "cppo.filter_oversample": "`filter_groups`: questions rolled out per question trained (>= 1).",
+    "cppo.tis_cap": "Truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
+    "is weighted by min(pi_old / pi_sampler, tis_cap), pi_sampler being the policy that really sampled it "
+    "(the vLLM server's or the embedded sampler's returned log-probs; with `rollout.overlap=1` the stale "
+    "snapshot's, the old policy then being the current one). 0: off; else >= 1. With the vLLM backend "
+    "and no overlap it needs `rollout.temperature=1` (the server's log-probs are before temperature).",
     # reward
     "reward.funcs": "Reward functions by registered name (`arith_accuracy`, `gsm8k_format`, "
     "`math_accuracy`, ...), `module:function` or `path/to/file.py:function`; the reward is their "
