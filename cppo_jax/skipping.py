@@ -42,9 +42,8 @@ import numpy as np
 from cppo_jax import pipeline
 from cppo_jax.config import ConfigError, DataConfig
 
-_COIN_SALT = (
-    0x6C5E5  # the coins' generator is seeded by (data.seed, salt, epoch): apart from the order's
-)
+# The coins' generator is seeded by (data.seed, salt, epoch): apart from the order's own stream.
+_COIN_SALT = 0x6C5E5
 
 
 def zero_variance(rewards_QG) -> np.ndarray:

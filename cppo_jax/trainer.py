@@ -1,7 +1,7 @@
 """The CPPO trainer: set-up, and one step in the order of the paper.
 
 One step (`Trainer.step`):
-  1. Draw Q questions (Q = floor(b / (1 - p)) with allocation, else b).
+  1. Draw Q questions (Q = floor(b / (1 - p)) with allocation, else b; GRESO skipping: `skipping`).
   2. Roll out G completions each from the current policy.
   3. Score every completion (host reward workers).
   4. Group advantages.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,7 +199,9 @@ def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(tmp_path,
     assert first + second == whole
     assert cut_state == whole_state
     rows = read_metrics(tmp_path / "whole")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     for key in ("skip/skipped", "skip/p_easy", "skip/p_hard", "skip/zero_variance_frac"):
         assert all(key in row for row in rows), key
+        assert f"`{key}`" in doc, f"{key} is logged but not documented in docs/metrics.md"
     assert sum(row["skip/skipped"] for row in rows) > 0  # questions came back and were skipped
     assert [row["step"] for row in read_metrics(tmp_path / "cut")] == list(range(1, 7))

@@ -69,11 +69,11 @@ MEANINGS: dict[str, str] = {
     "last z outcomes had zero reward variance is rolled out with probability p^z when it comes up, and "
     "passed over otherwise; p adapts per easy/hard kind toward `data.skip_target`.",
     "data.skip_p_init": "Initial exploration probability p of both easy (all correct) and hard (all "
-    "wrong) questions, in (0, 1].",
+    "wrong) questions.",
     "data.skip_target": "Target share of zero-variance questions in a step (a third of it for easy ones, "
-    "two thirds for hard), in (0, 1].",
+    "two thirds for hard).",
     "data.skip_delta_p": "Step by which p_easy and p_hard move toward the target each step; also their "
-    "floor, so every question keeps a chance to be rolled out. In (0, 1].",
+    "floor, so every question keeps a chance to be rolled out.",
     # rollout
     "rollout.backend": "Where completions come from: `embedded` (the JAX sampler on the training "
     "devices) or `vllm` (an external vLLM server, see docs/vllm.md).",
