@@ -26,18 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import (
-    cppo,
-    distributed,
-    pipeline,
-    scoring,
-    selection,
-    skipping,
-    trainer_eval,
-    trainer_run,
-)
+from cppo_jax import cppo, distributed, pipeline, scoring, selection, trainer_eval, trainer_run
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
+from cppo_jax import skipping as skip_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError, holds_a_run, set_aside_earlier_run
 from cppo_jax.config import Config, ConfigError
@@ -124,7 +116,7 @@ class Trainer:
         self.order = pipeline.question_order(
             len(self.train_set), self.shapes.Q, cfg.data.seed, cfg.data.shuffle
         )
-        self.skipper = skipping.PromptSkipper.from_config(
+        self.skipper = skip_lib.PromptSkipper.from_config(
             cfg.data, len(self.train_set), self.shapes.Q
         )
         self.num_steps = cfg.trainer.steps or pipeline.steps_per_epoch(
@@ -228,7 +220,7 @@ class Trainer:
         self.start_step = self.params_step = int(meta["step"])
         self.nan_streak = int(meta.get("nan_streak", 0))
         self.num_tokens = int(meta.get("num_tokens", 0))
-        skipping.resume(self.skipper, meta.get("skipper"), self.start_step)
+        skip_lib.resume(self.skipper, meta.get("skipper"), self.start_step)
         self.log.event("resumed", step=self.start_step)
 
     def _decode(self, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
@@ -286,7 +278,7 @@ class Trainer:
         if self.skipper is not None:  # GRESO histories and p (skipping.py)
             correct = per_fn.get(self.accuracy_fn)
             metrics.update(
-                self.skipper.record(step, rewards_QG, skipping.easy_of(rewards_QG, correct))
+                self.skipper.record(step, rewards_QG, skip_lib.easy_of(rewards_QG, correct))
             )
 
         # 4-5. Advantages and pruning.
