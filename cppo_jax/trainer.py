@@ -243,8 +243,8 @@ class Trainer:
         times = {}
 
         # 1-2. Questions and their rollout (with overlap: requested during the previous step).
-        if self.skipper is not None and self.overlap is not None and step + 1 < self.num_steps:
-            self.skipper.ids(step + 1)  # before this step's record: the one-step lag (skipping.py)
+        if self.skipper is not None and self.overlap is not None:  # before this step's record:
+            self.skipper.ids(step + 1)  # the one-step lag (skipping.py), at a fixed point
         with prof.phase("rollout", times):
             if self.overlap is not None:
                 rollout, sample_params = self.overlap.take(self.params, step)

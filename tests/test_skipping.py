@@ -162,12 +162,20 @@ def test_more_questions_per_step_than_training_questions_is_refused():
         PromptSkipper(3, 4, seed=0)
 
 
-def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(tmp_path, arith_model_dir):
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
+    tmp_path, arith_model_dir, overlap
+):
     """A 6-step run with skipping over 8 questions (2 steps an epoch, so questions come back) equals,
-    question for question, a run stopped after step 3 and resumed from its checkpoint."""
+    draw for draw, a run stopped after step 3 and resumed from its checkpoint. With rollout.overlap=1
+    (the embedded sampler behind test_overlap's recording wrapper, slowed so that the next step's
+    rollout runs while this step trains) step s + 1 is drawn before step s is recorded, in every run."""
+    from cppo_jax.rollout.backend import EmbeddedBackend
     from cppo_jax.trainer import Trainer
+    from tests.test_overlap import RecordingBackend
 
     def run(name: str, steps: int, *extra: str) -> tuple[list, dict]:
+        server = ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:9"]  # never contacted
         cfg = small_config(
             tmp_path,
             arith_model_dir,
@@ -176,28 +184,39 @@ def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(tmp_path,
             "data.skip_p_init=0.05",
             f"trainer.steps={steps}",
             f"trainer.run_name={name}",
+            *(server + ["rollout.overlap=1"] if overlap else []),
             *extra,
         )
         trainer = Trainer(cfg)
-        seen, real = [], trainer.skipper.ids
+        if overlap:
+            trainer.backend = RecordingBackend(EmbeddedBackend(trainer.graphdef, trainer.sp), 0.2)
+        sk, events = trainer.skipper, []
+        draw, record = sk.draw, sk.record
 
-        def spy(step: int) -> np.ndarray:  # the real draw, noted
-            ids = real(step)
-            seen.append((step, ids.tolist()))
-            return ids
+        def spy_draw():  # the real draw, noted (the step it is for: sk.next_step)
+            ids, skipped = draw()
+            events.append(("draw", sk.next_step, ids))
+            return ids, skipped
 
-        trainer.skipper.ids = spy
+        def spy_record(step, *args):
+            events.append(("record", step))
+            return record(step, *args)
+
+        sk.draw, sk.record = spy_draw, spy_record
         try:
             trainer.train()
         finally:
             trainer.close()
-        return seen, trainer.skipper.state_dict()
+        return events, sk.state_dict()
 
     whole, whole_state = run("whole", 6)
     first, _ = run("cut", 3)
     second, cut_state = run("cut", 6, "trainer.resume=true")
     assert first + second == whole
     assert cut_state == whole_state
+    order = [e[:2] for e in whole]
+    for s in range(5):  # overlap: s + 1 drawn before s is recorded; else after
+        assert (order.index(("draw", s + 1)) < order.index(("record", s))) == bool(overlap), order
     rows = read_metrics(tmp_path / "whole")
     doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     for key in ("skip/skipped", "skip/p_easy", "skip/p_hard", "skip/zero_variance_frac"):
