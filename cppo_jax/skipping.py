@@ -146,7 +146,8 @@ class PromptSkipper:
             )
             back = rest[: self.Q - len(taken)]
             taken = sorted(taken + [(met.get(q, later + q), q) for q in back])
-            passed = [kq for kq in passed if kq[1] not in set(back)]
+            came_back = set(back)
+            passed = [kq for kq in passed if kq[1] not in came_back]
         return [qid for _, qid in taken], len(passed)
 
     def ids(self, step: int) -> np.ndarray:

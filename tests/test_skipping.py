@@ -12,7 +12,7 @@ import pytest
 
 from cppo_jax import pipeline
 from cppo_jax.config import ConfigError
-from cppo_jax.skipping import PromptSkipper, easy_of, zero_variance
+from cppo_jax.skipping import PromptSkipper, easy_of, resume, zero_variance
 from tests.test_trainer import read_metrics, small_config
 
 EPS64 = float(np.finfo(np.float64).eps)
@@ -102,6 +102,21 @@ def test_the_batch_is_always_q_and_every_question_keeps_coming_back_when_all_is_
             assert (step - last_drawn).max() <= 2 * -(-n // Q), last_drawn
     assert max(skipped) > 0
     assert all(sk.p_of(q) > 0 for q in range(n))  # exploration never reaches 0
+
+
+def test_without_zero_variance_the_draws_are_the_plain_order_and_a_plain_run_resumes_there():
+    """No question ever zero-variance: nothing is skipped and the ids are `question_order`'s; a
+    checkpoint of a run without skipping (no state) continues from the plain order's position."""
+    n, Q = 12, 4  # n % Q == 0: no step straddles two epochs
+    plain = pipeline.question_order(n, Q, seed=7, shuffle=True)
+    sk = PromptSkipper(n, Q, seed=7)
+    for step in range(9):
+        assert sk.ids(step).tolist() == plain[step].tolist()
+        m = sk.record(step, _rewards(sk.ids(step), lambda qid: True), np.zeros(Q, bool))
+        assert m["skip/skipped"] == 0 and m["skip/zero_variance_frac"] == 0
+    late = PromptSkipper(n, Q, seed=7)
+    resume(late, None, 5)
+    assert late.ids(5).tolist() == plain[5].tolist()
 
 
 def _play(sk: PromptSkipper, steps: range, lagged: bool) -> list[list[int]]:
