@@ -123,9 +123,15 @@ class DataConfig:
     answer_format: str = "auto"  # how the gold answer sits in it (ANSWER_FORMATS)
     shuffle: bool = True
     seed: int = 0
+    skip_zero_variance: bool = False  # GRESO: skip questions whose rewards kept zero variance
+    skip_p_init: float = 0.5  # initial p_easy = p_hard (rolled out with probability p^z)
+    skip_target: float = 0.25  # target zero-variance share of the step's questions
+    skip_delta_p: float = 0.01  # step of p's adaptation, and p's floor
 
     def __post_init__(self):
         _choice("data.task", self.task, TASKS)
+        for key in ("skip_p_init", "skip_target", "skip_delta_p"):
+            _check(0 < getattr(self, key) <= 1, f"data.{key}", getattr(self, key), "in (0, 1]")
         _choice("data.answer_format", self.answer_format, ANSWER_FORMATS)
         _choice("data.long_prompts", self.long_prompts, ("truncate", "reject"))
         _choice("data.prompt_format", self.prompt_format, PROMPT_FORMATS)

@@ -182,6 +182,18 @@ class _ProcessSlice:
         return batch_Q[self.lo : self.hi]
 
 
+def question_stream(n: int, seed: int, shuffle: bool) -> grain.MapDataset:
+    """`ds[k]` is the k-th question of the endless stream: epoch e (positions `[e n, (e + 1) n)`) is a
+    seeded permutation of `range(n)`, a fresh one each epoch (`range(n)` in order without shuffling).
+    `question_order` cuts it into steps; `skipping.PromptSkipper` walks it question by question."""
+    import grain  # only the question order needs it (the memory plan and gpu_check do not)
+
+    ds = grain.MapDataset.range(n)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat(None)
+
+
 def question_order(
     n: int,
     batch: int,
@@ -213,12 +225,7 @@ def question_order(
             f"over {process_count} processes; choose cppo.questions_per_step (and pruning/allocation) "
             f"so that Q is a multiple of the process count"
         )
-    import grain  # only the question order needs it (the memory plan and gpu_check do not)
-
-    ds = grain.MapDataset.range(n)
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(None).batch(batch, drop_remainder=True)
+    ds = question_stream(n, seed, shuffle).batch(batch, drop_remainder=True)
     if process_count > 1:
         per = batch // process_count
         ds = ds.map(_ProcessSlice(process_index * per, (process_index + 1) * per))

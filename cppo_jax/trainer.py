@@ -1,7 +1,7 @@
 """The CPPO trainer: set-up, and one step in the order of the paper.
 
 One step (`Trainer.step`):
-  1. Draw Q questions (Q = floor(b / (1 - p)) with allocation, else b).
+  1. Draw Q questions (Q = floor(b / (1 - p)) with allocation, else b; GRESO skipping: `skipping`).
   2. Roll out G completions each from the current policy.
   3. Score every completion (host reward workers).
   4. Group advantages.
@@ -29,6 +29,7 @@ from flax import nnx
 from cppo_jax import cppo, distributed, pipeline, scoring, selection, trainer_eval, trainer_run
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
+from cppo_jax import skipping as skip_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError, holds_a_run, set_aside_earlier_run
 from cppo_jax.config import Config, ConfigError
@@ -115,6 +116,9 @@ class Trainer:
         self.order = pipeline.question_order(
             len(self.train_set), self.shapes.Q, cfg.data.seed, cfg.data.shuffle
         )
+        self.skipper = skip_lib.PromptSkipper.from_config(
+            cfg.data, len(self.train_set), self.shapes.Q
+        )
         self.num_steps = cfg.trainer.steps or pipeline.steps_per_epoch(
             len(self.train_set), self.shapes.Q
         )
@@ -200,6 +204,8 @@ class Trainer:
             "nan_streak": self.nan_streak,
             "num_tokens": self.num_tokens,
         }
+        if self.skipper is not None:
+            meta["skipper"] = self.skipper.state_dict()
         try:
             self.ckpt.save(step, self.state(), meta)
         except CheckpointError as e:
@@ -214,6 +220,7 @@ class Trainer:
         self.start_step = self.params_step = int(meta["step"])
         self.nan_streak = int(meta.get("nan_streak", 0))
         self.num_tokens = int(meta.get("num_tokens", 0))
+        skip_lib.resume(self.skipper, meta.get("skipper"), self.start_step)
         self.log.event("resumed", step=self.start_step)
 
     def _decode(self, tokens_NC: np.ndarray, valid_NC: np.ndarray) -> list[str]:
@@ -236,6 +243,8 @@ class Trainer:
         times = {}
 
         # 1-2. Questions and their rollout (with overlap: requested during the previous step).
+        if self.skipper is not None and self.overlap is not None:  # before this step's record:
+            self.skipper.ids(step + 1)  # the one-step lag (skipping.py), at a fixed point
         with prof.phase("rollout", times):
             if self.overlap is not None:
                 rollout, sample_params = self.overlap.take(self.params, step)
@@ -266,6 +275,11 @@ class Trainer:
         except ValueError as e:
             self.log.event("nonfinite_rewards", step=step, error=str(e))
             return self._skip(step, metrics, times, t0, reason=str(e))
+        if self.skipper is not None:  # GRESO histories and p (skipping.py)
+            correct = per_fn.get(self.accuracy_fn)
+            metrics.update(
+                self.skipper.record(step, rewards_QG, skip_lib.easy_of(rewards_QG, correct))
+            )
 
         # 4-5. Advantages and pruning.
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
@@ -331,7 +345,7 @@ class Trainer:
 
     def _rollout(self, params, step: int) -> StepRollout:
         """Draw `step`'s questions and sample G completions each from `params`."""
-        ids = self.order[step]
+        ids = self.order[step] if self.skipper is None else self.skipper.ids(step)
         seed, G = self.cfg.trainer.seed, self.shapes.G
         return draw_rollout(self.backend, params, self.train_set, ids, step, seed, G, self.mesh)
 

@@ -65,6 +65,15 @@ MEANINGS: dict[str, str] = {
     "the file and line.",
     "data.shuffle": "Shuffle the training questions (per epoch, from `data.seed`).",
     "data.seed": "Seed of the question order, of the validation hold-out and of the arith generator.",
+    "data.skip_zero_variance": "GRESO pre-rollout skipping (`cppo_jax/skipping.py`): a question whose "
+    "last z outcomes had zero reward variance is rolled out with probability p^z when it comes up, and "
+    "passed over otherwise; p adapts per easy/hard kind toward `data.skip_target`.",
+    "data.skip_p_init": "Initial exploration probability p of both easy (all correct) and hard (all "
+    "wrong) questions.",
+    "data.skip_target": "Target share of zero-variance questions in a step (a third of it for easy ones, "
+    "two thirds for hard).",
+    "data.skip_delta_p": "Step by which p_easy and p_hard move toward the target each step; also their "
+    "floor, so every question keeps a chance to be rolled out.",
     # rollout
     "rollout.backend": "Where completions come from: `embedded` (the JAX sampler on the training "
     "devices) or `vllm` (an external vLLM server, see docs/vllm.md).",

@@ -1,0 +1,241 @@
+"""GRESO prompt skipping (`cppo_jax.skipping`): the p^z rule, p's adaptation, the fixed batch shape,
+exploration, exact resume (unit and a real trainer run), metrics, config errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cppo_jax import pipeline
+from cppo_jax.config import ConfigError
+from cppo_jax.skipping import PromptSkipper, easy_of, resume, zero_variance
+from tests.test_trainer import read_metrics, small_config
+
+EPS64 = float(np.finfo(np.float64).eps)
+G = 4
+
+
+def _rewards(ids, informative) -> np.ndarray:
+    """[Q, G] rewards: a spread for the questions `informative(id)`, all 0 (hard) otherwise."""
+    r_QG = np.zeros((len(ids), G))
+    for q, qid in enumerate(ids):
+        if informative(int(qid)):
+            r_QG[q, 0] = 1.0
+    return r_QG
+
+
+@pytest.mark.parametrize("z, easy, p", [(1, True, 0.7), (2, False, 0.5), (3, False, 0.5)])
+def test_a_question_with_z_zero_variance_outcomes_is_rolled_out_with_probability_p_to_the_z(
+    z, easy, p
+):
+    """Question 0 (z frozen: nothing recorded) is taken on a fraction p^z of its appearances in the
+    stream, over 4 seeds x 700 epochs; tolerance 5 binomial standard deviations."""
+    n, Q = 8, 2
+    taken = appeared = 0
+    for seed in range(4):
+        sk = PromptSkipper(n, Q, seed=seed, shuffle=False)  # stream = range(n) each epoch
+        sk.z_n[0], sk.easy_n[0] = z, easy
+        sk.p_easy, sk.p_hard = (p, 0.9) if easy else (0.9, p)
+        while sk.cursor < 700 * n:
+            ids, _ = sk.draw()
+            assert len(ids) == Q
+            taken += ids.count(0)
+        appeared += -(-sk.cursor // n)  # question 0 is each epoch's first candidate
+    want = p**z
+    sigma = math.sqrt(want * (1 - want) / appeared)
+    assert abs(taken / appeared - want) <= 5 * sigma, (taken, appeared, want)
+
+
+def test_p_adapts_toward_the_target_share_and_stays_in_its_bounds():
+    n, Q = 12, 6
+    sk = PromptSkipper(n, Q, seed=0, target=0.3, delta_p=0.05)
+    tol = 8 * EPS64
+    ids = sk.ids(0)
+    # Every question zero-variance and easy: share 1 > alpha_easy = 0.1; hard share 0 <= 0.2.
+    m = sk.record(0, np.ones((Q, G)), np.ones(Q, bool))
+    assert m["skip/p_easy"] == pytest.approx(0.45, rel=tol)
+    assert m["skip/p_hard"] == pytest.approx(0.55, rel=tol)
+    assert m["skip/zero_variance_frac"] == 1.0
+    assert all(sk.z_n[i] == 1 and sk.easy_n[i] for i in ids)
+    # One hard zero-variance question of 6 (share 1/6 <= 0.2): p_hard still rises, p_easy too.
+    ids = sk.ids(1)
+    r_QG = _rewards(ids, lambda qid: qid != ids[0])
+    m = sk.record(1, r_QG, easy_of(r_QG))
+    assert (m["skip/p_easy"], m["skip/p_hard"]) == pytest.approx((0.5, 0.6), rel=tol)
+    assert sk.z_n[ids[0]] >= 1 and not sk.easy_n[ids[0]]
+    assert all(sk.z_n[i] == 0 for i in ids[1:])  # a spread resets z
+    # Two hard of 6 (1/3 > 0.2): p_hard falls.
+    ids = sk.ids(2)
+    m = sk.record(2, _rewards(ids, lambda qid: qid not in ids[:2]), np.zeros(Q, bool))
+    assert m["skip/p_hard"] == pytest.approx(0.55, rel=tol)
+    # Clipped to [delta_p, 1].
+    for step in range(3, 60):
+        sk.ids(step)
+        m = sk.record(step, np.zeros((Q, G)), np.zeros(Q, bool))
+    assert m["skip/p_hard"] == pytest.approx(0.05, rel=tol) and m["skip/p_easy"] == 1.0
+
+
+def test_the_batch_is_always_q_and_every_question_keeps_coming_back_when_all_is_zero_variance():
+    """Nearly everything skipped: a pass that cannot fill the batch fills it with the smallest z, so
+    the shape holds and the questions take turns (z never more than 1 apart once p is at its floor,
+    when coins pass with probability 0.01^z, z > 10)."""
+    n, Q = 13, 4
+    sk = PromptSkipper(n, Q, seed=5)
+    last_drawn = np.zeros(n, int)
+    skipped = []
+    for step in range(120):
+        ids = sk.ids(step)
+        assert ids.shape == (Q,) and ((ids >= 0) & (ids < n)).all()
+        assert len(set(ids.tolist())) == Q  # distinct, also when a pass straddles two epochs
+        last_drawn[ids] = step
+        m = sk.record(step, np.full((Q, G), 0.5), np.zeros(Q, bool))  # all zero variance, hard
+        skipped.append(m["skip/skipped"])
+        if step >= 60:  # p_hard reached its floor after (0.5 - 0.01) / 0.01 = 49 steps
+            assert m["skip/p_hard"] == pytest.approx(0.01, rel=8 * EPS64)
+            assert sk.z_n.max() - sk.z_n.min() <= 1, sk.z_n
+            # Drawn again within 2 ceil(n / Q) steps: the others at its old z catch up (one
+            # round), then its turn comes in the next round (ties go in stream order).
+            assert (step - last_drawn).max() <= 2 * -(-n // Q), last_drawn
+    assert max(skipped) > 0
+    assert all(sk.p_of(q) > 0 for q in range(n))  # exploration never reaches 0
+
+
+def test_without_zero_variance_the_draws_are_the_plain_order_and_a_plain_run_resumes_there():
+    """No question ever zero-variance: nothing is skipped and the ids are `question_order`'s; a
+    checkpoint of a run without skipping (no state) continues from the plain order's position."""
+    n, Q = 12, 4  # n % Q == 0: no step straddles two epochs
+    plain = pipeline.question_order(n, Q, seed=7, shuffle=True)
+    sk = PromptSkipper(n, Q, seed=7)
+    for step in range(9):
+        assert sk.ids(step).tolist() == plain[step].tolist()
+        m = sk.record(step, _rewards(sk.ids(step), lambda qid: True), np.zeros(Q, bool))
+        assert m["skip/skipped"] == 0 and m["skip/zero_variance_frac"] == 0
+    late = PromptSkipper(n, Q, seed=7)
+    resume(late, None, 5)
+    assert late.ids(5).tolist() == plain[5].tolist()
+
+
+def _play(sk: PromptSkipper, steps: range, lagged: bool) -> list[list[int]]:
+    """Draw and record `steps` (rewards a fixed function of the ids); `lagged`: step s + 1 drawn
+    before step s is recorded, as the trainer does with rollout.overlap = 1."""
+    out = []
+    for step in steps:
+        if lagged:
+            sk.ids(step + 1)
+        ids = sk.ids(step)
+        out.append(ids.tolist())
+        r_QG = _rewards(ids, lambda qid: qid % 3 == 0)
+        r_QG[[qid % 5 == 0 for qid in ids]] = 1.0  # some easy ones too
+        sk.record(step, r_QG, easy_of(r_QG))
+    return out
+
+
+@pytest.mark.parametrize("lagged", [False, True])
+def test_state_dict_round_trip_continues_with_the_same_draws(lagged):
+    n, Q = 17, 3
+    whole = PromptSkipper(n, Q, seed=2, p_init=0.3)
+    expected = _play(whole, range(40), lagged)
+    first = PromptSkipper(n, Q, seed=2, p_init=0.3)
+    got = _play(first, range(15), lagged)
+    state = json.loads(json.dumps(first.state_dict()))  # through JSON, as in checkpoint meta
+    resumed = PromptSkipper(n, Q, seed=2, p_init=0.3)
+    resumed.load_state_dict(state)
+    got += _play(resumed, range(15, 40), lagged)
+    assert got == expected
+    assert resumed.state_dict() == whole.state_dict()
+    assert any(
+        ids != pipeline.question_order(n, Q, 2, True)[s].tolist() for s, ids in enumerate(got)
+    )
+    for bad in (PromptSkipper(n, Q, seed=3), PromptSkipper(n + 1, Q, seed=2)):
+        with pytest.raises(ConfigError, match=r"data\.seed|training questions"):
+            bad.load_state_dict(state)
+
+
+def test_zero_variance_and_easy_signals():
+    r_QG = np.array([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [2.0, 1.0, 2.0], [0.5, 0.5, 0.5]])
+    assert zero_variance(r_QG).tolist() == [True, True, False, True]
+    assert easy_of(r_QG).tolist() == [True, False, True, True]
+    correct_N = np.array([1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0])  # the accuracy reward, flat [Q G]
+    assert easy_of(r_QG, correct_N).tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("skip_p_init", 0), ("skip_p_init", 1.5), ("skip_target", 0), ("skip_delta_p", -0.01)],
+)
+def test_bad_skip_values_are_refused_naming_the_key(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=rf"data\.{key}"):
+        small_config(tmp_path, tmp_path, f"data.{key}={value}")
+
+
+def test_more_questions_per_step_than_training_questions_is_refused():
+    with pytest.raises(ConfigError, match=r"cppo\.questions_per_step"):
+        PromptSkipper(3, 4, seed=0)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
+    tmp_path, arith_model_dir, overlap
+):
+    """A 6-step run with skipping over 8 questions (2 steps an epoch, so questions come back) equals,
+    draw for draw, a run stopped after step 3 and resumed from its checkpoint. With rollout.overlap=1
+    (the embedded sampler behind test_overlap's recording wrapper, slowed so that the next step's
+    rollout runs while this step trains) step s + 1 is drawn before step s is recorded, in every run."""
+    from cppo_jax.rollout.backend import EmbeddedBackend
+    from cppo_jax.trainer import Trainer
+    from tests.test_overlap import RecordingBackend
+
+    def run(name: str, steps: int, *extra: str) -> tuple[list, dict]:
+        server = ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:9"]  # never contacted
+        cfg = small_config(
+            tmp_path,
+            arith_model_dir,
+            "data.num_train=8",
+            "data.skip_zero_variance=true",
+            "data.skip_p_init=0.05",
+            f"trainer.steps={steps}",
+            f"trainer.run_name={name}",
+            *(server + ["rollout.overlap=1"] if overlap else []),
+            *extra,
+        )
+        trainer = Trainer(cfg)
+        if overlap:
+            trainer.backend = RecordingBackend(EmbeddedBackend(trainer.graphdef, trainer.sp), 0.2)
+        sk, events = trainer.skipper, []
+        draw, record = sk.draw, sk.record
+
+        def spy_draw():  # the real draw, noted (the step it is for: sk.next_step)
+            ids, skipped = draw()
+            events.append(("draw", sk.next_step, ids))
+            return ids, skipped
+
+        def spy_record(step, *args):
+            events.append(("record", step))
+            return record(step, *args)
+
+        sk.draw, sk.record = spy_draw, spy_record
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return events, sk.state_dict()
+
+    whole, whole_state = run("whole", 6)
+    first, _ = run("cut", 3)
+    second, cut_state = run("cut", 6, "trainer.resume=true")
+    assert first + second == whole
+    assert cut_state == whole_state
+    order = [e[:2] for e in whole]
+    for s in range(5):  # overlap: s + 1 drawn before s is recorded; else after
+        assert (order.index(("draw", s + 1)) < order.index(("record", s))) == bool(overlap), order
+    rows = read_metrics(tmp_path / "whole")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    for key in ("skip/skipped", "skip/p_easy", "skip/p_hard", "skip/zero_variance_frac"):
+        assert all(key in row for row in rows), key
+        assert f"`{key}`" in doc, f"{key} is logged but not documented in docs/metrics.md"
+    assert sum(row["skip/skipped"] for row in rows) > 0  # questions came back and were skipped
+    assert [row["step"] for row in read_metrics(tmp_path / "cut")] == list(range(1, 7))
