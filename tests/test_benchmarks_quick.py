@@ -191,6 +191,32 @@ def test_paper_table_quick(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
+def test_selection_quick(tmp_path):
+    """One pass over 16 questions: GRPO in 8 steps of 2, each pruned rule in 1 step of Q = 16
+    (p = 0.875, k = 1 of 4); filtering rolls out 24 to train 16. Rows can be added in parts: a
+    second invocation keeps the first one's runs and replaces only its own method's."""
+    script = load_script("selection")
+    methods = ["GRPO", "PODS (max variance)", "CPPO + zero-variance filter"]
+    rows = script.main(["--quick", "--out", str(tmp_path), "--methods", *methods[:2]])
+    assert [r["method"] for r in rows] == methods[:2]
+    rows = script.main(["--quick", "--out", str(tmp_path), "--methods", methods[2]])
+    assert [(r["method"], r["Q"], r["U"], r["M"], r["steps"]) for r in rows] == [
+        ("GRPO", 2, 2, 8, 8),
+        ("PODS (max variance)", 16, 16, 16, 1),
+        ("CPPO + zero-variance filter", 24, 16, 16, 1),
+    ]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["train_cpu_s"] > 0 for r in rows)
+    assert rows[0]["speedup_cpu"] == 1.0
+    raw = __import__("json").loads((tmp_path / "selection.json").read_text())
+    assert len(raw["runs"]) == 3 and [len(run["curve"]) for run in raw["runs"]] == [4, 1, 1]
+    filtered = next(run for run in raw["runs"] if run["method"] == methods[2])
+    assert filtered["dropped"] >= 0 and filtered["Q"] == 24
+    report = (tmp_path / "selection.md").read_text()
+    table = _table_rows(report, "| method | Q rolled out |")
+    assert [row[0] for row in table] == methods
+    assert (tmp_path / "selection.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_compile_quick(tmp_path):
     """Compile seconds per program, unrolled and scanned; the table names both and their growth."""
     rows = load_script("compile").main(["--quick", "--out", str(tmp_path)])
