@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cppo_jax import skipping
+
 
 def max_variance_indices(x_QG: jax.Array, k: int) -> jax.Array:
     """idx_QK: per row the k entries of largest variance (PODS' max-variance down-sampling).
@@ -87,9 +89,8 @@ def informative_groups(rewards_QG: jax.Array, U: int) -> jax.Array:
 
 def filter_counts(rewards_QG, U: int) -> dict[str, float]:
     """Host metrics of `informative_groups`: zero-variance groups rolled out, dropped and trained."""
-    r_QG = np.asarray(rewards_QG)
-    zero = int(np.sum(np.all(r_QG == r_QG[:, :1], axis=1)))
-    dropped = min(zero, r_QG.shape[0] - U)
+    zero = int(np.sum(skipping.zero_variance(rewards_QG)))
+    dropped = min(zero, np.shape(rewards_QG)[0] - U)
     return {
         "filter/zero_variance_groups": float(zero),
         "filter/dropped": float(dropped),
