@@ -69,27 +69,10 @@ class VLLMClient(JSONClient):
     """
 
     def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str = "",
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 8.0,
-        max_workers: int = 32,
-        model: str | None = None,
+        self, url: str, *, max_workers: int = 32, model: str | None = None, **transport: Any
     ):
-        super().__init__(
-            url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            retries=retries,
-            backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s,
-        )
+        """`transport`: `JSONClient`'s keywords (api_key, timeouts, retries, backoff)."""
+        super().__init__(url, **transport)
         self._model = model
         self._max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
