@@ -4,6 +4,8 @@ unbiased pruned estimator), PODS' max-variance tie rule; and filtering inside `c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,3 +210,5 @@ def test_a_run_with_filter_groups_logs_what_it_dropped(tmp_path, arith_model_dir
         assert m["filter/dropped"] == min(zero, 2)
         assert m["filter/zero_variance_trained"] == zero - m["filter/dropped"]
         assert np.isfinite(m["loss"])
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    assert all(f"`{key}`" in doc for key in rows[0] if key.startswith("filter/"))
