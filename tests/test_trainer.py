@@ -459,7 +459,9 @@ def test_process_scope_in_the_trainer_and_both_eval_rules(tmp_path, arith_model_
     sh = shapes_of(cfg)
     # Q = 4 questions of G = 4 in 2 slices of 8 completions; each drops int(8 x 0.5) = 4.
     assert (sh.Q, sh.M) == (4, 8)
-    with pytest.raises(Exception, match="cppo.processes' = 3 .*divisor of the Q = 4"):
+    with pytest.raises(
+        Exception, match="cppo.processes' = 3 .*divisor of the 4 questions trained per step"
+    ):
         shapes_of(apply_overrides(cfg, ["cppo.processes=3"]))
     trainer = Trainer(cfg)
     try:
