@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from cppo_jax.config import LOSS_TYPES
+from cppo_jax.models.transformer import dense
 
 # --------------------------------------------------------------------------- masks
 
@@ -84,7 +85,7 @@ def token_entropy(logits_MTV: jax.Array, temperature: float = 1.0) -> jax.Array:
 
 def _chunk_logps(h_McD, w_DV, t_Mc, temperature, return_entropy):
     """One chunk of tokens: the only place a [M, c, V] float32 logits block exists."""
-    z_McV = jnp.einsum("mcd,dv->mcv", h_McD, w_DV, preferred_element_type=jnp.float32)
+    z_McV = dense(h_McD, w_DV, out_dtype=jnp.float32)
     z_McV = z_McV / temperature
     lse_Mc = jax.nn.logsumexp(z_McV, axis=-1)
     logp_Mc = jnp.take_along_axis(z_McV, t_Mc[..., None], axis=-1)[..., 0] - lse_Mc

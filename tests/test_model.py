@@ -312,3 +312,39 @@ def test_scanned_and_unrolled_layers_compute_the_same(remat):
         np.testing.assert_allclose(
             a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=str(path)
         )
+
+
+def test_backward_writes_no_transposed_activations():
+    """The weight gradients take the saved activations as they are (`transformer.dense`).
+
+    From 3-D einsums XLA:CPU wrote a transposed copy [F, N] of each MLP activation gradient
+    before its weight-gradient dot (a quarter of a SwiGLU MLP's forward + backward time); the
+    optimized program of the whole model's gradient must hold no array shaped [X, N]
+    transposed from [B, T, X] by a copy or transpose, for any layer width X.
+    """
+    import re
+
+    cfg = small_config(hidden_size=48, intermediate_size=80, vocab_size=96)
+    model = scrambled_model(cfg, seed=1)
+    B, T = 6, 11
+    N = B * T
+    tokens = jnp.asarray(np.arange(N).reshape(B, T) % cfg.vocab_size, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    valid = jnp.ones((B, T), bool)
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        logits_BTV, _ = nnx.merge(graphdef, params)(tokens, positions, valid)
+        return jnp.mean(logits_BTV**2)
+
+    text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    widths = {cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim}
+    widths |= {cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size}
+    transposed = {f"[{x},{N}]" for x in widths}
+    offenders = [
+        line.strip()[:160]
+        for line in text.splitlines()
+        if re.match(r"\s*%(copy|transpose)\S* = f32", line)
+        and any(shape in line.split("=", 1)[1][:40] for shape in transposed)
+    ]
+    assert not offenders, "\n".join(offenders)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cppo_jax.models import init_cache
-from cppo_jax.models.transformer import DTYPES, MASKED, rope_tables, run_layers
+from cppo_jax.models.transformer import DTYPES, MASKED, dense, rope_tables, run_layers
 from cppo_jax.rollout.sampling import (
     Samples,
     SamplingParams,
@@ -169,7 +169,7 @@ def _segment_ends(C: int, first: int) -> list[int]:
 def _unembed(model, h_ND: jax.Array) -> jax.Array:
     """Float32 logits [N, V], as `Transformer.__call__` computes them."""
     w_DV = model.unembed_weight().astype(h_ND.dtype)
-    return jnp.einsum("nd,dv->nv", h_ND, w_DV, preferred_element_type=jnp.float32)
+    return dense(h_ND, w_DV, out_dtype=jnp.float32)
 
 
 def sample_with_uniforms(
