@@ -299,6 +299,9 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
                 flag += f" --{name} {getattr(args, name):g}"
     if args.allocation != "both":
         flag += f" --allocation {args.allocation}"
+    for name, default in (("warmup", 1), ("steps", 2)):
+        if not args.quick and getattr(args, name) != default:
+            flag += f" --{name} {getattr(args, name)}"
     if args.jobs != 1:
         flag += f" --jobs {args.jobs}"
     grpo = next(r for r in rows if r["p"] == 0.0)
