@@ -173,6 +173,21 @@ def load_hf_torch(path: str | Path):
     return model.eval()
 
 
+def prune_inputs(Q: int, G: int, P: int, C: int, seed: int = 0, rewards=(0.0, 1.0, 2.0)):
+    """Inputs of `cppo.prune` after a rollout: (rewards_QG, prompt_QP, pvalid_QP, tokens_NC,
+    cvalid_NC, finished_N). Rewards are drawn from `rewards`; every token of question q's prompt is
+    100 + q and every token of completion n is n, so a kept row names its question and completion;
+    about 80% of prompt slots are valid, each completion is valid up to a random end, half finished."""
+    gen = np.random.default_rng(seed)
+    rewards_QG = gen.choice(np.asarray(rewards, np.float32), size=(Q, G))
+    prompt_QP = 100 + np.repeat(np.arange(Q, dtype=np.int32)[:, None], P, axis=1)
+    pvalid_QP = gen.random((Q, P)) < 0.8
+    tokens_NC = np.repeat(np.arange(Q * G, dtype=np.int32)[:, None], C, axis=1)
+    cvalid_NC = np.cumsum(gen.random((Q * G, C)) < 0.3, axis=1) == 0
+    finished_N = gen.random(Q * G) < 0.5
+    return rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N
+
+
 def left_pad(seqs: list[list[int]], pad_id: int = 0, length: int | None = None):
     """Left-pads token lists: (tokens_BT int32, valid_BT bool, positions_BT int32) numpy arrays.
 

@@ -21,9 +21,9 @@ except ImportError:  # tests/ became a package
     from tests import reference_numpy as ref
 
 try:
-    from helpers import count_compiles
+    from helpers import count_compiles, prune_inputs
 except ImportError:  # tests/ became a package
-    from tests.helpers import count_compiles
+    from tests.helpers import count_compiles, prune_inputs
 
 GSM8K_REWARDS = (0.0, 1.0, 1.5, 2.0, 2.5, 3.0)
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -316,13 +316,8 @@ def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_trunca
         mask_truncated=mask_truncated,
     )
     shapes = cppo.step_shapes(algo, P, C)
-    gen = np.random.default_rng(1)
-    rewards_QG = gen.choice([0.0, 1.0, 2.0], size=(Q, G)).astype(np.float32)
-    prompt_QP = 100 + np.repeat(np.arange(Q, dtype=np.int32)[:, None], P, axis=1)
-    pvalid_QP = gen.random((Q, P)) < 0.8
-    tokens_NC = np.repeat(np.arange(Q * G, dtype=np.int32)[:, None], C, axis=1)
-    cvalid_NC = np.cumsum(gen.random((Q * G, C)) < 0.3, axis=1) == 0
-    finished_N = gen.random(Q * G) < 0.5
+    inputs = prune_inputs(Q, G, P, C, seed=1)
+    rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N = inputs
     out = cppo.prune(
         rewards_QG,
         jax.random.PRNGKey(0),

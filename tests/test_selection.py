@@ -14,6 +14,7 @@ import pytest
 from cppo_jax import cppo, selection
 from cppo_jax.config import ConfigError, CPPOConfig
 from tests import reference_numpy as ref
+from tests.helpers import prune_inputs
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -105,15 +106,10 @@ def test_max_variance_ties_and_all_equal_groups():
 
 
 def _prune_inputs(Q, G, P, C, seed=0):
-    gen = np.random.default_rng(seed)
-    rewards_QG = gen.choice([0.0, 1.0], size=(Q, G)).astype(np.float32)
-    rewards_QG[[0, 3, 4]] = rewards_QG[[0, 3, 4], :1]  # three zero-variance groups
-    prompt_QP = 100 + np.repeat(np.arange(Q, dtype=np.int32)[:, None], P, axis=1)
-    pvalid_QP = gen.random((Q, P)) < 0.8
-    tokens_NC = np.repeat(np.arange(Q * G, dtype=np.int32)[:, None], C, axis=1)
-    cvalid_NC = np.cumsum(gen.random((Q * G, C)) < 0.3, axis=1) == 0
-    finished_N = gen.random(Q * G) < 0.5
-    return rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N
+    """`helpers.prune_inputs` with 0/1 rewards and three zero-variance groups (0, 3 and 4)."""
+    rewards_QG, *rest = prune_inputs(Q, G, P, C, seed, rewards=(0.0, 1.0))
+    rewards_QG[[0, 3, 4]] = rewards_QG[[0, 3, 4], :1]
+    return (rewards_QG, *rest)
 
 
 @pytest.mark.parametrize("scope", ["question", "batch"])

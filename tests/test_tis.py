@@ -18,6 +18,7 @@ import pytest
 from cppo_jax import cppo, loss
 from cppo_jax.config import Config, ConfigError, CPPOConfig
 from cppo_jax.config_io import apply_overrides
+from tests.helpers import prune_inputs
 
 try:
     from test_overlap import overlap_trainer
@@ -189,23 +190,10 @@ def test_prune_gathers_the_samplers_logps_of_the_kept_rows(scope):
         num_generations=G, questions_per_step=Q, pruning_rate=0.5, scope=scope, processes=3
     )
     shapes = cppo.step_shapes(algo, P, C)
-    gen = np.random.default_rng(2)
-    rewards_QG = gen.choice([0.0, 1.0, 2.0], size=(Q, G)).astype(np.float32)
-    prompt_QP = np.ones((Q, P), np.int32)
-    pvalid_QP = np.ones((Q, P), bool)
-    tokens_NC = gen.integers(0, 50, size=(Q * G, C)).astype(np.int32)
-    cvalid_NC = np.ones((Q * G, C), bool)
-    finished_N = np.ones(Q * G, bool)
-    logp_NC = -gen.uniform(0.1, 5.0, size=(Q * G, C)).astype(np.float32)
-    args = (
-        rewards_QG,
-        jax.random.PRNGKey(0),
-        prompt_QP,
-        pvalid_QP,
-        tokens_NC,
-        cvalid_NC,
-        finished_N,
-    )
+    rewards_QG, *rest = prune_inputs(Q, G, P, C, seed=2)
+    tokens_NC = rest[2]
+    logp_NC = -np.random.default_rng(3).uniform(0.1, 5.0, size=(Q * G, C)).astype(np.float32)
+    args = (rewards_QG, jax.random.PRNGKey(0), *rest)
     out = cppo.prune(*args, logp_NC, shapes=shapes, algo=algo)
     kept = np.asarray(out.kept).reshape(-1)
     assert len(set(kept // G)) > 1  # rows of several questions: a wrong gather would show
