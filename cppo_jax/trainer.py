@@ -187,6 +187,7 @@ class Trainer:
         self.params_step = 0  # the step the current params belong to
         self.nan_streak = 0
         self.num_tokens = 0  # prompt + completion tokens sampled so far (TRL's num_tokens)
+        self.step_began: tuple[int, dict | None] = (0, None)  # set by each step (see `_skip`)
         self.evals: list[dict] = []
         self.overlap = Overlap(self._rollout, self.num_steps) if cfg.rollout.overlap else None
 
@@ -241,6 +242,8 @@ class Trainer:
         cfg, sh = self.cfg, self.shapes
         t0 = time.perf_counter()
         times = {}
+        # The counters as this step begins: what a stop on non-finite steps saves (`_skip`).
+        self.step_began = (self.num_tokens, self.skipper and self.skipper.state_dict())
 
         # 1-2. Questions and their rollout (with overlap: requested during the previous step).
         if self.skipper is not None and self.overlap is not None:  # before this step's record:
@@ -388,7 +391,13 @@ class Trainer:
         metrics = self._finish(step, metrics, times, t0, None, None)
         metrics["update_skipped"] = 1.0
         if self.nan_streak >= self.cfg.trainer.max_nan_streak:
-            self.save(step)  # params are the last good ones: skipped updates changed nothing
+            # Saved as `step` steps done: the params are the last good ones (skipped updates changed
+            # nothing), the token count and the skipper as this step began, so a resumed run that
+            # runs this step again does not count its tokens or record its questions twice.
+            self.num_tokens, skipper_state = self.step_began
+            if self.skipper is not None:
+                self.skipper.load_state_dict(skipper_state)
+            self.save(step)
             raise NonFiniteError(
                 f"{self.nan_streak} non-finite steps in a row (last: {reason}) at step {step + 1}; "
                 f"stopped with the last good state saved under {self.ckpt.directory} (step {step}). "

@@ -239,3 +239,57 @@ def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
         assert f"`{key}`" in doc, f"{key} is logged but not documented in docs/metrics.md"
     assert sum(row["skip/skipped"] for row in rows) > 0  # questions came back and were skipped
     assert [row["step"] for row in read_metrics(tmp_path / "cut")] == list(range(1, 7))
+
+
+def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
+    tmp_path, arith_model_dir
+):
+    """trainer.max_nan_streak reached at step 2: the checkpoint (2 steps done) holds the skipper and
+    the token count as step 2 began, so the resumed run records step 2's questions and counts its
+    tokens once, and ends where an uninterrupted run ends."""
+    import jax.numpy as jnp
+
+    from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.trainer import NonFiniteError, Trainer
+
+    def make(name: str, steps: int, *extra: str) -> Trainer:
+        return Trainer(
+            small_config(
+                tmp_path,
+                arith_model_dir,
+                "data.num_train=8",
+                "data.skip_zero_variance=true",
+                "data.skip_p_init=0.05",
+                f"trainer.steps={steps}",
+                f"trainer.run_name={name}",
+                *extra,
+            )
+        )
+
+    def finish(trainer: Trainer) -> tuple[dict, int]:
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return trainer.skipper.state_dict(), trainer.num_tokens
+
+    whole = finish(make("whole", 4))
+    two = finish(make("two", 2))
+    cut = make("cut", 4, "trainer.max_nan_streak=1")
+    inner = cut.train_step
+
+    def poisoned(params, opt_state, batch):  # step 2's update only (params_step: steps done)
+        if cut.params_step == 2:
+            batch = batch._replace(adv_M=batch.adv_M * jnp.nan)
+        return inner(params, opt_state, batch)
+
+    cut.train_step = poisoned
+    with pytest.raises(NonFiniteError, match="at step 3"):
+        cut.train()
+    cut.close()
+    _, meta = Checkpointer(cut.out_dir / "checkpoints").restore(
+        None, {"params": cut.params, "opt_state": cut.opt_state}
+    )
+    assert meta["step"] == 2
+    assert (meta["skipper"], meta["num_tokens"]) == two
+    assert finish(make("cut", 4, "trainer.resume=true")) == whole
