@@ -11,6 +11,8 @@ the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
   log-probs plus one policy update, in trained tokens/s and model FLOP utilisation;
 - the embedded sampler's tokens/s (Q prompts x G samples, completions run to the length limit);
 - compile seconds of each program;
+- the log-prob forward with `model.attention=cudnn` (`jax.nn.dot_product_attention`'s fused kernel)
+  against the default einsum attention: seconds and the largest log-prob difference;
 - peak device memory against `cppo_jax.layout.memory_plan`'s figure for the same shapes.
 
 It needs only jax, flax, optax and numpy from the project's dependencies (NOT grain, vllm, math-verify
@@ -42,7 +44,7 @@ from cppo_jax import step as step_lib  # noqa: E402
 from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
 from cppo_jax.cppo import num_kept  # noqa: E402
 from cppo_jax.models.known import KNOWN_MODELS  # noqa: E402
-from cppo_jax.models.transformer import TransformerConfig, init_model  # noqa: E402
+from cppo_jax.models.transformer import Transformer, TransformerConfig, init_model  # noqa: E402
 from cppo_jax.rollout.sampler import make_sampler  # noqa: E402
 from cppo_jax.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -140,7 +142,7 @@ def _timed(fn, *args, repeat: int):
 class Report:
     def __init__(self, out: Path, meta: dict):
         self.out = out
-        self.data = {"meta": meta, "update": [], "sampler": None, "memory": None}
+        self.data = {"meta": meta, "update": [], "attention": [], "sampler": None, "memory": None}
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -167,6 +169,21 @@ def markdown(data: dict) -> str:
             f"| update (ref log-probs + 1 update) | {r['p']} | {r['rows']} | "
             f"{r['tokens_per_s']:,.0f} | {mfu} | {r['seconds']:.3f} | {r['compile_s']:.1f} |"
         )
+    if data["attention"]:
+        lines += [
+            "",
+            "| log-prob forward, p = 0 | seconds | compile s | max abs log-prob difference vs einsum |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in data["attention"]:
+            if "error" in r:
+                lines.append(f"| {r['attention']} | failed: {r['error']} | | |")
+            else:
+                diff = r["max_abs_logp_diff"]
+                lines.append(
+                    f"| {r['attention']} | {r['seconds']:.3f} | {r['compile_s']:.1f} | "
+                    f"{'-' if diff is None else f'{diff:.3g}'} |"
+                )
     s = data["sampler"]
     if s:
         lines += [
@@ -282,6 +299,8 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
             report.save()
         del state, p_copy, opt_state, step_c, logps_c
 
+    attention_rows(report, graphdef, params, tcfg, sh, rng, repeat)
+
     # eos_id = vocab_size is never sampled: every completion runs to the length limit.
     sp = SamplingParams(
         max_new_tokens=sh.C, eos_id=tcfg.vocab_size, pad_id=0, cache_dtype=tcfg.dtype
@@ -309,6 +328,42 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         mem["measured_peak"] = peak_memory(device)
     report.save()
     return report.data
+
+
+def attention_rows(report, graphdef, params, tcfg, sh: Shapes, rng, repeat: int) -> None:
+    """The log-prob forward of all Q * G sequences with each `model.attention`; a kind that fails
+    (cudnn off a GPU, or a cuDNN without this shape) is recorded with its error, not raised."""
+    from flax import nnx
+
+    spec = step_lib.StepSpec.make(CPPOConfig(num_generations=sh.G, beta=0.04), sh.P, sh.C, 1.0)
+    tx = step_lib.make_optimizer(OptimConfig(lr=1e-6), 1000)
+    batch = _batch(rng, sh, sh.Q * sh.G, tcfg.vocab_size, with_ref=False)
+    base = None
+    for kind in ("einsum", "cudnn"):
+        row = {"attention": kind}
+        try:
+            cfg = dataclasses.replace(tcfg, attention=kind)
+            gd = (
+                graphdef
+                if kind == tcfg.attention
+                else nnx.graphdef(
+                    nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)))
+                )
+            )
+            _, logps = step_lib.compiled(gd, tx, spec)
+            start = time.perf_counter()
+            logps_c = logps.lower(params, batch.tokens_MT, batch.valid_MT).compile()
+            row["compile_s"] = time.perf_counter() - start
+            row["seconds"], out = _timed(
+                logps_c, params, batch.tokens_MT, batch.valid_MT, repeat=repeat
+            )
+            out = np.asarray(out, np.float32)
+            base = out if base is None else base
+            row["max_abs_logp_diff"] = None if kind == "einsum" else float(np.abs(out - base).max())
+        except Exception as err:  # recorded in the table; the check goes on
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        report.data["attention"].append(row)
+        report.save()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ REQUIRED_PREFIX = "<required"  # a config value starting with this must be overr
 TASKS = ("arith", "gsm8k", "math")  # data.task: prompt, rewards and answer format
 ARCHS = ("qwen2", "llama")
 DTYPES = ("float32", "bfloat16")
+# How a whole sequence attends (models.config.TransformerConfig.attention explains each).
+ATTENTION_KINDS = ("einsum", "xla", "cudnn")
 PROMPT_FORMATS = ("chat", "plain")
 ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
@@ -86,10 +88,18 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
+    # The sampler's cached steps always use einsum; xla is jax.nn.dot_product_attention anywhere.
+    attention: str = "einsum"  # einsum (ours), cudnn (fused GPU kernel, bf16), xla (jax.nn's)
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, DTYPES)
         _choice("model.param_dtype", self.param_dtype, DTYPES)
+        _choice("model.attention", self.attention, ATTENTION_KINDS)
+        if self.attention == "cudnn" and self.dtype != "bfloat16":
+            raise ConfigError(
+                f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused attention takes "
+                f"16-bit inputs), got model.dtype={self.dtype}"
+            )
 
     @property
     def start_folder(self) -> str:

@@ -115,6 +115,7 @@ def load_policy(cfg: Config | None, checkpoint: str | Path, step: int | None = N
             dtype=cfg.model.dtype,
             param_dtype=cfg.model.param_dtype,
             scan_layers=cfg.model.scan_layers,
+            attention=cfg.model.attention,
         )
         graphdef, params = nnx.split(model)
         return Policy(graphdef, params, find_tokenizer(cfg, path, str(path)), kind, path)

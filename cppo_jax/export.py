@@ -52,6 +52,7 @@ def abstract_state(cfg: Config, source: str | Path) -> tuple[nnx.GraphDef, dict]
         dtype=cfg.model.dtype,
         param_dtype=cfg.model.param_dtype,
         scan_layers=cfg.model.scan_layers,
+        attention=cfg.model.attention,
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
     opt_state = jax.eval_shape(step_lib.make_optimizer(cfg.optim, 1).init, params)

@@ -144,6 +144,7 @@ def _tcfg(cfg: Config, size: ModelSize):
         param_dtype=m.param_dtype,
         remat=m.remat,
         scan_layers=m.scan_layers,
+        attention=m.attention,
     )
 
 

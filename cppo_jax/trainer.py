@@ -100,6 +100,7 @@ class Trainer:
             param_dtype=cfg.model.param_dtype,
             remat=cfg.model.remat,
             scan_layers=cfg.model.scan_layers,
+            attention=cfg.model.attention,
         )
         check_vocab(self.tokenizer, model.cfg.vocab_size, path)
         self.graphdef, params = nnx.split(model)

@@ -56,6 +56,9 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
     for r in data["update"]:
         assert r["loss_finite"] and r["tokens_per_s"] > 0 and r["compile_s"] > 0
         assert r["mfu"] is None  # no known peak for a CPU: not made up
+    einsum, cudnn = data["attention"]
+    assert einsum["attention"] == "einsum" and einsum["seconds"] > 0
+    assert "model.attention=cudnn needs an NVIDIA GPU" in cudnn["error"]  # recorded, not raised
     assert data["sampler"]["tokens_per_s"] > 0
     assert data["memory"]["plan_train_peak"] > data["memory"]["plan_resident"] > 0
     md = (tmp_path / "gpu_check.md").read_text()

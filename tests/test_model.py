@@ -348,3 +348,51 @@ def test_backward_writes_no_transposed_activations():
         and any(shape in line.split("=", 1)[1][:40] for shape in transposed)
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def test_library_attention_computes_what_einsum_attention_does():
+    """`attention="xla"` (jax.nn.dot_product_attention, the call that "cudnn" makes on a GPU) gives
+    the einsum path's logits and gradients on left-padded prompts, to float32 rounding."""
+    import dataclasses
+
+    cfg = small_config(num_layers=2)
+    einsum = scrambled_model(cfg, seed=5)
+    library = nnx.merge(
+        nnx.graphdef(init_model(dataclasses.replace(cfg, attention="xla"))), nnx.state(einsum)
+    )
+    tokens_BP, valid_BP, positions_BP = helpers.left_pad(PROMPTS)
+
+    def loss(model):
+        logits_BTV, _ = model(tokens_BP, positions_BP, valid_BP)
+        return jnp.mean(jnp.where(valid_BP[..., None], logits_BTV, 0.0) ** 2), logits_BTV
+
+    (_, logits_l), g_l = nnx.value_and_grad(loss, has_aux=True)(library)
+    (_, logits_e), g_e = nnx.value_and_grad(loss, has_aux=True)(einsum)
+    eps = np.finfo(np.float32).eps
+    valid = np.asarray(valid_BP)
+    scale = np.abs(np.asarray(logits_e)[valid]).max()
+    np.testing.assert_allclose(
+        np.asarray(logits_l)[valid], np.asarray(logits_e)[valid], rtol=0, atol=100 * eps * scale
+    )
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_l), nnx.to_flat_state(g_e)):
+        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+        np.testing.assert_allclose(
+            a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=str(path)
+        )
+
+
+def test_cudnn_attention_is_refused_off_a_gpu_and_outside_bfloat16():
+    from cppo_jax.config import ConfigError, ModelConfig
+
+    with pytest.raises(ValueError, match="attention: cudnn needs dtype bfloat16"):
+        small_config(attention="cudnn")
+    with pytest.raises(ValueError, match="attention: unknown 'flash'"):
+        small_config(attention="flash")
+    with pytest.raises(ConfigError, match="model.attention=cudnn needs model.dtype=bfloat16"):
+        ModelConfig(attention="cudnn")
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is here: cudnn is allowed")
+    model = init_model(small_config(attention="cudnn", dtype="bfloat16"))
+    tokens_BP, valid_BP, positions_BP = helpers.left_pad(PROMPTS)
+    with pytest.raises(ValueError, match="model.attention=cudnn needs an NVIDIA GPU; .* cpu"):
+        model(tokens_BP, positions_BP, valid_BP)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from cppo_jax.checkpoint import Checkpointer
 from cppo_jax.config import (
@@ -531,3 +532,12 @@ def test_prompt_comes_from_data_system_prompt_and_prompt_format(tmp_path, arith_
     )
     with pytest.raises(ConfigError, match="data.prompt_format.*'chat', 'plain'"):
         small_config(tmp_path, arith_model_dir, "data.prompt_format=jinja")
+
+
+def test_model_attention_reaches_the_trainers_model(tmp_path, arith_model_dir):
+    cfg = small_config(tmp_path, arith_model_dir, "model.attention=xla", "trainer.steps=1")
+    trainer = Trainer(cfg)
+    try:
+        assert nnx.merge(trainer.graphdef, trainer.params).cfg.attention == "xla"
+    finally:
+        trainer.close()

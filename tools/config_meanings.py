@@ -36,6 +36,11 @@ MEANINGS: dict[str, str] = {
     "model.scan_layers": "Run the decoder layers under one `lax.scan` over their stacked params, so "
     "every program holds one copy of the layer and compiles in about the same time at any depth; "
     "false unrolls them (same params and results, one copy per layer in each program).",
+    "model.attention": "How a whole sequence attends in training and log-probs: `einsum` (this "
+    "package's grouped-query attention, scores in float32), `cudnn` "
+    "(`jax.nn.dot_product_attention`'s fused kernel on NVIDIA GPUs; needs `model.dtype=bfloat16`, "
+    "refused off a GPU) or `xla` (the same call on any backend, to compare). The sampler's cached "
+    "steps always use `einsum`.",
     # data
     "data.task": "Prompt format, system prompt and answer parsing: `arith` (the tiny synthetic task), "
     "`gsm8k` or `math`.",

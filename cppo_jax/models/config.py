@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from cppo_jax.config import ATTENTION_KINDS
 from cppo_jax.models.rope import normalize_scaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -45,10 +46,21 @@ class TransformerConfig:
     # False unrolls them (one copy of the layer per depth in every program). Params are stacked
     # [L, ...] either way, so checkpoints, sharding and Hugging Face I/O do not depend on it.
     scan_layers: bool = True
+    # How a whole sequence attends (training, log-probs; the sampler's cached steps always use
+    # "einsum"): "einsum", this package's grouped-query attention; "xla" or "cudnn",
+    # `jax.nn.dot_product_attention` with that implementation ("cudnn": the fused kernel of NVIDIA
+    # GPUs, bfloat16/float16 compute only; "xla": the same call on any backend, for comparison).
+    attention: str = "einsum"
 
     def __post_init__(self):
         if self.arch not in HF_ARCHITECTURES:
             raise ValueError(f"arch: unknown {self.arch!r}; supported: {sorted(HF_ARCHITECTURES)}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"attention: unknown {self.attention!r}; one of {', '.join(ATTENTION_KINDS)}"
+            )
+        if self.attention == "cudnn" and self.dtype != "bfloat16":
+            raise ValueError(f"attention: cudnn needs dtype bfloat16, got {self.dtype}")
         if self.attention_bias is None:
             object.__setattr__(self, "attention_bias", self.arch == "qwen2")
         if self.arch == "qwen2" and not self.attention_bias:

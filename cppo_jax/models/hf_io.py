@@ -307,16 +307,22 @@ def load_hf(
     param_dtype: str = "float32",
     remat: bool = False,
     scan_layers: bool = True,
+    attention: str = "einsum",
 ) -> Transformer:
     """Loads a local HF folder (single or sharded safetensors) as a `Transformer`.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters, `remat`
     recomputes each layer's activations in the backward pass, `scan_layers` runs the layers under
-    one scan (else unrolled); with a `mesh` the parameters are sharded on it by the rules of
+    one scan (else unrolled), `attention` is `TransformerConfig.attention`; with a `mesh` the parameters are sharded on it by the rules of
     `cppo_jax.sharding`.
     """
     cfg = read_hf_config(
-        path, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers
+        path,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        remat=remat,
+        scan_layers=scan_layers,
+        attention=attention,
     )
     tensors, sources = read_hf_tensors(path)
     index = Path(path) / INDEX_FILE

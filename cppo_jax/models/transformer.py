@@ -108,6 +108,27 @@ def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
     return out_BTJRE.reshape(B, T, H, E)
 
 
+def library_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTT, cfg: TransformerConfig) -> jax.Array:
+    """`attend` without a cache through `jax.nn.dot_product_attention` (`cfg.attention`: "xla", or
+    "cudnn" for the fused kernel of NVIDIA GPUs). Same rule: the causal mask of the T slots and the
+    key-validity of `mask_BTT`'s last row (a padding query's row is all False there and is
+    meaningless either way)."""
+    if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(
+            f"model.attention=cudnn needs an NVIDIA GPU; this JAX runs on {jax.default_backend()} "
+            f"(use einsum, the default)"
+        )
+    valid_BS = mask_BTT[:, -1, :]  # the last query slot sees every valid key
+    return jax.nn.dot_product_attention(
+        q_BTHE,
+        k_BTJE,
+        v_BTJE,
+        mask=valid_BS[:, None, None, :],
+        is_causal=True,
+        implementation=cfg.attention,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +252,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer):
         q_BTHE, k_BTJE, v_BTJE = self.qkv(x_BTD, cos_BTE, sin_BTE)
+        if cache is None and self.cfg.attention != "einsum":
+            return self.out(library_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTS, self.cfg)), cache
         if cache is None:
             k_BSJE, v_BSJE = k_BTJE, v_BTJE
         else:
