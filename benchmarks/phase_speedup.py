@@ -65,6 +65,7 @@ SAVED_ARGS = (
     "in_process",
     "jobs",
     "allocation",
+    "rounds",
 )
 
 
@@ -216,6 +217,12 @@ def run_one(spec: dict) -> dict:
         "times": med,
         "cpu": cpu_med,
         "step_times": [m["timing_s/step"] for m in measured],
+        "steps_times": [
+            {ph: m.get(f"timing_s/{ph}", 0.0) for ph in (*PHASES, "step")} for m in measured
+        ],
+        "steps_cpu": [
+            {ph: c.get(ph, 0.0) for ph in (*PHASES, "step")} for c in cpu_steps[spec["warmup"] :]
+        ],
         "mean_length": statistics.mean(m["completions/mean_length"] for m in measured),
         "max_length": max(m["completions/max_length"] for m in measured),
         "compiles_while_measured": measured[-1]["jit/compilations"]
@@ -245,6 +252,11 @@ def add_ratios(rows: list[dict]) -> None:
         for clock in ("times", "cpu"):
             if clock not in r:
                 continue
+            if "rounds" in r and "rounds" in grpo:  # each round against the same round's GRPO
+                r[f"{clock}_round_speedups"] = [
+                    training_s(g, clock) / training_s(m, clock)
+                    for g, m in zip(grpo["rounds"], r["rounds"])
+                ]
             base, mine = training_s(grpo, clock), training_s(r, clock)
             r[f"{clock}_training"] = mine
             r[f"{clock}_speedup_step"] = base / mine
@@ -304,6 +316,9 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
             flag += f" --{name} {getattr(args, name)}"
     if args.jobs != 1:
         flag += f" --jobs {args.jobs}"
+    rounds = getattr(args, "rounds", 1)
+    if rounds != 1:
+        flag += f" --rounds {rounds}"
     grpo = next(r for r in rows if r["p"] == 0.0)
     target = next((r for r in rows if r["p"] == TARGET_P and not r["allocation"]), None)
     has_cpu = all("cpu" in r for r in rows)
@@ -326,7 +341,15 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
         f"{args.mu} updates, beta = {args.beta} (so reference and old-policy log-probs are computed), "
         "AdamW on the real `Trainer`.",
         f"- Each configuration is a fresh process: {args.warmup} warm-up step(s) (compilation), then "
-        f"the **median of {args.steps} measured steps**. XLA compilations during measured steps: "
+        f"the **median of {args.steps} measured steps**"
+        + (
+            f", in {rounds} rounds (every configuration once per round, one after the other; the "
+            f"medians pool the {rounds * args.steps} measured steps of the rounds, and each round's "
+            "speedup is against that round's GRPO)"
+            if rounds > 1
+            else ""
+        )
+        + ". XLA compilations during measured steps: "
         f"{sorted({int(r['compiles_while_measured']) for r in rows})} (0 = none). Peak memory is the "
         "process's peak resident set (`getrusage(RUSAGE_SELF).ru_maxrss`): JAX runtime, policy, "
         "reference copy, AdamW state and step buffers; 'after build' is the same figure before the "
@@ -390,6 +413,17 @@ def write_markdown(path: Path, rows: list[dict], info: dict, args) -> None:
             f"({target['times_speedup_step']:.2f}x by wall clock; ideal {target['ideal']:g}x; target "
             f">= {TARGET_SPEEDUP:.0f}x: {'met' if met else 'MISSED'}); the whole step "
             f"{grpo[clock]['step'] / target[clock]['step']:.2f}x.",
+            *(
+                [
+                    f"- Per round (each against its own GRPO), by {unit}: "
+                    + ", ".join(f"{x:.2f}x" for x in target[clock + "_round_speedups"])
+                    + "; by wall clock: "
+                    + ", ".join(f"{x:.2f}x" for x in target["times_round_speedups"])
+                    + "."
+                ]
+                if clock + "_round_speedups" in target
+                else []
+            ),
             f"- Generation is {grpo[clock + '_rollout_share']:.0%} of a GRPO step and "
             f"{target[clock + '_rollout_share']:.0%} of a CPPO p = {TARGET_P:g} step (allocation "
             f"off), by {unit}.",
@@ -497,8 +531,10 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
             "steps": args.steps,
             "model_dir": str(model_dir),
             "out_dir": str(work / "runs"),
-            "name": f"p{p:g}_{'alloc' if alloc else 'noalloc'}",
+            "name": f"p{p:g}_{'alloc' if alloc else 'noalloc'}_r{rnd}",
+            "round": rnd,
         }
+        for rnd in range(args.rounds)  # round after round: every configuration in each
         for p, alloc in configs
     ]
 
@@ -526,7 +562,31 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
             )
     info["load_after"] = _common.load_average()
     info["wall_min"] = (time.perf_counter() - start) / 60
-    return rows, info
+    return pool_rounds(rows), info
+
+
+def pool_rounds(rows: list[dict]) -> list[dict]:
+    """One row per configuration: with several rounds, its phase medians over the measured steps of
+    all rounds, and each round's own row kept under `rounds` (for the per-round speedups)."""
+    by_config: dict[tuple, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: r.get("round", 0)):
+        by_config.setdefault((r["allocation"], r["p"]), []).append(r)
+    pooled = []
+    for key in sorted(by_config):
+        runs = by_config[key]
+        if len(runs) == 1 or "steps_times" not in runs[0]:
+            pooled.append(runs[0])
+            continue
+        row = dict(runs[0])
+        for clock in ("times", "cpu"):
+            steps = [s for r in runs for s in r[f"steps_{clock}"]]
+            row[clock] = {ph: statistics.median(s[ph] for s in steps) for ph in steps[0]}
+        row["rounds"] = [{"times": r["times"], "cpu": r["cpu"]} for r in runs]
+        row["rss_peak_mib"] = max(r["rss_peak_mib"] for r in runs)
+        row["rss_built_mib"] = max(r["rss_built_mib"] for r in runs)
+        row["compiles_while_measured"] = max(r["compiles_while_measured"] for r in runs)
+        pooled.append(row)
+    return pooled
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -555,6 +615,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--allocation", choices=("off", "on", "both"), default="both", help="which sweeps to run"
     )
     parser.add_argument("--jobs", type=int, default=1, help="configurations (processes) at a time")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, round after round (medians pool the rounds)",
+    )
     parser.add_argument(
         "--model-dir", default="", help="reuse this model folder (from build_model)"
     )

@@ -130,8 +130,8 @@ def run(args) -> dict:
     graphdef, params, n_params, spec, tx, batch = build(args.quick)
     copy = lambda t: jax.tree.map(lambda x: x.copy(), t)  # noqa: E731
 
-    grads_fn = jax.jit(lambda params, batch: step_lib._grads(params, graphdef, batch, spec))
-    loss, _, grads = grads_fn(params, batch)
+    grads_fn = jax.jit(lambda params, batch: step_lib._grads(params, graphdef, batch, spec, False))
+    loss, _, grads, _ = grads_fn(params, batch)
     grads = jax.block_until_ready(grads)
     step, _ = step_lib.compiled(graphdef, tx, spec)
     update = jax.jit(functools.partial(step_lib.apply_update, tx=tx), donate_argnums=(0, 1))
@@ -139,7 +139,7 @@ def run(args) -> dict:
 
     rows = {}
     programs = [
-        ("train step", step, lambda: (copy(params), tx.init(params), batch), True),
+        ("train step", step, lambda: (copy(params), tx.init(params), batch, False), True),
         ("update only", update, lambda: (copy(params), tx.init(params), grads, loss), True),
         (
             "optax update (before)",

@@ -152,7 +152,12 @@ class Tracer:
         if not self.active or name in self._dumped:
             return
         like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tuple(args)
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array)
+                else x
+            ),
+            tuple(args),
         )
         dump_hlo(jitted_fn, like, self.directory / "hlo", name)
         self._dumped.add(name)

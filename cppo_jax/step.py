@@ -146,14 +146,18 @@ def update_count(opt_state) -> jax.Array:
     return counts[0]
 
 
-def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
+def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
     model = nnx.merge(graphdef, params)
     logp_MC, ent_MC = completion_logps(
         model, batch.tokens_MT, batch.valid_MT, spec, return_entropy=True
     )
-    # The old policy's log-probs when given (mu > 1, or a stale rollout); else the ratio is 1. With
-    # tis_cap the tokens' pg terms are weighted by min(pi_old / pi_behav, tis_cap) (`loss.tis_weights`).
-    old_MC = batch.old_logp_MC if batch.old_logp_MC is not None else jax.lax.stop_gradient(logp_MC)
+    # The old policy's log-probs: the given ones (mu > 1 after the first update, or a stale rollout),
+    # else this forward's (the old policy is the current one: the ratio is 1). With tis_cap the tokens'
+    # pg terms are weighted by min(pi_old / pi_behav, tis_cap) (`loss.tis_weights`).
+    current_MC = jax.lax.stop_gradient(logp_MC)
+    old_MC = current_MC
+    if batch.old_logp_MC is not None:
+        old_MC = jnp.where(old_is_current, current_MC, batch.old_logp_MC)
     loss, metrics = loss_lib.policy_loss(
         logp_MC,
         old_MC,
@@ -172,7 +176,7 @@ def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec):
     mask_MC = batch.mask_MC.astype(jnp.float32)
     ent_MC = jax.lax.stop_gradient(ent_MC)
     metrics["entropy"] = jnp.sum(ent_MC * mask_MC) / jnp.maximum(jnp.sum(mask_MC), 1.0)
-    return loss, metrics
+    return loss, (metrics, current_MC)
 
 
 def _all_finite(tree, norm: jax.Array) -> jax.Array:
@@ -185,13 +189,15 @@ def _all_finite(tree, norm: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.isfinite(norm), lambda: jnp.bool_(True), each_element)
 
 
-def _grads(params, graphdef, batch: Batch, spec: StepSpec):
+def _grads(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
+    """(loss, metrics, grads, logp_MC): the loss of `batch`, its gradient, and the completion
+    log-probs of this forward (stop-gradient: the old policy's for the updates after this one)."""
     grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
     M = batch.tokens_MT.shape[0]
     m = spec.micro_batch
     if m <= 0 or m >= M:
-        (loss, metrics), grads = grad_fn(params, graphdef, batch, spec)
-        return loss, metrics, grads
+        (loss, (metrics, logp_MC)), grads = grad_fn(params, graphdef, batch, spec, old_is_current)
+        return loss, metrics, grads, logp_MC
     if M % m:
         raise ValueError(f"trainer.micro_batch={m} must divide the {M} kept sequences of a step")
     # Gradient accumulation: equal-size micro-batches, averaged (exact for seq-level means of equal
@@ -202,28 +208,24 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec):
     tokens_total = jnp.maximum(batch.mask_MC.sum(), 1.0)
 
     def body(acc, mb: Batch):
-        (loss, metrics), grads = grad_fn(params, graphdef, mb, spec)
+        (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, old_is_current)
         if spec.loss_type in ("token_mean", "dapo"):
             w = mb.mask_MC.sum() / tokens_total
         else:
             w = 1.0 / (M // m)
         acc = jax.tree.map(lambda a, g: a + w * g, acc, (loss, metrics, grads))
-        return acc, None
+        return acc, logp_mC
 
-    zeros = jax.tree.map(
+    first = Batch(*(x[0] if x is not None else None for x in micro))
+    (loss, (metrics, _)), grads = jax.tree.map(
         jnp.zeros_like,
-        jax.eval_shape(
-            lambda: grad_fn(
-                params, graphdef, Batch(*(x[0] if x is not None else None for x in micro)), spec
-            )
-        ),
+        jax.eval_shape(lambda: grad_fn(params, graphdef, first, spec, old_is_current)),
     )
-    (loss, metrics), grads = zeros
     mesh = sharding_lib.active_mesh()
     if mesh is not None:  # the accumulator lives where the params do
         grads = jax.lax.with_sharding_constraint(grads, sharding_lib.param_shardings(grads, mesh))
-    (loss, metrics, grads), _ = jax.lax.scan(body, (loss, metrics, grads), micro)
-    return loss, metrics, grads
+    (loss, metrics, grads), logp_XmC = jax.lax.scan(body, (loss, metrics, grads), micro)
+    return loss, metrics, grads, _strided_join(logp_XmC)
 
 
 def _strided_split(x_M: jax.Array | None, m: int) -> jax.Array | None:
@@ -233,6 +235,13 @@ def _strided_split(x_M: jax.Array | None, m: int) -> jax.Array | None:
     M = x_M.shape[0]
     x_XmM = x_M.reshape(m, M // m, *x_M.shape[1:]).swapaxes(0, 1)
     return sharding_lib.constrain(x_XmM, (None, "batch") + (None,) * (x_M.ndim - 1))
+
+
+def _strided_join(x_XmM: jax.Array) -> jax.Array:
+    """The inverse of `_strided_split`: [M/m, m, ...] -> [M, ...] in the original row order."""
+    X, m = x_XmM.shape[:2]
+    x_M = x_XmM.swapaxes(0, 1).reshape(X * m, *x_XmM.shape[2:])
+    return sharding_lib.constrain(x_M, ("batch",) + (None,) * (x_M.ndim - 1))
 
 
 def apply_update(params, opt_state, grads, loss, *, tx):
@@ -258,16 +267,22 @@ def apply_update(params, opt_state, grads, loss, *, tx):
     return params, opt_state, grad_norm, finite
 
 
-def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec: StepSpec, mesh=None):
-    """One optimizer update; skipped (params and state unchanged) when loss or grads are not finite."""
+def train_step(params, opt_state, batch: Batch, old_is_current, *, graphdef, tx, spec, mesh=None):
+    """One optimizer update; skipped (params and state unchanged) when loss or grads are not finite.
+
+    `old_is_current` (a bool scalar): the old policy is the one being updated, so its log-probs are
+    this forward's, whatever `batch.old_logp_MC` holds (the first of mu > 1 updates on a fresh
+    rollout: no separate old-policy forward). Returns (params, opt_state, metrics, logp_MC), logp_MC
+    the completion log-probs of the params before the update (the old ones of the next updates).
+    """
     with sharding_lib.use_mesh(mesh):
-        loss, metrics, grads = _grads(params, graphdef, batch, spec)
+        loss, metrics, grads, logp_MC = _grads(params, graphdef, batch, spec, old_is_current)
     params, opt_state, grad_norm, finite = apply_update(params, opt_state, grads, loss, tx=tx)
     metrics = dict(metrics)
     metrics["loss"] = loss
     metrics["grad_norm"] = grad_norm
     metrics["update_skipped"] = (~finite).astype(jnp.float32)
-    return params, opt_state, metrics
+    return params, opt_state, metrics, logp_MC
 
 
 def logps_fn(params, tokens_MT, valid_MT, *, graphdef, spec: StepSpec, mesh=None):
@@ -279,6 +294,9 @@ def logps_fn(params, tokens_MT, valid_MT, *, graphdef, spec: StepSpec, mesh=None
 
 def compiled(graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | None = None):
     """(train_step, logps) jitted once per run, params and optimizer state donated.
+
+    `train_step(params, opt_state, batch, old_is_current) -> (params, opt_state, metrics, logp_MC)`
+    (see `train_step`); `logps(params, tokens_MT, valid_MT) -> logp_MC`.
 
     With a `mesh`, both get declared shardings: `params` (the policy's params, or their abstract
     shapes) fix the param and optimizer-state layouts by the rules, the batch (`rows` sequences,
@@ -321,8 +339,8 @@ def _compiled(graphdef, tx, spec, mesh, p_sh: _Frozen | None, o_sh: _Frozen | No
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step = jax.jit(
         step_fn,
-        in_shardings=(params, opt_state, b_sh),
-        out_shardings=(params, opt_state, replicated),
+        in_shardings=(params, opt_state, b_sh, replicated),
+        out_shardings=(params, opt_state, replicated, b_sh),
         donate_argnums=(0, 1),
     )
     logps = jax.jit(logps_fn_, in_shardings=(params, b_sh, b_sh), out_shardings=b_sh)

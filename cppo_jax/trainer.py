@@ -6,8 +6,9 @@ One step (`Trainer.step`):
   3. Score every completion (host reward workers).
   4. Group advantages.
   5. Keep k = floor(G (1 - p)) completions per question by |A| (a static-shape top-k).
-  6. Reference (beta > 0), old-policy (mu > 1) and sampler (tis_cap) log-probs of the kept completions.
-  7. mu policy updates on the kept completions.
+  6. Reference (beta > 0) and sampler (tis_cap) log-probs of the kept completions.
+  7. mu policy updates on the kept completions; with mu > 1 the first one's forward gives the old
+     policy's log-probs for the others (a stale rollout's come from its own pass in 6).
 Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
@@ -304,8 +305,11 @@ class Trainer:
 
         # 6. Reference and old-policy log-probs, kept completions only. With cppo.tis_cap the old
         # policy is the current one and the sampler's log-probs (with overlap: the snapshot's) weight it.
+        # When the old policy is the current one (mu > 1, no stale rollout) its log-probs come from
+        # the first update's forward, at no extra pass: `old` holds its shape until then.
         ref = old = None
         behav, tis = pruned.behav_logp_MC, cfg.cppo.tis_cap > 0
+        old_from_update = False
         with prof.phase("ref_logps", times):
             if cfg.cppo.beta > 0:
                 ref = _block(self.logps(self.ref_params, tokens_MT, valid_MT))
@@ -315,21 +319,24 @@ class Trainer:
                 behav = _block(self.logps(sampled_by, tokens_MT, valid_MT))
             if cfg.rollout.overlap and not tis:  # the sampler's (one update behind after step 1)
                 old = _block(self.logps(sampled_by, tokens_MT, valid_MT))
-            elif cfg.cppo.mu > 1:
-                old = _block(self.logps(self.params, tokens_MT, valid_MT))
+            elif cfg.cppo.mu > 1:  # the params before the first update: its forward's log-probs
+                old, old_from_update = jnp.zeros_like(pruned.mask_MC), True
 
         # 7. mu updates.
         train_batch = step_lib.Batch(
             tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
         )
-        args = (self.params, self.opt_state, train_batch)  # before the donating call
+        args = (self.params, self.opt_state, train_batch, old_from_update)  # before donating
         self.tracer.dump_hlo_once(self.train_step, args, "train_step")
         skipped = 0.0
         with prof.phase("update", times):
-            for _ in range(cfg.cppo.mu):
-                self.params, self.opt_state, m = self.train_step(
-                    self.params, self.opt_state, train_batch
+            for u in range(cfg.cppo.mu):
+                first = old_from_update and u == 0
+                self.params, self.opt_state, m, logp_MC = self.train_step(
+                    self.params, self.opt_state, train_batch, first
                 )
+                if first:  # the old policy's log-probs for the updates after this one
+                    train_batch = train_batch._replace(old_logp_MC=logp_MC)
                 m = distributed.to_host(m)
                 skipped = max(skipped, float(m["update_skipped"]))
         self.params_step = step + 1

@@ -122,7 +122,7 @@ def _table_rows(report: str, header_start: str) -> list[list[str]]:
 
 
 def test_phase_speedup_quick(tmp_path):
-    rows = load_script("phase_speedup").main(["--quick", "--out", str(tmp_path)])
+    rows = load_script("phase_speedup").main(["--quick", "--rounds", "2", "--out", str(tmp_path)])
     # p = 0 (GRPO) once, then p = 0.5 without and with allocation; G = 4, b = 1.
     assert [(r["p"], r["allocation"], r["Q"], r["k"], r["M"]) for r in rows] == [
         (0.0, False, 1, 4, 4),
@@ -134,8 +134,12 @@ def test_phase_speedup_quick(tmp_path):
         assert r["compiles_while_measured"] == 0  # the warm-up step compiled everything
         assert r["max_length"] == 8  # fixed completion length: C decoded positions
         for clock in ("times", "cpu"):  # wall and CPU seconds, each phase measured
-            assert all(r[clock][ph] > 0 for ph in ("rollout", "ref_logps", "old_logps", "update"))
+            assert all(r[clock][ph] > 0 for ph in ("rollout", "ref_logps", "update"))
             assert r[clock]["step"] >= r[clock]["update"]
+            # Two rounds: each configuration measured twice, each round against its own GRPO.
+            assert len(r["rounds"]) == 2 and len(r[f"{clock}_round_speedups"]) == 2
+        # mu = 2 on a fresh rollout: the old log-probs come from the first update's forward.
+        assert r["cpu"]["old_logps"] == 0.0
         assert 0 < r["rollout_share"] < 1 and r["rss_peak_mib"] >= r["rss_built_mib"] > 0
         assert r["ideal"] == 4 / r["k"]
     assert rows[0]["speedup_step"] == 1.0 and rows[0]["speedup_question"] == 1.0

@@ -97,9 +97,9 @@ def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_
     seen = []
     inner = trainer.train_step
 
-    def spy(params, opt_state, batch):
+    def spy(params, opt_state, batch, *flag):
         seen.append(jax.tree.map(np.asarray, batch))
-        return inner(params, opt_state, batch)
+        return inner(params, opt_state, batch, *flag)
 
     trainer.train_step = spy
     before_step = []  # host copies of the params at the start of each step
@@ -241,9 +241,9 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
     seen = []
     inner = trainer.train_step
 
-    def spy(params, opt_state, batch):
+    def spy(params, opt_state, batch, *flag):
         seen.append(batch.old_logp_MC)
-        return inner(params, opt_state, batch)
+        return inner(params, opt_state, batch, *flag)
 
     trainer.train_step = spy
     before_step, history = [], []

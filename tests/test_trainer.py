@@ -140,9 +140,9 @@ def test_grpo_and_cppo_share_the_path_and_the_trained_shape(tmp_path, arith_mode
         seen = []
         inner = trainer.train_step
 
-        def spy(params, opt_state, batch, inner=inner, seen=seen):
+        def spy(params, opt_state, batch, *flag, inner=inner, seen=seen):
             seen.append(jax.tree.map(lambda x: x.shape, batch))
-            return inner(params, opt_state, batch)
+            return inner(params, opt_state, batch, *flag)
 
         trainer.train_step = spy
         metrics = trainer.step(0)
@@ -187,8 +187,8 @@ def test_nonfinite_loss_skips_updates_then_stops_with_state_saved(tmp_path, arit
     before = jax.tree.map(np.asarray, trainer.params)
     inner = trainer.train_step
 
-    def poisoned(params, opt_state, batch):
-        return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan))
+    def poisoned(params, opt_state, batch, *flag):
+        return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan), *flag)
 
     trainer.train_step = poisoned
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
@@ -395,8 +395,8 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
     """mu = 2 outside the overlap path, at T = 0.7 with left-padded prompts.
 
     The training log-probs of the sampled completions equal the sampler's own; the old-policy log-probs
-    are those of the params before the first update; both updates get the same batch, and on the second
-    one the policy has moved (ratio != 1).
+    are those of the params before the first update, taken from its forward (no separate pass); both
+    updates get the same batch, and on the second one the policy has moved (ratio != 1).
     """
     cfg = small_config(
         tmp_path,
@@ -427,22 +427,37 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
             train_NC[valid_NC], sampled_NC[valid_NC], rtol=0, atol=tol * scale
         )
 
-        # The step: spy on the updates and the old-policy log-probs.
-        start_logps, batches, moved = [], [], []
+        # The step: spy on the updates and the log-prob program.
+        start_logps, calls, returned, policy_logps = [], [], [], []
         inner_step, inner_logps = trainer.train_step, trainer.logps
 
-        def spy(params, opt_state, batch):
+        def spy(params, opt_state, batch, first):
             # The log-probs of the params this update starts from (before they are donated).
             start_logps.append(np.asarray(inner_logps(params, batch.tokens_MT, batch.valid_MT)))
-            batches.append(batch)
-            return inner_step(params, opt_state, batch)
+            calls.append((batch, first))
+            out = inner_step(params, opt_state, batch, first)
+            returned.append(np.asarray(out[3]))
+            return out
 
-        trainer.train_step = spy
+        def logps_spy(params, *args):
+            policy_logps.append(params is trainer.params)
+            return inner_logps(params, *args)
+
+        trainer.train_step, trainer.logps = spy, logps_spy
         trainer.step(0)
-        assert len(batches) == 2 and batches[0] is batches[1]  # the same batch twice
-        old_NC = np.asarray(batches[0].old_logp_MC)
-        mask_NC = np.asarray(batches[0].mask_MC) > 0
-        np.testing.assert_array_equal(old_NC[mask_NC], start_logps[0][mask_NC])  # pre-update params
+        assert [first for _, first in calls] == [True, False]
+        assert not any(policy_logps)  # no separate old-policy forward: only the reference's
+        (first_batch, _), (second_batch, _) = calls
+        for field in ("tokens_MT", "valid_MT", "mask_MC", "adv_M", "ref_logp_MC"):
+            assert getattr(first_batch, field) is getattr(second_batch, field)  # the same batch
+        mask_NC = np.asarray(first_batch.mask_MC) > 0
+        old_NC = np.asarray(second_batch.old_logp_MC)
+        # The second update's old log-probs are the first update's forward, at the pre-update params.
+        np.testing.assert_array_equal(old_NC, returned[0])
+        scale = max(1.0, float(np.abs(start_logps[0][mask_NC]).max()))
+        np.testing.assert_allclose(
+            old_NC[mask_NC], start_logps[0][mask_NC], rtol=0, atol=tol * scale
+        )
         ratio_NC = np.exp(start_logps[1] - old_NC)
         moved = np.abs(ratio_NC[mask_NC] - 1.0)
         assert moved.max() > 1000 * np.finfo(np.float32).eps, (

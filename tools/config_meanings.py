@@ -117,8 +117,9 @@ MEANINGS: dict[str, str] = {
     "cppo.adv_scale": "Advantage scale: `group` (r - mean) / (group std + eps); `batch` divides by the "
     "std of the whole batch; `none` is r - mean (Dr. GRPO).",
     "cppo.adv_eps": "Added to the std in the advantage's denominator.",
-    "cppo.mu": "mu: policy updates per generation; with mu > 1 the old policy's log-probs are computed "
-    "once before the updates.",
+    "cppo.mu": "mu: policy updates per generation, on the same kept batch; with mu > 1 the old "
+    "policy's log-probs are those of the first update's forward (the policy before it), kept for the "
+    "others.",
     "cppo.beta": "Weight of the k3 KL penalty to the reference model; 0: no reference model is kept "
     "and its forward pass is skipped.",
     "cppo.eps_low": "Lower clip range: the ratio is clipped below at 1 - eps_low.",
