@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -84,6 +85,26 @@ def run_trainer(cfg: Config):
     finally:
         trainer.close()
     return trainer, summary
+
+
+def test_a_run_keeps_its_set_up_out_of_the_collector_and_gives_it_back(tmp_path, arith_model_dir):
+    """`train` collects once and freezes what set-up built (no full collection re-scans it during the
+    steps), and unfreezes at the end, so a process that goes on can free the run's objects."""
+    trainer = Trainer(small_config(tmp_path, arith_model_dir, "trainer.steps=2"))
+    inner, seen = trainer.step, []
+
+    def spy(step):
+        seen.append(gc.get_freeze_count())
+        return inner(step)
+
+    trainer.step = spy
+    frozen_before = gc.get_freeze_count()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert len(seen) == 2 and min(seen) > frozen_before + 1000  # the model, data, tokenizer, ...
+    assert gc.get_freeze_count() == frozen_before
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -191,8 +212,10 @@ def test_nonfinite_loss_skips_updates_then_stops_with_state_saved(tmp_path, arit
         return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan), *flag)
 
     trainer.train_step = poisoned
+    frozen_before = gc.get_freeze_count()
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
         trainer.train()
+    assert gc.get_freeze_count() == frozen_before  # a failed run unfreezes its objects too
     trainer.close()
     rows = read_metrics(trainer.out_dir) if (trainer.out_dir / "metrics.jsonl").exists() else []
     events = [json.loads(x) for x in (trainer.out_dir / "events.jsonl").read_text().splitlines()]
