@@ -10,8 +10,9 @@ One CPPO step, in order (the paper, arXiv 2503.22342):
    (`num_kept`, `keep_indices`; `prune` runs steps 4-5 as one program). The released code ranks wider: the TRL fork one top-k
    over each process's slice of the step (`keep_indices_process`, `cppo.scope = "process"`), the verl
    recipe one over the whole flattened batch (`keep_indices_batch`, `cppo.scope = "batch"`).
-6. Reference and old-policy forward passes on the kept Q * k completions only.
-7. mu policy updates on the kept completions (the loss lives in `cppo_jax.loss`).
+6. Reference (and, for a stale rollout, old-policy) forward passes on the kept Q * k completions only.
+7. mu policy updates on the kept completions (the loss lives in `cppo_jax.loss`); with mu > 1 the
+   first one's forward gives the old policy's log-probs.
 
 Letters (docs/conventions.md): Q questions, G completions per question, K (the paper's k) kept per
 question, N = Q * G rolled-out completions, M kept (trained) sequences (Q * K in question scope), P

@@ -249,3 +249,19 @@ def test_update_cost_quick(tmp_path):
     report = (tmp_path / "update_cost.md").read_text()
     assert "| program | CPU s | wall s | CPU / train step | wall / train step |" in report
     assert "| update only | " in report and "os.cpu_count()" in report
+
+
+def test_demo_start_quick(tmp_path):
+    """The demo run twice on one empty compilation cache: the first compiles every program of its
+    first step and stores it, the second compiles none and loads them all."""
+    result = load_script("demo_start").main(["--quick", "--out", str(tmp_path)])
+    (pair,) = result["rounds"]
+    empty, warm = pair["empty"], pair["warm"]
+    assert empty["compilations"] > 0 and empty["cache_hits"] == 0
+    assert warm["compilations"] == 0 and warm["cache_hits"] == empty["compilations"]
+    assert empty["steps"] == warm["steps"] == 2
+    assert pair["ratio"] == empty["first_step_s"] / warm["first_step_s"]
+    report = (tmp_path / "demo_start.md").read_text()
+    assert "| 1 | this tree, empty cache |" in report and "| 1 | this tree, run again |" in report
+    assert "## Headline" in report and "shorter than in the run of this tree, empty cache" in report
+    assert json.loads((tmp_path / "demo_start.json").read_text())["quick"] is True
