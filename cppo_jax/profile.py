@@ -30,7 +30,15 @@ from typing import Any
 
 import jax
 
+# How many jitted programs of one kind (train steps, samplers, probes) a process keeps for reuse, the
+# least recently used dropped first. Each compiled XLA:CPU program holds a dozen or more memory mappings:
+# a process that builds many runs (a notebook, a sweep, the test suite) and kept them all would reach the
+# kernel's limit (vm.max_map_count, 65530 by default), where LLVM's next compile fails ("Cannot allocate
+# memory") and takes the process down with a segmentation fault.
+KEPT_PROGRAMS = 8
+
 __all__ = [
+    "KEPT_PROGRAMS",
     "PHASES",
     "PhaseTimer",
     "Tracer",

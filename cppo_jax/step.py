@@ -23,6 +23,7 @@ from flax import nnx
 from cppo_jax import loss as loss_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampler import positions_from_valid
 
 
@@ -329,7 +330,7 @@ class _Frozen(NamedTuple):
         return jax.tree.unflatten(self.treedef, self.leaves)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=KEPT_PROGRAMS)
 def _compiled(graphdef, tx, spec, mesh, p_sh: _Frozen | None, o_sh: _Frozen | None, b_sh):
     step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, spec=spec, mesh=mesh)
     logps_fn_ = functools.partial(logps_fn, graphdef=graphdef, spec=spec, mesh=mesh)

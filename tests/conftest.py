@@ -5,23 +5,82 @@ scripts, notebooks, benchmarks' quick runs): each would otherwise compile the sa
 suite's own process keeps compiling in memory (JAX reads the variable when it is imported, which
 happens here first), so tests that count compilations see every compile. The cache lives in a fresh
 folder per session, removed at the end, so a run never reuses programs from an earlier checkout.
+
+Tests that call `cppo_jax.launch.main` in this process turn JAX's persistent cache on here too (launch
+does so before its run compiles); after each test the process is put back to compiling in memory.
+
+The suite's process compiles thousands of programs, each holding a dozen or more memory mappings while
+it lives. At the kernel's limit (vm.max_map_count, 65530 by default) LLVM's next compile fails and the
+process dies of a segmentation fault: that ended whole runs of the suite in test_vllm.py, 20 minutes in.
+The code keeps only its latest programs (`cppo_jax.profile.KEPT_PROGRAMS`); JAX's own caches keep the
+programs of every function still alive, so after a test that leaves the process above half the limit
+they are cleared. The terminal summary reports the peak.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import jax  # noqa: F401  (imported before the cache variable is set: see above)
+import jax  # imported before the cache variable is set: see above
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+_SUITE_CACHE_CONFIG = {
+    name: getattr(jax.config, name)
+    for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+}
 
 _CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
 _OWN_CACHE = None
 if _CACHE_VAR not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="cppo_test_xla_cache_")
     os.environ[_CACHE_VAR] = _OWN_CACHE
+
+
+_MAPS = {"peak": 0, "clears": 0}
+
+
+def _memory_maps() -> int:
+    """This process's memory mappings (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _map_limit() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True)
+def _suite_process_state():
+    """After each test: compiling in memory again, and memory mappings kept below half the kernel's
+    limit (see the module docstring)."""
+    yield
+    restore_in_memory_compilation()
+    maps = _memory_maps()
+    _MAPS["peak"] = max(_MAPS["peak"], maps)
+    if maps > _map_limit() // 2:
+        jax.clear_caches()
+        gc.collect()
+        _MAPS["clears"] += 1
+
+
+def restore_in_memory_compilation() -> None:
+    """Put this process's persistent-cache settings back to the suite's (off), if a test changed them."""
+    changed = {k: v for k, v in _SUITE_CACHE_CONFIG.items() if getattr(jax.config, k) != v}
+    if changed:
+        for name, value in changed.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -62,7 +121,12 @@ def arith_model_dir(tmp_path_factory) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The list tests/test_documented_commands.py ran, with what happened to each command."""
+    """The suite process's peak memory mappings; the list tests/test_documented_commands.py ran, with
+    what happened to each command."""
+    terminalreporter.write_line(
+        f"memory mappings of the suite's process: peak {_MAPS['peak']} after a test, limit "
+        f"{_map_limit()}; JAX's caches cleared {_MAPS['clears']} time(s) above half the limit"
+    )
     lines = getattr(config, "documented_commands", None)
     if lines:
         terminalreporter.section("documented commands")

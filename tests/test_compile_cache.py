@@ -62,3 +62,26 @@ def test_cache_folder_setting(monkeypatch, tmp_path):
     assert compile_cache_folder("/x/y") == Path("/x/y")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/from/env")
     assert compile_cache_folder("auto") == Path("/from/env")
+
+
+def test_the_suite_process_goes_back_to_compiling_in_memory(tmp_path):
+    """An in-process launch turns the persistent cache on; the suite's fixture turns it off again."""
+    import jax
+    import jax.numpy as jnp
+
+    from cppo_jax.profile import use_compile_cache
+    from tests.conftest import restore_in_memory_compilation
+
+    def stored() -> int:
+        return sum(1 for p in cache.rglob("*") if p.is_file())
+
+    cache = tmp_path / "xla_cache"
+    try:
+        assert use_compile_cache(str(cache)) == cache
+        jax.jit(lambda x: jnp.sin(x) * 3.25)(jnp.ones(7)).block_until_ready()
+        written = stored()
+        assert written > 0, "use_compile_cache did not turn the cache on in this process"
+    finally:
+        restore_in_memory_compilation()
+    jax.jit(lambda x: jnp.cos(x) * 5.5)(jnp.ones(9)).block_until_ready()
+    assert stored() == written, "a program compiled after the restore was written to the cache"

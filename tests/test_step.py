@@ -3,9 +3,15 @@
 With mu > 1 the trainer takes the old policy's log-probs from the first update's forward instead of a
 separate pass: the train step returns them (in the batch's row order, micro-batched or not), and with
 `old_is_current` it uses them as the old ones whatever the batch holds.
+
+The jitted programs are kept for reuse, but only the `profile.KEPT_PROGRAMS` most recent: a process
+that builds many runs releases the compiled programs of the older ones.
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +27,8 @@ EPS32 = float(np.finfo(np.float32).eps)
 M, P, C, V = 8, 6, 5, 61
 
 
-def _setup(micro_batch: int = 0):
+def _parts(micro_batch: int = 0):
+    """(graphdef, params, spec, tx) of a tiny model; a new optimizer object each call, as each run's."""
     cfg = TransformerConfig(
         arch="qwen2",
         vocab_size=V,
@@ -37,6 +44,11 @@ def _setup(micro_batch: int = 0):
     graphdef, params = nnx.split(init_model(cfg, seed=3))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, micro_batch=micro_batch)
     tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+    return graphdef, params, spec, tx
+
+
+def _setup(micro_batch: int = 0):
+    graphdef, params, spec, tx = _parts(micro_batch)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, V, (M, P + C)), jnp.int32)
     valid = np.ones((M, P + C), bool)
@@ -88,3 +100,23 @@ def test_old_is_current_ignores_the_given_old_logps():
         float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(old_p), jax.tree.leaves(cur_p))
     )
     assert moved > 0.0
+
+
+def test_a_process_keeps_only_the_latest_programs():
+    """Each run's optimizer is a new object, so each run builds its own train step: the cache reuses
+    a program for the same key and keeps the `KEPT_PROGRAMS` latest, releasing older ones (and their
+    compiled executables)."""
+    from cppo_jax.profile import KEPT_PROGRAMS
+
+    graphdef, params, spec, tx = _parts()
+    first, _ = step_lib.compiled(graphdef, tx, spec)
+    assert step_lib.compiled(graphdef, tx, spec)[0] is first
+    _, _, batch, _, _ = _setup()
+    first(_copy(params), tx.init(params), batch, jnp.bool_(True))  # compiled: holds an executable
+    released = weakref.ref(first)
+    del first
+    for _ in range(KEPT_PROGRAMS):
+        g, _, s, t = _parts()
+        step_lib.compiled(g, t, s)
+    gc.collect()
+    assert released() is None, "the oldest train step outlived KEPT_PROGRAMS newer ones"

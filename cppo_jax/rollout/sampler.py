@@ -34,6 +34,7 @@ from flax import nnx
 
 from cppo_jax.models import init_cache
 from cppo_jax.models.transformer import DTYPES, MASKED, dense, rope_tables, run_layers
+from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampling import (
     Samples,
     SamplingParams,
@@ -284,7 +285,7 @@ def sample(
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=KEPT_PROGRAMS)
 def _compiled_sampler(graphdef, num_samples: int, sp: SamplingParams):
     return jax.jit(functools.partial(sample, graphdef, num_samples=num_samples, sp=sp))
 

@@ -43,6 +43,7 @@ from flax import nnx
 from cppo_jax.config import ConfigError, RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
 from cppo_jax.models.transformer import DTYPES, Transformer
+from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_client import (
     Completion,
@@ -145,7 +146,7 @@ def samples_from_completions(
     )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=KEPT_PROGRAMS)
 def _probe_fn(graphdef):
     """Jitted log-softmax of the model's logits on one probe row: [T] ids -> [T, V] log-probs.
 
