@@ -31,7 +31,11 @@ from jax.experimental.compilation_cache import compilation_cache
 
 _SUITE_CACHE_CONFIG = {
     name: getattr(jax.config, name)
-    for name in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    for name in (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_enable_compilation_cache",  # benchmarks/compile.py turns it off
+    )
 }
 
 _CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
