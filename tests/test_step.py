@@ -47,8 +47,7 @@ def _parts(micro_batch: int = 0):
     return graphdef, params, spec, tx
 
 
-def _setup(micro_batch: int = 0):
-    graphdef, params, spec, tx = _parts(micro_batch)
+def _batch() -> step_lib.Batch:
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, V, (M, P + C)), jnp.int32)
     valid = np.ones((M, P + C), bool)
@@ -58,9 +57,13 @@ def _setup(micro_batch: int = 0):
     mask = valid[:, P:].astype(jnp.float32)
     adv = jnp.asarray(rng.standard_normal(M), jnp.float32)
     ref = jnp.asarray(-rng.uniform(1.0, 4.0, (M, C)), jnp.float32)
-    batch = step_lib.Batch(tokens, valid, mask, adv, None, ref)
+    return step_lib.Batch(tokens, valid, mask, adv, None, ref)
+
+
+def _setup(micro_batch: int = 0):
+    graphdef, params, spec, tx = _parts(micro_batch)
     train_step, logps = step_lib.compiled(graphdef, tx, spec)
-    return params, tx, batch, train_step, logps
+    return params, tx, _batch(), train_step, logps
 
 
 def _copy(tree):
@@ -111,8 +114,9 @@ def test_a_process_keeps_only_the_latest_programs():
     graphdef, params, spec, tx = _parts()
     first, _ = step_lib.compiled(graphdef, tx, spec)
     assert step_lib.compiled(graphdef, tx, spec)[0] is first
-    _, _, batch, _, _ = _setup()
-    first(_copy(params), tx.init(params), batch, jnp.bool_(True))  # compiled: holds an executable
+    first(
+        _copy(params), tx.init(params), _batch(), jnp.bool_(True)
+    )  # compiled: holds an executable
     released = weakref.ref(first)
     del first
     for _ in range(KEPT_PROGRAMS):
