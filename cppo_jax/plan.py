@@ -332,8 +332,23 @@ def main(argv: list[str] | None = None) -> int:
         help="print the mesh overrides that divide the questions and fit (needs --devices and "
         "--device-memory-gb); exit 2 with the plan's figures when none does",
     )
+    parser.add_argument(
+        "--compile-for",
+        metavar="TARGET",
+        help="compile the run's programs for TARGET without its devices and report the compiler's "
+        "memory per program beside the plan's: a TPU topology (v5e:2x4, v6e:2x4, v5p:2x2x1, "
+        "v4:2x2x1, ...; needs libtpu: make libtpu) or cpu",
+    )
+    parser.add_argument(
+        "--no-search",
+        action="store_true",
+        help="with --compile-for: compile the config as it is, without searching the largest "
+        "micro-batch and questions per step that fit",
+    )
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     args = parser.parse_intermixed_args(argv)
+    if args.compile_for:
+        return _compile_for(args)
     if args.pick_mesh and (args.devices is None or args.device_memory_gb is None):
         parser.error("--pick-mesh needs --devices N and --device-memory-gb GB")
     try:
@@ -356,6 +371,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {not_fitting_error(plan)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _compile_for(args) -> int:
+    """`--compile-for`: exit 0 when the run fits (as configured, or with the overrides printed),
+    1 when nothing searched fits, 2 on a config error (an unknown target, a mesh that does not
+    divide the target's devices, no libtpu)."""
+    import sys
+
+    from cppo_jax import aot, aot_report
+    from cppo_jax.config_io import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hbm = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
+        report = aot.fit(cfg, args.compile_for, hbm_bytes=hbm, search=not args.no_search)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(aot_report.lines(report)))
+    if report.fits is not False:
+        return 0
+    fixes = aot_report.fit_overrides(report)
+    if fixes:
+        print(f"fits with: {fixes}")
+        return 0
+    print(f"error: {aot_report.no_fit_message(report)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,283 @@
+"""The paper configs compiled for TPU slices on this CPU (deviceless): memory per program, fits, FLOPs.
+
+    python benchmarks/aot.py                 # both paper configs, p = 0 and 0.875, four topologies
+    python benchmarks/aot.py --cases gsm8k_1p5b:0.875:v5e:2x4   # some cases (kept beside the others)
+    python benchmarks/aot.py --render        # the tables again from aot_tpu.json (plan recomputed)
+    python benchmarks/aot.py --quick         # a tiny config on v5e:2x2 and cpu (the suite)
+
+Each case runs `cppo_jax.aot.fit` in a fresh process (its own host memory): the config at its paper
+shapes (P = 512, C = 1024, G = 16; p = 0.875 with dynamic allocation, or p = 0), the mesh the plan
+prefers on that topology, the train step, the reference log-probs and the embedded sampler compiled by
+libtpu, and, when the whole batch does not fit, the largest micro-batch that does (found by compiling).
+The compiler's figures are stored in aot_tpu.json as measured; the plan's figures beside them are
+recomputed from the current code each time the tables are written (`--render`), so a fix of the plan
+is judged against the same compiles. Results: aot_tpu.md and aot_tpu.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _common  # noqa: E402
+
+CONFIGS = ("gsm8k_1p5b", "math7b")
+RATES = ("0.875", "0")
+TOPOLOGIES = ("v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v4:2x2x1")
+PLAN_TOLERANCE = 0.15  # the plan within 15% of the compiler, per program
+QUICK = [("tiny_cpu", "0.75", "v5e:2x2"), ("tiny_cpu", "0.75", "cpu")]
+
+
+def overrides_of(config: str, rate: str) -> list[str]:
+    extra = ["data.train=gsm8k"] if config == "math7b" else []  # shapes only: no data is read
+    return [f"cppo.pruning_rate={rate}", *extra]
+
+
+def measure(case: dict) -> dict:
+    """One case in this process: `aot.fit` and its rows."""
+    from cppo_jax import aot, aot_report
+    from cppo_jax.config_io import load_config
+
+    cfg = load_config(ROOT / "configs" / f"{case['config']}.py", case["overrides"])
+    t0 = time.perf_counter()
+    report = aot.fit(cfg, case["target"], search=True, search_questions=False)
+    c = report.compiled
+    return {
+        **case,
+        "mesh": c.mesh,
+        "micro_batch": report.cfg.trainer.micro_batch,
+        "fits_as_configured": report.fits,
+        "micro_batch_found": report.micro_batch,
+        "tried": report.tried,
+        "hbm_bytes": report.hbm_bytes,
+        "device_kind": c.device_kind,
+        "devices": c.devices,
+        "resident": c.resident,
+        "run_peak": c.run_peak,
+        "programs": aot_report.program_rows(report),
+        "phases": aot_report.phase_rows(report),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def plan_programs(row: dict) -> dict[str, int]:
+    """The current plan's figure per program for a stored case (its mesh and micro-batch)."""
+    import dataclasses
+
+    from cppo_jax import layout
+    from cppo_jax.config import MeshConfig
+    from cppo_jax.config_io import load_config
+    from cppo_jax.cppo import shapes_of
+    from cppo_jax.programs import model_config
+
+    cfg = load_config(ROOT / "configs" / f"{row['config']}.py", row["overrides"])
+    cfg = dataclasses.replace(
+        cfg,
+        mesh=MeshConfig(**row["mesh"]),
+        trainer=dataclasses.replace(cfg.trainer, micro_batch=row["micro_batch"]),
+    )
+    sh = shapes_of(cfg)
+    plan = layout.memory_plan(
+        model_config(cfg), row["mesh"], **layout.plan_kwargs(cfg, sh, row["hbm_bytes"])
+    )
+    return plan.programs
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def render(rows: list[dict], out: Path, info: dict) -> str:
+    lines = [
+        "# The paper configs compiled for TPU slices on a CPU (deviceless, libtpu)",
+        "",
+        _common.machine_line(info) if "cpu" in info else "",
+        "- Written by `python benchmarks/aot.py`; compiled with libtpu, nothing run on a TPU. "
+        "Figures per device, GiB. `peak` = the program's total plus the run's state alive beside it "
+        "(the optimizer state while sampling, the reference during the update). `plan` is "
+        "`cppo_jax.layout`'s estimate of the program's total, recomputed from the current code.",
+        "",
+        "| config | p | topology | mesh | micro-batch | program | args | temps | total | peak | "
+        "plan | plan/compiled | compile s | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    worst = 0.0
+    for row in rows:
+        planned = plan_programs(row)
+        mesh = "/".join(str(row["mesh"][a]) for a in ("data", "fsdp", "tensor"))
+        fits = "yes" if row["fits_as_configured"] else "no"
+        for p in row["programs"]:
+            plan = planned.get(p["program"])
+            ratio = plan / p["total"] if plan and p["total"] else None
+            if ratio is not None:
+                worst = max(worst, abs(ratio - 1))
+            lines.append(
+                f"| {row['config']} | {row['rate']} | {row['target']} | {mesh} | "
+                f"{row['micro_batch'] or 'whole'} | {p['program']} | {_gib(p['arguments'])} | "
+                f"{_gib(p['temporaries'])} | {_gib(p['total'])} | {_gib(p['peak'])} | "
+                f"{_gib(plan)} | {'-' if ratio is None else f'{ratio:.2f}'} | {p['compile_s']} | "
+                f"{fits} |"
+            )
+    lines += [
+        "",
+        f"Largest |plan/compiled - 1| over all programs: {worst:.2f} "
+        f"(target {PLAN_TOLERANCE:.2f}).",
+        "",
+    ]
+    lines += _fit_lines(rows) + _flops_lines(rows) + _notes()
+    text = "\n".join(lines) + "\n"
+    (out / "aot_tpu.md").write_text(text)
+    return text
+
+
+def _fit_lines(rows: list[dict]) -> list[str]:
+    out = [
+        "## What fits",
+        "",
+        "| config | p | topology | HBM per device | run peak | fits | "
+        "largest micro-batch that fits (compiled) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        found = r["micro_batch_found"]
+        out.append(
+            f"| {r['config']} | {r['rate']} | {r['target']} | {_gib(r['hbm_bytes'])} | "
+            f"{_gib(r['run_peak'])} | {'yes' if r['fits_as_configured'] else 'no'} | "
+            f"{'none' if found is None else found} |"
+        )
+    smallest: dict[tuple, str] = {}
+    for r in sorted(rows, key=lambda r: r["devices"] * (r["hbm_bytes"] or 0)):
+        key = (r["config"], r["rate"])
+        if key not in smallest and (r["fits_as_configured"] or r["micro_batch_found"]):
+            smallest[key] = r["target"]
+    out += (
+        [""]
+        + [
+            f"- {c} at p = {p}: the smallest listed topology that fits (by HBM in all) is {t}."
+            for (c, p), t in sorted(smallest.items())
+        ]
+        + [""]
+    )
+    return out
+
+
+def _flops_lines(rows: list[dict]) -> list[str]:
+    out = [
+        "## FLOPs per step and the least step time (roofline, datasheet figures)",
+        "",
+        "| config | p | topology | "
+        + " | ".join(("rollout", "ref_logps", "update"))
+        + " | least s per step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        by = {ph["phase"]: ph for ph in r["phases"]}
+        cells = [
+            f"{by[n]['flops']:.2e} FLOPs, {by[n].get('bound_s', 0):.2f} s" if n in by else "-"
+            for n in ("rollout", "ref_logps", "update")
+        ]
+        total = sum(ph.get("bound_s", 0.0) for ph in r["phases"])
+        out.append(
+            f"| {r['config']} | {r['rate']} | {r['target']} | "
+            + " | ".join(cells)
+            + f" | {total:.1f} |"
+        )
+    return out + [""]
+
+
+def _notes() -> list[str]:
+    return [
+        "## What a compile cannot tell",
+        "",
+        "- Time: the compiler says what fits, not how fast it runs. The step times above are lower "
+        "bounds from the datasheet peak FLOP/s and HBM bandwidth; real kernels, collectives over "
+        "ICI, the host and the decode loop's overheads make a step slower, often several times.",
+        "- Collectives' speed and the overlap of communication with compute.",
+        "- Runtime memory outside the program: fragmentation, the runtime's reserve (the plan "
+        "keeps 10% aside), host memory. v4 compiles per TensorCore (two devices per chip), so its "
+        "HBM per device is half a chip's.",
+        "",
+    ]
+
+
+def run_case(case: dict) -> dict:
+    env_cmd = [sys.executable, __file__, "--one", json.dumps(case)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(env_cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_common.RESULT_TAG):
+            return json.loads(line[len(_common.RESULT_TAG) :])
+    raise RuntimeError(f"case {case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--cases", nargs="*", help="config:p:topology (topology may hold a colon)")
+    ap.add_argument("--render", action="store_true", help="only write the tables from the JSON")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        _common.emit(measure(json.loads(args.one)))
+        return []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "aot_tpu.json"
+    data = json.loads(store.read_text()) if store.is_file() and not args.quick else {"rows": []}
+    if args.cases:
+        wanted = [tuple(c.split(":", 2)) for c in args.cases]
+    elif args.quick:
+        wanted = QUICK
+    else:
+        wanted = [(c, p, t) for c in CONFIGS for p in RATES for t in TOPOLOGIES]
+    info = {**_common.machine(), "load_before": _common.load_average()}
+    if not args.render:
+        for config, rate, target in wanted:
+            case = {
+                "config": config,
+                "rate": rate,
+                "target": target,
+                "overrides": overrides_of(config, rate),
+            }
+            row = run_case(case)
+            data["rows"] = [
+                r
+                for r in data["rows"]
+                if (r["config"], r["rate"], r["target"]) != (config, rate, target)
+            ]
+            data["rows"].append(row)
+            order = {
+                (c, p, t): i
+                for i, (c, p, t) in enumerate(
+                    (c, p, t)
+                    for c in CONFIGS + ("tiny_cpu",)
+                    for p in RATES + ("0.75",)
+                    for t in TOPOLOGIES + ("v5e:2x2", "cpu")
+                )
+            }
+            data["rows"].sort(key=lambda r: order.get((r["config"], r["rate"], r["target"]), 999))
+            data["quick"] = bool(args.quick)
+            store.write_text(json.dumps(data, indent=1))
+            print(
+                f"{config} p={rate} {target}: {row['seconds']} s, fits {row['fits_as_configured']}",
+                flush=True,
+            )
+    info["load_after"] = _common.load_average()
+    render(data["rows"], out, info)
+    return data["rows"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""A run's programs compiled for a target without its devices, and the memory the compiler reports.
+
+`compile_run(cfg, target)` builds the programs of one training step exactly as the trainer does (the
+config's mesh, micro-batch, remat, layer scan, dtypes and shapes; `programs.build`) from abstract params:
+no weights are read and nothing is allocated. Each is lowered and compiled by the target's compiler:
+
+- a TPU topology name (`v5e:2x4`, `v5p:2x2x1`, `v4:2x2x1`, `v6e:2x4`, any name JAX accepts): libtpu
+  compiles for that slice on this host, deviceless (as MaxText's `train_compile.py` does);
+- `cpu`: XLA:CPU on this machine's CPU devices, the same way.
+
+XLA:GPU needs a GPU to compile: there is no deviceless route for GPUs (`benchmarks/gpu_check.py`
+prints the same table on a lent GPU beside the measured peak).
+
+For every program, per device: arguments, outputs, aliased (donated) bytes, temporaries, the total,
+and the memory plan's figure for it (`layout.MemoryPlan.programs`). A run also holds state that is not
+an argument of every program (the optimizer state while sampling, the reference during the update):
+`Compiled.peak` adds it, and `fits` compares that peak with the chip's HBM (`chips.CHIPS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from cppo_jax.config import Config, ConfigError
+
+__all__ = ["AotError", "Compiled", "ProgramMemory", "compile_run", "libtpu_path", "target_devices"]
+
+_TOPOLOGY = re.compile(r"^v\d+[a-z]*:\d+(x\d+)*$")
+
+
+class AotError(ConfigError):
+    """The target cannot be compiled for here (no libtpu, an unknown topology); names the culprit."""
+
+
+def _libtpu_version() -> str | None:
+    """The libtpu version this JAX asks for in its `tpu` extra (e.g. 0.0.42.*), or None."""
+    from importlib import metadata
+
+    for req in metadata.requires("jax") or ():
+        m = re.match(r"libtpu\s*==\s*([\w.*]+)\s*;.*extra\s*==\s*['\"]tpu['\"]", req)
+        if m:
+            return m.group(1)
+    return None
+
+
+def libtpu_cache_folder() -> Path:
+    """Where `make libtpu` installs libtpu outside the environment (so plain runs stay CPU-only)."""
+    version = (_libtpu_version() or "unknown").replace("*", "1")
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "cppo_jax" / f"libtpu-{version}"
+
+
+def libtpu_path() -> str:
+    """libtpu.so: $TPU_LIBRARY_PATH, the `libtpu` package (`pip install 'cppo_jax[tpu]'`), or the
+    folder `make libtpu` fills. Raises AotError saying how to install it when none is there."""
+    env = os.environ.get("TPU_LIBRARY_PATH")
+    if env and Path(env).is_file():
+        return env
+    with contextlib.suppress(ImportError):
+        import libtpu  # the package of jax[tpu]
+
+        return libtpu.get_library_path()
+    cached = libtpu_cache_folder() / "libtpu" / "libtpu.so"
+    if cached.is_file():
+        return str(cached)
+    version = _libtpu_version() or "the version your jax[tpu] pins"
+    raise AotError(
+        f"compiling for a TPU topology needs libtpu (the TPU compiler), and none is installed: "
+        f"run `make libtpu` (installs libtpu=={version} into {libtpu_cache_folder()}, outside the "
+        f"environment), or `pip install 'cppo_jax[tpu]'`, or set TPU_LIBRARY_PATH to a libtpu.so"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Hold back what C++ code writes to stderr (libtpu's warnings about a host without TPUs) and
+    yield a function returning it; it is shown only if the call fails."""
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lambda: (held.seek(0), held.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def target_devices(target: str) -> list:
+    """The devices of `target` (see the module docstring), compile-only for a TPU topology."""
+    import jax
+
+    if target == "cpu":
+        return jax.devices("cpu")
+    if not _TOPOLOGY.match(target):
+        raise AotError(
+            f"--compile-for {target!r}: not a target; give `cpu` or a TPU topology name "
+            f"(chip:shape, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1)"
+        )
+    path = libtpu_path()
+    os.environ.setdefault("TPU_LIBRARY_PATH", path)
+    # No TPU runtime is started, so no other process needs locking out of one.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    with _quiet_stderr() as held:
+        try:
+            return list(topologies.get_topology_desc(target, platform="tpu").devices)
+        except Exception as e:  # libtpu's own message names what is wrong with the name
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            noise = held().strip()
+            raise AotError(
+                f"--compile-for {target!r}: libtpu refused the topology: {detail}"
+                + (f"\n(libtpu said: {noise[-800:]})" if os.environ.get("CPPO_AOT_DEBUG") else "")
+            ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """What the compiler reports for one program, per device (bytes), and its compile seconds.
+
+    `error` holds the compiler's refusal (a program over the chip's memory) when it did not compile."""
+
+    name: str
+    arguments: int = 0
+    outputs: int = 0
+    aliased: int = 0  # outputs written into donated arguments
+    temporaries: int = 0
+    code: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+    @classmethod
+    def of(cls, name: str, compiled, seconds: float) -> ProgramMemory:
+        m = compiled.memory_analysis()
+        return cls(
+            name,
+            arguments=int(m.argument_size_in_bytes),
+            outputs=int(m.output_size_in_bytes),
+            aliased=int(m.alias_size_in_bytes),
+            temporaries=int(m.temp_size_in_bytes),
+            code=int(m.generated_code_size_in_bytes),
+            seconds=seconds,
+        )
+
+
+def compile_program(name: str, fn, args) -> ProgramMemory:
+    """Lower and compile `fn(*args)` (abstract args); a compiler refusal becomes `error`."""
+    t0 = time.perf_counter()
+    with _quiet_stderr():
+        try:
+            compiled = fn.lower(*args).compile()
+        except Exception as e:
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
+                raise
+            first = next((line for line in text.splitlines() if line.strip()), text)
+            return ProgramMemory(name, seconds=time.perf_counter() - t0, error=first[:400])
+    return ProgramMemory.of(name, compiled, time.perf_counter() - t0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A run's programs compiled for one target with one mesh and micro-batch."""
+
+    target: str
+    devices: int
+    device_kind: str
+    mesh: dict[str, int]
+    micro_batch: int
+    programs: tuple[ProgramMemory, ...]
+    resident: dict[str, int]  # state bytes per device that live through the step (see `peak`)
+    args_of: dict[str, tuple[str, ...]]  # program -> the resident state it takes as arguments
+
+    def peak(self, program: ProgramMemory) -> int:
+        """The program's total plus the resident state it does not take (alive beside it)."""
+        beside = sum(b for k, b in self.resident.items() if k not in self.args_of[program.name])
+        return program.total + beside
+
+    @property
+    def run_peak(self) -> int:
+        return max(self.peak(p) for p in self.programs)
+
+    @property
+    def refused(self) -> list[ProgramMemory]:
+        return [p for p in self.programs if p.error]
+
+
+def compile_run(cfg: Config, target: str, devices=None) -> Compiled:
+    """Compile `cfg`'s programs for `target` (see the module docstring)."""
+    from cppo_jax import programs
+
+    devices = target_devices(target) if devices is None else devices
+    built = programs.build(cfg, devices)
+    out = tuple(compile_program(name, fn, args) for name, (fn, args) in built.programs.items())
+    return Compiled(
+        target=target,
+        devices=len(devices),
+        device_kind=devices[0].device_kind,
+        mesh=dict(built.mesh.shape),
+        micro_batch=cfg.trainer.micro_batch,
+        programs=out,
+        resident=built.resident,
+        args_of=built.args_of,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The report: a mesh for the target, the compiled memory beside the plan's, the largest that fits
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `fit` found: the compiled programs, the plan beside them, and the overrides that fit."""
+
+    cfg: Config
+    compiled: Compiled
+    hbm_bytes: int | None  # per device (None: unknown, e.g. `cpu` without --device-memory-gb)
+    planned: dict[str, int]  # the memory plan's figure per program
+    phases: list  # roofline.Phase
+    device: object  # roofline.Device | None
+    micro_batch: int | None = None  # the largest that fits (None: not searched or none fits)
+    questions: int | None = None  # the largest questions_per_step whose sampler fits
+    tried: tuple[tuple[str, int, bool], ...] = ()  # (what, value, fits) in the order compiled
+
+    @property
+    def fits(self) -> bool | None:
+        if self.hbm_bytes is None:
+            return None
+        c = self.compiled
+        return not c.refused and c.run_peak <= self.hbm_bytes
+
+
+def _usable(hbm: int | None) -> int | None:
+    from cppo_jax.layout import USABLE
+
+    return None if hbm is None else int(USABLE * hbm)
+
+
+def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
+    """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
+    the layout `layout.pick_mesh` prefers (the most data parallel that the plan says fits)."""
+    from cppo_jax import layout
+    from cppo_jax.config import MeshConfig
+    from cppo_jax.cppo import shapes_of
+    from cppo_jax.programs import model_config
+
+    if cfg.mesh != MeshConfig():
+        cfg.mesh.sizes(n)  # raises naming the keys
+        return cfg
+    sh = shapes_of(cfg)
+    kw = layout.plan_kwargs(cfg, sh, hbm)
+    plans = layout.pick_mesh(model_config(cfg), n, sh.Q, **kw)
+    if not plans:
+        raise ConfigError(
+            f"no layout of the {n} devices has data x fsdp dividing the {sh.Q} questions per step: "
+            f"set mesh.data / mesh.fsdp / mesh.tensor (product {n}) or cppo.questions_per_step"
+        )
+    best = plans[0] if hbm is not None else min(plans, key=lambda p: p.peak)
+    return dataclasses.replace(cfg, mesh=MeshConfig(**best.mesh))
+
+
+def _divisors_for(M: int, dp: int) -> list[int]:
+    """Micro-batch sizes the step accepts on dp data-parallel devices, largest first (M: whole)."""
+    return [m for m in range(M, 0, -1) if M % m == 0 and m % dp == 0]
+
+
+def _set(cfg: Config, section: str, **kw) -> Config:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
+
+
+def fit(
+    cfg: Config,
+    target: str,
+    *,
+    hbm_bytes: int | None = None,
+    search: bool = True,
+    search_questions: bool = True,
+) -> Report:
+    """Compile `cfg` for `target` and, with `search`, find the largest micro-batch (and questions
+    per step for the embedded sampler) that the compiler fits in the device's memory."""
+    from cppo_jax import layout, roofline
+    from cppo_jax.cppo import shapes_of
+    from cppo_jax.programs import build, model_config
+
+    devices = target_devices(target)
+    device = roofline.device_of(devices)
+    hbm = hbm_bytes or (device.hbm_bytes if device else None)
+    cfg = _with_mesh(cfg, len(devices), hbm)
+    compiled = compile_run(cfg, target, devices)
+    sh, tcfg = shapes_of(cfg), model_config(cfg)
+    mesh = cfg.mesh.sizes(len(devices))
+    plan = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, sh, hbm))
+    phases = roofline.step_phases(
+        tcfg,
+        sh,
+        mu=cfg.cppo.mu,
+        beta=cfg.cppo.beta,
+        overlap=bool(cfg.rollout.overlap),
+        embedded=cfg.rollout.backend == "embedded",
+        tp=mesh["tensor"],
+    )
+    report = Report(cfg, compiled, hbm, plan.programs, phases, device)
+    if not search or hbm is None:
+        return report
+    usable, tried = _usable(hbm), []
+
+    def train_fits(m: int) -> bool:
+        c = _set(cfg, "trainer", micro_batch=0 if m == sh.M else m)
+        fn, args = build(c, devices).programs["train_step"]
+        prog = compile_program("train_step", fn, args)
+        ok = not prog.error and compiled.peak(prog) <= usable
+        tried.append(("trainer.micro_batch", m, ok))
+        return ok
+
+    best_m = None
+    for m in _divisors_for(sh.M, mesh["data"] * mesh["fsdp"]):  # largest first: stop at a fit
+        if m == (cfg.trainer.micro_batch or sh.M):
+            ok = not compiled.refused and compiled.peak(compiled.programs[0]) <= usable
+            tried.append(("trainer.micro_batch", m, ok))
+        else:
+            ok = train_fits(m)
+        if ok:
+            best_m = m
+            break
+    best_q = _search_questions(cfg, devices, compiled, usable, tried) if search_questions else None
+    return dataclasses.replace(report, micro_batch=best_m, questions=best_q, tried=tuple(tried))
+
+
+def _search_questions(cfg: Config, devices, compiled: Compiled, usable: int, tried) -> int | None:
+    """The largest cppo.questions_per_step (doubling from the config's, at most 8x) whose embedded
+    sampler fits beside the run's state; None without an embedded sampler or when none fits."""
+    from cppo_jax.programs import build
+
+    if "sampler" not in compiled.args_of:
+        return None
+    b0, best = cfg.cppo.questions_per_step, None
+    sampler = next(p for p in compiled.programs if p.name == "sampler")
+    ok = not sampler.error and compiled.peak(sampler) <= usable
+    tried.append(("cppo.questions_per_step", b0, ok))
+    if not ok:
+        return None
+    best, b = b0, b0 * 2
+    while b <= 8 * b0:
+        try:
+            fn, args = build(_set(cfg, "cppo", questions_per_step=b), devices).programs["sampler"]
+        except ConfigError:  # the questions no longer split over the mesh
+            break
+        prog = compile_program("sampler", fn, args)
+        ok = not prog.error and compiled.peak(prog) <= usable
+        tried.append(("cppo.questions_per_step", b, ok))
+        if not ok:
+            break
+        best, b = b, b * 2
+    return best

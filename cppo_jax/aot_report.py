@@ -1,0 +1,172 @@
+"""The text of `python -m cppo_jax.plan --compile-for TARGET`: `aot.fit`'s findings for a person."""
+
+from __future__ import annotations
+
+from cppo_jax import roofline
+from cppo_jax.aot import Report
+from cppo_jax.layout import USABLE, mesh_overrides
+
+
+def _gib(n: float | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f}"
+
+
+def _ratio(plan: int | None, compiled: int) -> str:
+    return "-" if not plan or not compiled else f"{plan / compiled:.2f}"
+
+
+def program_rows(report: Report) -> list[dict]:
+    """One row per program: the compiler's bytes per device, the plan's, compile seconds."""
+    c = report.compiled
+    rows = []
+    for p in c.programs:
+        rows.append(
+            {
+                "program": p.name,
+                "arguments": p.arguments,
+                "outputs": p.outputs,
+                "donated": p.aliased,
+                "temporaries": p.temporaries,
+                "total": p.total,
+                "peak": c.peak(p),
+                "plan": report.planned.get(p.name),
+                "compile_s": round(p.seconds, 1),
+                "error": p.error,
+            }
+        )
+    return rows
+
+
+def phase_rows(report: Report) -> list[dict]:
+    """FLOPs per phase and, on a known chip, the least time it can take (`roofline`)."""
+    n, dev = report.compiled.devices, report.device
+    rows = []
+    for ph in report.phases:
+        row = {"phase": ph.name, "flops": ph.flops}
+        if dev is not None:
+            row["bound_s"] = roofline.bound_seconds(ph, dev, n)
+        rows.append(row)
+    return rows
+
+
+def lines(report: Report) -> list[str]:
+    c, dev = report.compiled, report.device
+    where = f"{c.devices} x {c.device_kind}"
+    if dev is not None:
+        where += (
+            f" ({dev.share} device(s) per chip; {_gib(dev.hbm_bytes)} GiB HBM, "
+            f"{dev.flops / 1e12:.0f} TFLOP/s bf16, {dev.bandwidth / 1e9:.0f} GB/s per device; "
+            f"{dev.chip.source})"
+        )
+    M = report.cfg.trainer.micro_batch
+    out = [
+        f"compiled for {c.target}: {where}",
+        f"  mesh {mesh_overrides(c.mesh)}; trainer.micro_batch={M} "
+        f"({'the whole batch' if not M else f'{M} rows per micro-batch'})",
+        "  per device, GiB   arguments  outputs  donated  temporaries   total  +state   peak"
+        "    plan  plan/compiled  compile s",
+    ]
+    for r in program_rows(report):
+        if r["error"]:
+            out.append(f"  {r['program']:<16} REFUSED by the compiler: {r['error']}")
+            continue
+        out.append(
+            f"  {r['program']:<16} {_gib(r['arguments']):>9} {_gib(r['outputs']):>8} "
+            f"{_gib(r['donated']):>8} {_gib(r['temporaries']):>12} {_gib(r['total']):>7} "
+            f"{_gib(r['peak'] - r['total']):>7} {_gib(r['peak']):>6} {_gib(r['plan']):>7} "
+            f"{_ratio(r['plan'], r['total']):>14} {r['compile_s']:>10}"
+        )
+    out.append(
+        "  (+state: the run's state alive beside the program but not its argument: "
+        + ", ".join(f"{k} {_gib(v)}" for k, v in c.resident.items())
+        + " GiB in all)"
+    )
+    hbm = report.hbm_bytes
+    if hbm is None:
+        out.append(
+            f"fits: unknown (device memory unknown; run peak {_gib(c.run_peak)} GiB per device; "
+            f"give --device-memory-gb)"
+        )
+    else:
+        verdict = "yes" if report.fits else "no"
+        refused = " (the compiler refused a program)" if c.refused else ""
+        out.append(
+            f"fits: {verdict}{refused} (run peak {_gib(c.run_peak)} GiB per device of "
+            f"{_gib(hbm)} GiB, {USABLE:.0%} usable)"
+        )
+    out.append("FLOPs per step (from the model) and the least time per phase:")
+    total = 0.0
+    for r in phase_rows(report):
+        bound = r.get("bound_s")
+        total += bound or 0.0
+        tail = f", at best {bound:.2f} s" if bound is not None else ""
+        out.append(f"  {r['phase']:<10} {r['flops']:.3e} FLOPs{tail}")
+    if dev is not None:
+        out.append(
+            f"  at best {total:.1f} s per step on {c.devices} x {dev.chip.name} (datasheet peak "
+            f"and HBM bandwidth; collectives, kernels and the host make a real step slower)"
+        )
+    out.extend(_search_lines(report))
+    return out
+
+
+def _search_lines(report: Report) -> list[str]:
+    if not report.tried:
+        return []
+    out = [
+        "searched with the compiler: "
+        + ", ".join(f"{k.split('.')[-1]}={v} {'fits' if ok else 'no'}" for k, v, ok in report.tried)
+    ]
+    sh_M = None
+    for k, v, _ in report.tried:
+        if k == "trainer.micro_batch":
+            sh_M = max(sh_M or 0, v)
+    if report.micro_batch is None:
+        out.append(
+            "  no micro-batch fits: lower rollout.max_new_tokens, set cppo.beta=0, or use a "
+            "larger topology"
+        )
+    else:
+        m = 0 if report.micro_batch == sh_M else report.micro_batch
+        out.append(f"  largest micro-batch that fits: trainer.micro_batch={m}")
+    if report.questions is not None:
+        out.append(
+            f"  largest questions per step whose sampler fits (up to 8x tried): "
+            f"cppo.questions_per_step={report.questions}"
+        )
+    return out
+
+
+def fit_overrides(report: Report) -> str:
+    """The overrides with which every program fits (the mesh used and the micro-batch found), or
+    "" when the search found none (or the config already fits)."""
+    c, usable = report.compiled, None if report.hbm_bytes is None else USABLE * report.hbm_bytes
+    if usable is None or report.micro_batch is None:
+        return ""
+    others = [p for p in c.programs if p.name != "train_step"]
+    if any(p.error or c.peak(p) > usable for p in others):
+        return ""
+    M = max(v for k, v, _ in report.tried if k == "trainer.micro_batch")
+    m = 0 if report.micro_batch == M else report.micro_batch
+    return f"{mesh_overrides(c.mesh)} trainer.micro_batch={m}"
+
+
+def no_fit_message(report: Report) -> str:
+    """Why nothing fits, naming the keys to change."""
+    c, usable = report.compiled, USABLE * (report.hbm_bytes or 0)
+    over = [p for p in c.programs if p.error or c.peak(p) > usable]
+    names = ", ".join(
+        f"{p.name} ({'refused' if p.error else _gib(c.peak(p)) + ' GiB'})" for p in over
+    )
+    hints = []
+    if any(p.name == "train_step" for p in over):
+        hints.append("no trainer.micro_batch fits the train step")
+    if any(p.name == "sampler" for p in over):
+        hints.append("the embedded sampler does not fit (rollout.backend=vllm moves it off)")
+    return (
+        f"on {c.target} ({c.devices} devices of {_gib(report.hbm_bytes)} GiB, {USABLE:.0%} usable) "
+        f"with {mesh_overrides(c.mesh)} these do not fit: {names}; "
+        + "; ".join(hints)
+        + "; lower rollout.max_new_tokens or data.max_prompt_len, set cppo.beta=0, or compile "
+        "for a larger topology"
+    )

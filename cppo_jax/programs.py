@@ -1,0 +1,176 @@
+"""The device programs of a run, built from its config: what the trainer runs and `aot` compiles.
+
+`build(cfg, devices)` returns the jitted train step, the reference (and, with overlap, old-policy)
+log-probs and the embedded sampler, each with abstract arguments (`jax.ShapeDtypeStruct`s carrying
+the mesh's shardings) for one step of `cfg`: the same functions the trainer calls, with the same
+static settings (`step_spec`, `sampling_params`), so a program compiled from them is the one a run
+would compile. No weights are read: the model's shapes come from its `config.json` or known size.
+
+B = one per data-parallel device; other letters as in docs/conventions.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cppo_jax import sharding as sharding_lib
+from cppo_jax import step as step_lib
+from cppo_jax.config import Config, ConfigError
+from cppo_jax.cppo import Shapes, shapes_of
+from cppo_jax.rollout.sampler import make_sampler
+from cppo_jax.rollout.sampling import SamplingParams
+
+
+def step_spec(cfg: Config, shapes: Shapes) -> step_lib.StepSpec:
+    """The train step's and log-prob functions' static settings for `cfg`."""
+    return step_lib.StepSpec.make(
+        cfg.cppo, shapes.P, shapes.C, cfg.rollout.temperature, micro_batch=cfg.trainer.micro_batch
+    )
+
+
+def sampling_params(cfg: Config, shapes: Shapes, stop_ids, pad_id: int) -> SamplingParams:
+    """The rollout's sampling settings (the embedded sampler's static arguments)."""
+    return SamplingParams(
+        max_new_tokens=shapes.C,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        eos_id=tuple(stop_ids),
+        pad_id=pad_id,
+        cache_dtype=cfg.model.dtype,
+    )
+
+
+def batch_fields(cfg: Config) -> dict[str, bool]:
+    """Which optional log-probs a step's `step.Batch` carries (as `Trainer._step` fills it)."""
+    c, overlap = cfg.cppo, bool(cfg.rollout.overlap)
+    tis = c.tis_cap > 0
+    return {
+        "old_logp_MC": (overlap and not tis) or c.mu > 1,
+        "ref_logp_MC": c.beta > 0,
+        "behav_logp_MC": tis,
+    }
+
+
+def _abstract(tree, shardings):
+    """`tree`'s arrays as ShapeDtypeStructs placed by `shardings` (a tree of the same structure)."""
+
+    def one(x, s):
+        value = x.get_value() if isinstance(x, nnx.Variable) else x
+        placed = s.get_value() if isinstance(s, nnx.Variable) else s
+        out = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed)
+        return x.replace(out) if isinstance(x, nnx.Variable) else out
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree.map(one, tree, shardings, is_leaf=is_var)
+
+
+@dataclasses.dataclass
+class Built:
+    """The programs of one step: name -> (jitted function, abstract arguments)."""
+
+    mesh: jax.sharding.Mesh
+    shapes: Shapes
+    programs: dict[str, tuple[object, tuple]]
+    resident: dict[str, int]  # bytes per device of the state that lives through a step
+    args_of: dict[str, tuple[str, ...]]  # which of that state each program takes
+
+
+def _bytes_per_device(tree) -> int:
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        n = 1
+        for d in shard:
+            n *= d
+        total += n * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _tokenizer_ids(cfg: Config) -> tuple[tuple[int, ...], int]:
+    """The stop ids and pad id of the config's tokenizer (placeholders when there is none: they
+    are constants of the sampler and change no shape)."""
+    from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
+
+    folder = cfg.model.tokenizer_folder
+    if folder and has_tokenizer(folder):
+        tok = Tokenizer.from_dir(folder)
+        return tuple(tok.stop_ids), tok.pad_id
+    return (0,), 0
+
+
+def model_config(cfg: Config):
+    """The TransformerConfig of `cfg`'s model from its config.json or known size (no weights)."""
+    from cppo_jax.plan import _model_plan, _tcfg
+
+    size = _model_plan(cfg)
+    if size is None:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: no config.json there and no known model name, so its "
+            f"programs cannot be built"
+        )
+    return _tcfg(cfg, size)
+
+
+def build(cfg: Config, devices) -> Built:
+    """The programs of one step of `cfg` on a mesh over `devices` (see the module docstring)."""
+    from cppo_jax.models.transformer import Transformer
+
+    sh = shapes_of(cfg)
+    tcfg = model_config(cfg)
+    mesh = sharding_lib.make_mesh(cfg.mesh, devices=devices)
+    sharding_lib.check_questions(sh.Q, mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0))))
+    params = _abstract(state, sharding_lib.param_shardings(state, mesh))
+    tx = step_lib.make_optimizer(cfg.optim, max(cfg.trainer.steps, 1) * cfg.cppo.mu)
+    opt = _abstract(
+        jax.eval_shape(tx.init, params), sharding_lib.opt_state_shardings(tx, params, mesh)
+    )
+    spec = step_spec(cfg, sh)
+    train_step, logps = step_lib.compiled(graphdef, tx, spec, mesh=mesh, params=params, rows=sh.M)
+
+    rows = sharding_lib.batch_sharding(mesh, sh.M)
+    T = sh.P + sh.C
+
+    def rows_of(shape, dtype, sharding=rows):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    tokens, valid = rows_of((sh.M, T), jnp.int32), rows_of((sh.M, T), jnp.bool_)
+    logp = rows_of((sh.M, sh.C), jnp.float32)
+    have = batch_fields(cfg)
+    batch = step_lib.Batch(
+        tokens,
+        valid,
+        rows_of((sh.M, sh.C), jnp.float32),
+        rows_of((sh.M,), jnp.float32),
+        *(logp if have[f] else None for f in ("old_logp_MC", "ref_logp_MC", "behav_logp_MC")),
+    )
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
+    programs = {"train_step": (train_step, (params, opt, batch, flag))}
+    args_of = {"train_step": ("params", "opt_state")}
+    resident = {"params": _bytes_per_device(params), "opt_state": _bytes_per_device(opt)}
+    if cfg.cppo.beta > 0:
+        programs["ref_logps"] = (logps, (params, tokens, valid))
+        args_of["ref_logps"] = ("reference",)
+        resident["reference"] = resident["params"]
+    if cfg.rollout.overlap:  # the snapshot's (old or behaviour) log-probs
+        programs["old_logps"] = (logps, (params, tokens, valid))
+        args_of["old_logps"] = ("snapshot",)
+        resident["snapshot"] = resident["params"]
+    if cfg.rollout.backend == "embedded":
+        stop_ids, pad_id = _tokenizer_ids(cfg)
+        sampler = make_sampler(graphdef, sh.G, sampling_params(cfg, sh, stop_ids, pad_id))
+        q_rows = sharding_lib.batch_sharding(mesh, sh.Q)
+        prompts = (
+            rows_of((sh.Q, sh.P), jnp.int32, q_rows),
+            rows_of((sh.Q, sh.P), jnp.bool_, q_rows),
+            rows_of((sh.Q,), jnp.uint32, q_rows),
+        )
+        programs["sampler"] = (sampler, (params, *prompts))
+        args_of["sampler"] = ("params",)
+    return Built(mesh, sh, programs, resident, args_of)
