@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint format docs clean dist
+.PHONY: setup demo test lint format docs clean dist libtpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,12 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m tools.docs_gen
 
-test: lint
+# libtpu (the TPU compiler) for `python -m cppo_jax.plan --compile-for v5e:2x4` on a machine without
+# TPUs: installed once outside .venv (~/.cache/cppo_jax/libtpu-*), so other runs stay CPU-only and quiet.
+libtpu: $(STAMP)
+	$(PY) -m cppo_jax.aot --install-libtpu
+
+test: lint libtpu
 	$(PY) -m pytest
 
 # A wheel of the package (with its data: the shipped warm start and data sets), for notebooks on a fresh

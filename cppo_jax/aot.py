@@ -50,10 +50,30 @@ def _libtpu_version() -> str | None:
 
 
 def libtpu_cache_folder() -> Path:
-    """Where `make libtpu` installs libtpu outside the environment (so plain runs stay CPU-only)."""
-    version = (_libtpu_version() or "unknown").replace("*", "1")
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    """Where `make libtpu` installs libtpu outside the environment: installed into it (the `tpu`
+    extra), JAX would try to start a TPU runtime in every process and print libtpu's warnings on a
+    host without TPUs."""
+    version = (_libtpu_version() or "unknown").replace("*", "x")
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "cppo_jax" / f"libtpu-{version}"
+
+
+def install_libtpu() -> Path:
+    """pip-install the libtpu this JAX pins into `libtpu_cache_folder()` (once); returns the folder."""
+    import subprocess
+    import sys
+
+    folder = libtpu_cache_folder()
+    if (folder / "libtpu" / "libtpu.so").is_file():
+        return folder
+    version = _libtpu_version()
+    if version is None:
+        raise AotError("this JAX names no libtpu in its `tpu` extra: install jax[tpu] instead")
+    tmp = folder.with_name(folder.name + ".partial")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp)]
+    subprocess.run([*cmd, f"libtpu=={version}"], check=True)
+    tmp.rename(folder)  # whole or not at all: a cut install leaves only the .partial folder
+    return folder
 
 
 def libtpu_path() -> str:
@@ -72,8 +92,9 @@ def libtpu_path() -> str:
     version = _libtpu_version() or "the version your jax[tpu] pins"
     raise AotError(
         f"compiling for a TPU topology needs libtpu (the TPU compiler), and none is installed: "
-        f"run `make libtpu` (installs libtpu=={version} into {libtpu_cache_folder()}, outside the "
-        f"environment), or `pip install 'cppo_jax[tpu]'`, or set TPU_LIBRARY_PATH to a libtpu.so"
+        f"run `make libtpu` or `python -m cppo_jax.aot --install-libtpu` (installs libtpu=={version} "
+        f"into {libtpu_cache_folder()}, outside the environment), or `pip install 'cppo_jax[tpu]'`, "
+        f"or set TPU_LIBRARY_PATH to a libtpu.so"
     )
 
 
@@ -363,3 +384,11 @@ def _search_questions(cfg: Config, devices, compiled: Compiled, usable: int, tri
             break
         best, b = b, b * 2
     return best
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--install-libtpu"]:
+        raise SystemExit("usage: python -m cppo_jax.aot --install-libtpu")
+    print(install_libtpu())

@@ -15,33 +15,14 @@ that does not split over the processes or the mesh's data axes, prompts longer t
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 from cppo_jax import layout, pipeline
 from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, MeshConfig
 from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
-from cppo_jax.models.known import KNOWN_MODELS, ModelSize, find_known_model, model_size
+from cppo_jax.models.known import ModelSize, config_model_size, transformer_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
 __all__ = ["Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
-
-
-def _model_plan(cfg: Config) -> ModelSize | None:
-    folder = cfg.model.start_folder
-    config_file = Path(folder) / "config.json" if folder else None
-    if config_file is not None and config_file.is_file():
-        try:
-            hf = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_file}: not valid JSON ({e})") from e
-        return model_size(hf, str(config_file))
-    known = find_known_model(
-        cfg.model.path, cfg.model.init_checkpoint, cfg.model.tokenizer, cfg.trainer.run_name
-    )
-    if known is None:
-        return None
-    return model_size(KNOWN_MODELS[known], f"known sizes of {known} (by name; no config.json)")
 
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
@@ -134,20 +115,6 @@ class Plan:
     advice: str = ""
 
 
-def _tcfg(cfg: Config, size: ModelSize):
-    from cppo_jax.models.transformer import TransformerConfig
-
-    m = cfg.model
-    return TransformerConfig.from_hf_dict(
-        size.hf_config,
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        remat=m.remat,
-        scan_layers=m.scan_layers,
-        attention=m.attention,
-    )
-
-
 def _memory_section(
     cfg: Config,
     shapes,
@@ -191,7 +158,7 @@ def _memory_section(
         f"model: {n:,} parameters ({n / 1e9:.2f} B; {hf.get('model_type')}, {size.layers} layers, "
         f"{tied} embeddings) from {size.source}"
     )
-    tcfg = _tcfg(cfg, size)
+    tcfg = transformer_config(cfg, size)
     if device_memory_gb is not None:
         device_bytes = int(device_memory_gb * 1e9)
     else:
@@ -248,7 +215,7 @@ def plan_run(
         + f", temperature {cfg.rollout.temperature}, top-p {cfg.rollout.top_p}"
     )
     memory, advice = _memory_section(
-        cfg, sh, _model_plan(cfg), lines, num_devices, device_memory_gb
+        cfg, sh, config_model_size(cfg), lines, num_devices, device_memory_gb
     )
     return Plan("\n".join(lines), memory, advice)
 
@@ -279,13 +246,13 @@ def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> Memor
     from cppo_jax.cppo import shapes_of
 
     sh = shapes_of(cfg)
-    size = _model_plan(cfg)
+    size = config_model_size(cfg)
     if size is None:
         raise ConfigError(
             f"model.path={cfg.model.path!r}: no config.json there and no known model name, so the "
             f"memory of a layout cannot be planned"
         )
-    tcfg, device_bytes = _tcfg(cfg, size), int(device_memory_gb * 1e9)
+    tcfg, device_bytes = transformer_config(cfg, size), int(device_memory_gb * 1e9)
     kw = layout.plan_kwargs(cfg, sh, device_bytes)
     if cfg.mesh != MeshConfig():
         mesh = cfg.mesh.sizes(num_devices)

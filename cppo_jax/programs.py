@@ -105,15 +105,15 @@ def _tokenizer_ids(cfg: Config) -> tuple[tuple[int, ...], int]:
 
 def model_config(cfg: Config):
     """The TransformerConfig of `cfg`'s model from its config.json or known size (no weights)."""
-    from cppo_jax.plan import _model_plan, _tcfg
+    from cppo_jax.models.known import config_model_size, transformer_config
 
-    size = _model_plan(cfg)
+    size = config_model_size(cfg)
     if size is None:
         raise ConfigError(
             f"model.path={cfg.model.path!r}: no config.json there and no known model name, so its "
             f"programs cannot be built"
         )
-    return _tcfg(cfg, size)
+    return transformer_config(cfg, size)
 
 
 def build(cfg: Config, devices) -> Built:

@@ -27,7 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import cppo, distributed, pipeline, scoring, selection, trainer_eval, trainer_run
+from cppo_jax import (
+    cppo,
+    distributed,
+    pipeline,
+    programs,
+    scoring,
+    selection,
+    trainer_eval,
+    trainer_run,
+)
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import skipping as skip_lib
@@ -41,7 +50,6 @@ from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout.backend import make_backend
 from cppo_jax.rollout.draw import StepRollout, draw_rollout
 from cppo_jax.rollout.overlap import Overlap
-from cppo_jax.rollout.sampling import SamplingParams
 from cppo_jax.runlog import RunLog, wandb_settings
 
 
@@ -126,14 +134,8 @@ class Trainer:
         )
 
         # Device functions.
-        self.sp = SamplingParams(
-            max_new_tokens=self.shapes.C,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            eos_id=self.tokenizer.stop_ids,
-            pad_id=self.tokenizer.pad_id,
-            cache_dtype=cfg.model.dtype,
+        self.sp = programs.sampling_params(
+            cfg, self.shapes, self.tokenizer.stop_ids, self.tokenizer.pad_id
         )
         if cfg.rollout.overlap and jax.process_count() > 1:
             # The background rollout would run process 0's broadcasts beside the step's collectives.
@@ -147,13 +149,7 @@ class Trainer:
         self.tx = step_lib.make_optimizer(cfg.optim, self.num_steps * cfg.cppo.mu)
         self.lr_fn = step_lib.lr_schedule(cfg.optim, self.num_steps * cfg.cppo.mu)
         self.opt_state = sharding_lib.init_opt_state(self.tx, self.params, self.mesh)
-        self.spec = step_lib.StepSpec.make(
-            cfg.cppo,
-            self.shapes.P,
-            self.shapes.C,
-            cfg.rollout.temperature,
-            micro_batch=cfg.trainer.micro_batch,
-        )
+        self.spec = programs.step_spec(cfg, self.shapes)
         self.train_step, self.logps = step_lib.compiled(
             self.graphdef,
             self.tx,

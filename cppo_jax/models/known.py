@@ -9,11 +9,19 @@ parameters from the tensors this project's loader reads (`hf_io.name_table`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from pathlib import Path
 
-__all__ = ["KNOWN_MODELS", "ModelSize", "find_known_model", "model_size"]
+__all__ = [
+    "KNOWN_MODELS",
+    "ModelSize",
+    "config_model_size",
+    "find_known_model",
+    "model_size",
+    "transformer_config",
+]
 
 # config.json of the paper's models (the fields that fix the parameter count).
 KNOWN_MODELS: dict[str, dict] = {
@@ -93,3 +101,37 @@ def model_size(hf_config: dict, source: str = "config.json") -> ModelSize:
         raise ValueError(f"{source}: {e}") from e
     params = sum(math.prod(entry.nnx_shape) for entry in name_table(tcfg))
     return ModelSize(source, params, dict(hf_config))
+
+
+def config_model_size(cfg) -> ModelSize | None:
+    """The size of `cfg`'s model (a `Config`): its folder's config.json, else a known model named
+    by the model path, checkpoint, tokenizer or run name; None when neither says."""
+    folder = cfg.model.start_folder
+    config_file = Path(folder) / "config.json" if folder else None
+    if config_file is not None and config_file.is_file():
+        try:
+            hf = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_file}: not valid JSON ({e})") from e
+        return model_size(hf, str(config_file))
+    known = find_known_model(
+        cfg.model.path, cfg.model.init_checkpoint, cfg.model.tokenizer, cfg.trainer.run_name
+    )
+    if known is None:
+        return None
+    return model_size(KNOWN_MODELS[known], f"known sizes of {known} (by name; no config.json)")
+
+
+def transformer_config(cfg, size: ModelSize):
+    """The TransformerConfig a run of `cfg` (a `Config`) builds for a model of `size`."""
+    from cppo_jax.models.transformer import TransformerConfig
+
+    m = cfg.model
+    return TransformerConfig.from_hf_dict(
+        size.hf_config,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        attention=m.attention,
+    )
