@@ -122,10 +122,34 @@ def test_gsm8k_config_embedded_sampler(tmp_path, qwen_model_dir):
     _check_run(trainer, steps, run)
 
 
+def same_tokens_on_both_sides(url: str, trainer) -> None:
+    """The server (vLLM's own copy of the tokenizer, in its own environment) and the trainer agree: the
+    ChatML text of a training prompt tokenizes to the trainer's prompt ids there, and the server's text of
+    its completion is the trainer's decode of the same ids."""
+    from cppo_jax.rollout.vllm_client import VLLMClient
+
+    client = VLLMClient(url)
+    valid = trainer.train_set.valid_nP[0].astype(bool)
+    ids = [int(t) for t in trainer.train_set.ids_nP[0][valid]]
+    text = trainer.tokenizer.decode(ids)
+    common = {"model": client.model_name(), "max_tokens": C, "temperature": 0.0}
+    common |= {"return_token_ids": True, "skip_special_tokens": False}
+    out = client.request("POST", "/v1/completions", {"prompt": text, **common}, what="text prompt")
+    (choice,) = out["choices"]
+    assert choice["prompt_token_ids"] == ids
+    completion = choice["token_ids"]
+    assert len(completion) > 0 and choice["text"] == trainer.tokenizer.decode(completion)
+    out = client.request("POST", "/v1/completions", {"prompt": ids, **common}, what="id prompt")
+    assert out["choices"][0]["token_ids"] == completion  # greedy: the same whichever way it came
+    client.close()
+
+
 @pytest.mark.vllm
 def test_gsm8k_config_through_a_vllm_server(tmp_path, qwen_model_dir):
     """The same run rolled out by a real vLLM server in bf16, the weights pushed and checked after each
     update (the server samples the real vocabulary's ids, the trainer decodes them with its tokenizer)."""
+    from cppo_jax.models.hf_io import read_hf_config
+    from cppo_jax.rollout.vllm_backend import push_bytes
     from cppo_jax.rollout.vllm_server import VLLMServer
 
     server = VLLMServer(
@@ -144,11 +168,14 @@ def test_gsm8k_config_through_a_vllm_server(tmp_path, qwen_model_dir):
             "rollout.timeout_s=300",
         )
         trainer, steps, run = _train(cfg)
+        same_tokens_on_both_sides(server.url, trainer)
     _check_run(trainer, steps, run)
     assert trainer.backend.serve_dtype == "bfloat16"
+    nbytes = push_bytes(read_hf_config(qwen_model_dir), "bfloat16")  # the tied lm_head written too
+    assert nbytes > 2 * 2 * MODEL_VOCAB * 64
     for m in steps:
         assert m["weight_sync/probe_diff_over_tol"] < 1.0  # the push passed the bf16 check
-        assert m["weight_sync/bytes"] > 2 * MODEL_VOCAB * 64 * 2  # embedding and lm_head copy, bf16
+        assert nbytes < m["weight_sync/bytes"] < nbytes + 16_384  # tensors + safetensors header
         assert m["weight_sync/reload_s"] > 0
     print(
         "pushes: "
