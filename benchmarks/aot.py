@@ -5,7 +5,7 @@
     python benchmarks/aot.py --render        # the tables again from aot_tpu.json (plan recomputed)
     python benchmarks/aot.py --quick         # a tiny config on v5e:2x2 and cpu (the suite)
 
-Each case runs `cppo_jax.aot.fit` in a fresh process (its own host memory): the config at its paper
+Each case runs `cppo_jax.aot_fit.fit` in a fresh process (its own host memory): the config at its paper
 shapes (P = 512, C = 1024, G = 16; p = 0.875 with dynamic allocation, or p = 0), the mesh the plan
 prefers on that topology, the train step, the reference log-probs and the embedded sampler compiled by
 libtpu, and, when the whole batch does not fit, the largest micro-batch that does (found by compiling).
@@ -43,13 +43,13 @@ def overrides_of(config: str, rate: str) -> list[str]:
 
 
 def measure(case: dict) -> dict:
-    """One case in this process: `aot.fit` and its rows."""
-    from cppo_jax import aot, aot_report
+    """One case in this process: `aot_fit.fit` and its rows."""
+    from cppo_jax import aot_fit, aot_report
     from cppo_jax.config_io import load_config
 
     cfg = load_config(ROOT / "configs" / f"{case['config']}.py", case["overrides"])
     t0 = time.perf_counter()
-    report = aot.fit(cfg, case["target"], search=True, search_questions=False)
+    report = aot_fit.fit(cfg, case["target"], search=True, search_questions=False)
     c = report.compiled
     return {
         **case,
@@ -73,10 +73,10 @@ def plan_programs(row: dict) -> dict[str, int]:
     """The current plan's figure per program for a stored case (its mesh and micro-batch)."""
     import dataclasses
 
-    from cppo_jax import layout
     from cppo_jax.config import MeshConfig
     from cppo_jax.config_io import load_config
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import program_bytes
     from cppo_jax.programs import model_config
 
     cfg = load_config(ROOT / "configs" / f"{row['config']}.py", row["overrides"])
@@ -85,11 +85,7 @@ def plan_programs(row: dict) -> dict[str, int]:
         mesh=MeshConfig(**row["mesh"]),
         trainer=dataclasses.replace(cfg.trainer, micro_batch=row["micro_batch"]),
     )
-    sh = shapes_of(cfg)
-    plan = layout.memory_plan(
-        model_config(cfg), row["mesh"], **layout.plan_kwargs(cfg, sh, row["hbm_bytes"])
-    )
-    return plan.programs
+    return program_bytes(cfg, model_config(cfg), shapes_of(cfg), row["mesh"])
 
 
 def _gib(n) -> str:

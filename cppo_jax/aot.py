@@ -29,7 +29,15 @@ from pathlib import Path
 
 from cppo_jax.config import Config, ConfigError
 
-__all__ = ["AotError", "Compiled", "ProgramMemory", "compile_run", "libtpu_path", "target_devices"]
+__all__ = [
+    "AotError",
+    "Compiled",
+    "ProgramMemory",
+    "compile_program",
+    "compile_run",
+    "libtpu_path",
+    "target_devices",
+]
 
 _TOPOLOGY = re.compile(r"^v\d+[a-z]*:\d+(x\d+)*$")
 
@@ -233,157 +241,6 @@ def compile_run(cfg: Config, target: str, devices=None) -> Compiled:
         resident=built.resident,
         args_of=built.args_of,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# The report: a mesh for the target, the compiled memory beside the plan's, the largest that fits
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What `fit` found: the compiled programs, the plan beside them, and the overrides that fit."""
-
-    cfg: Config
-    compiled: Compiled
-    hbm_bytes: int | None  # per device (None: unknown, e.g. `cpu` without --device-memory-gb)
-    planned: dict[str, int]  # the memory plan's figure per program
-    phases: list  # roofline.Phase
-    device: object  # roofline.Device | None
-    micro_batch: int | None = None  # the largest that fits (None: not searched or none fits)
-    questions: int | None = None  # the largest questions_per_step whose sampler fits
-    tried: tuple[tuple[str, int, bool], ...] = ()  # (what, value, fits) in the order compiled
-
-    @property
-    def fits(self) -> bool | None:
-        if self.hbm_bytes is None:
-            return None
-        c = self.compiled
-        return not c.refused and c.run_peak <= self.hbm_bytes
-
-
-def _usable(hbm: int | None) -> int | None:
-    from cppo_jax.layout import USABLE
-
-    return None if hbm is None else int(USABLE * hbm)
-
-
-def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
-    """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
-    the layout `layout.pick_mesh` prefers (the most data parallel that the plan says fits)."""
-    from cppo_jax import layout
-    from cppo_jax.config import MeshConfig
-    from cppo_jax.cppo import shapes_of
-    from cppo_jax.programs import model_config
-
-    if cfg.mesh != MeshConfig():
-        cfg.mesh.sizes(n)  # raises naming the keys
-        return cfg
-    sh = shapes_of(cfg)
-    kw = layout.plan_kwargs(cfg, sh, hbm)
-    plans = layout.pick_mesh(model_config(cfg), n, sh.Q, **kw)
-    if not plans:
-        raise ConfigError(
-            f"no layout of the {n} devices has data x fsdp dividing the {sh.Q} questions per step: "
-            f"set mesh.data / mesh.fsdp / mesh.tensor (product {n}) or cppo.questions_per_step"
-        )
-    best = plans[0] if hbm is not None else min(plans, key=lambda p: p.peak)
-    return dataclasses.replace(cfg, mesh=MeshConfig(**best.mesh))
-
-
-def _divisors_for(M: int, dp: int) -> list[int]:
-    """Micro-batch sizes the step accepts on dp data-parallel devices, largest first (M: whole)."""
-    return [m for m in range(M, 0, -1) if M % m == 0 and m % dp == 0]
-
-
-def _set(cfg: Config, section: str, **kw) -> Config:
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
-
-
-def fit(
-    cfg: Config,
-    target: str,
-    *,
-    hbm_bytes: int | None = None,
-    search: bool = True,
-    search_questions: bool = True,
-) -> Report:
-    """Compile `cfg` for `target` and, with `search`, find the largest micro-batch (and questions
-    per step for the embedded sampler) that the compiler fits in the device's memory."""
-    from cppo_jax import layout, roofline
-    from cppo_jax.cppo import shapes_of
-    from cppo_jax.programs import build, model_config
-
-    devices = target_devices(target)
-    device = roofline.device_of(devices)
-    hbm = hbm_bytes or (device.hbm_bytes if device else None)
-    cfg = _with_mesh(cfg, len(devices), hbm)
-    compiled = compile_run(cfg, target, devices)
-    sh, tcfg = shapes_of(cfg), model_config(cfg)
-    mesh = cfg.mesh.sizes(len(devices))
-    plan = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, sh, hbm))
-    phases = roofline.step_phases(
-        tcfg,
-        sh,
-        mu=cfg.cppo.mu,
-        beta=cfg.cppo.beta,
-        overlap=bool(cfg.rollout.overlap),
-        embedded=cfg.rollout.backend == "embedded",
-        tp=mesh["tensor"],
-    )
-    report = Report(cfg, compiled, hbm, plan.programs, phases, device)
-    if not search or hbm is None:
-        return report
-    usable, tried = _usable(hbm), []
-
-    def train_fits(m: int) -> bool:
-        c = _set(cfg, "trainer", micro_batch=0 if m == sh.M else m)
-        fn, args = build(c, devices).programs["train_step"]
-        prog = compile_program("train_step", fn, args)
-        ok = not prog.error and compiled.peak(prog) <= usable
-        tried.append(("trainer.micro_batch", m, ok))
-        return ok
-
-    best_m = None
-    for m in _divisors_for(sh.M, mesh["data"] * mesh["fsdp"]):  # largest first: stop at a fit
-        if m == (cfg.trainer.micro_batch or sh.M):
-            ok = not compiled.refused and compiled.peak(compiled.programs[0]) <= usable
-            tried.append(("trainer.micro_batch", m, ok))
-        else:
-            ok = train_fits(m)
-        if ok:
-            best_m = m
-            break
-    best_q = _search_questions(cfg, devices, compiled, usable, tried) if search_questions else None
-    return dataclasses.replace(report, micro_batch=best_m, questions=best_q, tried=tuple(tried))
-
-
-def _search_questions(cfg: Config, devices, compiled: Compiled, usable: int, tried) -> int | None:
-    """The largest cppo.questions_per_step (doubling from the config's, at most 8x) whose embedded
-    sampler fits beside the run's state; None without an embedded sampler or when none fits."""
-    from cppo_jax.programs import build
-
-    if "sampler" not in compiled.args_of:
-        return None
-    b0, best = cfg.cppo.questions_per_step, None
-    sampler = next(p for p in compiled.programs if p.name == "sampler")
-    ok = not sampler.error and compiled.peak(sampler) <= usable
-    tried.append(("cppo.questions_per_step", b0, ok))
-    if not ok:
-        return None
-    best, b = b0, b0 * 2
-    while b <= 8 * b0:
-        try:
-            fn, args = build(_set(cfg, "cppo", questions_per_step=b), devices).programs["sampler"]
-        except ConfigError:  # the questions no longer split over the mesh
-            break
-        prog = compile_program("sampler", fn, args)
-        ok = not prog.error and compiled.peak(prog) <= usable
-        tried.append(("cppo.questions_per_step", b, ok))
-        if not ok:
-            break
-        best, b = b, b * 2
-    return best
 
 
 if __name__ == "__main__":

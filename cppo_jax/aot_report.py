@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from cppo_jax import roofline
-from cppo_jax.aot import Report
+from cppo_jax.aot_fit import Report
 from cppo_jax.layout import USABLE, mesh_overrides
 
 
 def _gib(n: float | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.2f}"
+    """Bytes as GiB ("7.51G"), or MiB under 0.1 GiB ("12.3M")."""
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.2f}G" if n >= 2**30 / 10 else f"{n / 2**20:.1f}M"
 
 
 def _ratio(plan: int | None, compiled: int) -> str:
@@ -63,8 +66,8 @@ def lines(report: Report) -> list[str]:
         f"compiled for {c.target}: {where}",
         f"  mesh {mesh_overrides(c.mesh)}; trainer.micro_batch={M} "
         f"({'the whole batch' if not M else f'{M} rows per micro-batch'})",
-        "  per device, GiB   arguments  outputs  donated  temporaries   total  +state   peak"
-        "    plan  plan/compiled  compile s",
+        "  per device         arguments  outputs  donated  temporaries    total   +state     peak"
+        "     plan  plan/compiled  compile s",
     ]
     for r in program_rows(report):
         if r["error"]:
@@ -72,27 +75,27 @@ def lines(report: Report) -> list[str]:
             continue
         out.append(
             f"  {r['program']:<16} {_gib(r['arguments']):>9} {_gib(r['outputs']):>8} "
-            f"{_gib(r['donated']):>8} {_gib(r['temporaries']):>12} {_gib(r['total']):>7} "
-            f"{_gib(r['peak'] - r['total']):>7} {_gib(r['peak']):>6} {_gib(r['plan']):>7} "
+            f"{_gib(r['donated']):>8} {_gib(r['temporaries']):>12} {_gib(r['total']):>8} "
+            f"{_gib(r['peak'] - r['total']):>8} {_gib(r['peak']):>8} {_gib(r['plan']):>8} "
             f"{_ratio(r['plan'], r['total']):>14} {r['compile_s']:>10}"
         )
     out.append(
         "  (+state: the run's state alive beside the program but not its argument: "
         + ", ".join(f"{k} {_gib(v)}" for k, v in c.resident.items())
-        + " GiB in all)"
+        + ")"
     )
     hbm = report.hbm_bytes
     if hbm is None:
         out.append(
-            f"fits: unknown (device memory unknown; run peak {_gib(c.run_peak)} GiB per device; "
+            f"fits: unknown (device memory unknown; run peak {_gib(c.run_peak)} per device; "
             f"give --device-memory-gb)"
         )
     else:
         verdict = "yes" if report.fits else "no"
         refused = " (the compiler refused a program)" if c.refused else ""
         out.append(
-            f"fits: {verdict}{refused} (run peak {_gib(c.run_peak)} GiB per device of "
-            f"{_gib(hbm)} GiB, {USABLE:.0%} usable)"
+            f"fits: {verdict}{refused} (run peak {_gib(c.run_peak)} per device of "
+            f"{_gib(hbm)}, {USABLE:.0%} usable)"
         )
     out.append("FLOPs per step (from the model) and the least time per phase:")
     total = 0.0
@@ -155,18 +158,38 @@ def no_fit_message(report: Report) -> str:
     """Why nothing fits, naming the keys to change."""
     c, usable = report.compiled, USABLE * (report.hbm_bytes or 0)
     over = [p for p in c.programs if p.error or c.peak(p) > usable]
-    names = ", ".join(
-        f"{p.name} ({'refused' if p.error else _gib(c.peak(p)) + ' GiB'})" for p in over
-    )
+    names = ", ".join(f"{p.name} ({'refused' if p.error else _gib(c.peak(p))})" for p in over)
     hints = []
     if any(p.name == "train_step" for p in over):
         hints.append("no trainer.micro_batch fits the train step")
     if any(p.name == "sampler" for p in over):
         hints.append("the embedded sampler does not fit (rollout.backend=vllm moves it off)")
     return (
-        f"on {c.target} ({c.devices} devices of {_gib(report.hbm_bytes)} GiB, {USABLE:.0%} usable) "
+        f"on {c.target} ({c.devices} devices of {_gib(report.hbm_bytes)}, {USABLE:.0%} usable) "
         f"with {mesh_overrides(c.mesh)} these do not fit: {names}; "
         + "; ".join(hints)
         + "; lower rollout.max_new_tokens or data.max_prompt_len, set cppo.beta=0, or compile "
         "for a larger topology"
     )
+
+
+def as_json(report: Report) -> dict:
+    """The report as data (`--json`): programs, phases, fits and the overrides found."""
+    c = report.compiled
+    return {
+        "target": c.target,
+        "devices": c.devices,
+        "device_kind": c.device_kind,
+        "mesh": c.mesh,
+        "micro_batch": report.cfg.trainer.micro_batch,
+        "hbm_bytes": report.hbm_bytes,
+        "resident": c.resident,
+        "run_peak": c.run_peak,
+        "fits": report.fits,
+        "programs": program_rows(report),
+        "phases": phase_rows(report),
+        "tried": [list(t) for t in report.tried],
+        "micro_batch_found": report.micro_batch,
+        "questions_found": report.questions,
+        "fit_overrides": fit_overrides(report),
+    }

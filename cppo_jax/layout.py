@@ -65,7 +65,6 @@ class MemoryPlan:
     rollout_kv: int  # the embedded sampler's KV cache, Q*G sequences split over (data, fsdp)
     device_bytes: int | None = None
     unsharded: tuple[Unsharded, ...] = ()  # axes that do not divide a dimension they should shard
-    programs: dict[str, int] = dataclasses.field(default_factory=dict)  # see `program_bytes`
 
     @property
     def activations(self) -> int:
@@ -209,22 +208,6 @@ def memory_plan(
     grads = params * (2 if m < rows else 1)
     kv_rows = _split(rollout_rows, dp) if rollout_rows % dp == 0 else rollout_rows
     kv = 2 * L * J * E * (prompt_len + completion_len) * kv_rows * cb
-    logits_chunk = 3 * n * min(logp_chunk, completion_len) * V * 4
-    programs = program_bytes(
-        tcfg,
-        axis,
-        shapes,
-        params=params,
-        train_temps=grads + logits_chunk + (no_remat if not tcfg.remat else 0),
-        rows=rows,
-        rows_per_micro=n,
-        batch_row=batch,
-        T=T,
-        completion_len=completion_len,
-        logp_chunk=logp_chunk,
-        rollout_rows=rollout_rows,
-        beta=beta,
-    )
     return MemoryPlan(
         mesh=axis,
         params=params,
@@ -237,87 +220,11 @@ def memory_plan(
         activations_remat=remat,
         activations_no_remat=no_remat,
         remat=tcfg.remat,
-        logits_chunk=logits_chunk,
+        logits_chunk=3 * n * min(logp_chunk, completion_len) * V * 4,
         rollout_kv=kv,
         device_bytes=device_bytes,
         unsharded=_unsharded(shapes, axis, pb),
-        programs=programs,
     )
-
-
-def program_bytes(
-    tcfg,
-    axis: dict[str, int],
-    shapes,
-    *,
-    params: int,
-    train_temps: int,
-    rows: int,
-    rows_per_micro: int,
-    batch_row: int,
-    T: int,
-    completion_len: int,
-    logp_chunk: int,
-    rollout_rows: int,
-    beta: float,
-) -> dict[str, int]:
-    """Per device, the total (arguments + temporaries) of each compiled program of a step, as the
-    TPU compiler lays them out (read from its buffer assignment of Qwen2.5-1.5B's step on v5e-8;
-    checked against every compile of benchmarks/results/aot_tpu.md):
-
-    - compute-dtype copies: the layers' shard cast once per program (when the params' dtype differs)
-      and the vocabulary matrices gathered whole over fsdp (split over tensor) for the lookup and
-      the logits;
-    - train step: params, AdamW state and the batch; the gradient, the activations and logits chunk
-      above; with fsdp > 1, each vocabulary matrix used twice gathered in the params' dtype, and its
-      whole gradient before the reduce-scatter;
-    - a log-prob forward (reference, old policy): its params and tokens, one layer's two float32
-      score buffers and MLP products for all rows, the layers' copy, one vocabulary copy;
-    - the embedded sampler: its params, the layers' copy, the completion keys/values (1.5x: the
-      cache grows by copying into a longer one) and two float32 [N, V] logits buffers.
-    """
-    dp, tp, fsdp = axis["data"] * axis["fsdp"], axis["tensor"], axis["fsdp"]
-    pb, cb = _BYTES[tcfg.param_dtype], _BYTES[tcfg.dtype]
-    D, L, E = tcfg.hidden_size, tcfg.num_layers, tcfg.head_dim
-    H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
-    F, V = _split(tcfg.intermediate_size, tp), _split(tcfg.vocab_size, tp)
-    vocab_mats = sum(1 for path, _, _ in shapes if path[0] in ("embed_VD", "lm_head_DV"))
-    vocab_shard = sum(
-        _shard_bytes(shape, names, axis, pb)
-        for path, shape, names in shapes
-        if path[0] in ("embed_VD", "lm_head_DV")
-    )
-    layers_copy = (params - vocab_shard) * cb // pb if pb != cb else 0
-    n = rows_per_micro
-    # With remat: the layers' inputs, and one layer's three float32 score buffers and MLP products
-    # rebuilt in the backward (without remat `train_temps` holds the activations).
-    remat = n * T * (L * cb * D + 3 * 4 * H * T + 2 * cb * F) if tcfg.remat else 0
-    vocab_whole = V * D  # elements of one vocabulary matrix gathered over fsdp
-    gathered_p = (2 + vocab_mats) * vocab_whole * pb if fsdp > 1 else 0
-    vocab_c = vocab_whole * cb
-    n_all = _split(rows, dp) if rows % dp == 0 else rows
-    batch = n_all * batch_row
-    out = {
-        "train_step": 3 * params
-        + batch
-        + train_temps
-        + remat
-        + gathered_p
-        + 2 * vocab_c
-        + layers_copy,
-    }
-    forward = (
-        n_all * (2 * 4 * H * T * T + 2 * T * F * cb + min(logp_chunk, completion_len) * V * 4)
-        + layers_copy
-        + vocab_c
-    )
-    if beta > 0:
-        out["ref_logps"] = params + n_all * (T + 1) * 5 + forward
-    if rollout_rows:
-        N = _split(rollout_rows, dp) if rollout_rows % dp == 0 else rollout_rows
-        kv = 2 * L * J * E * completion_len * N * cb
-        out["sampler"] = params + layers_copy + 3 * kv // 2 + 2 * N * V * 4
-    return out
 
 
 def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:

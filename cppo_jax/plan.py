@@ -15,6 +15,8 @@ that does not split over the processes or the mesh's data axes, prompts longer t
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 from cppo_jax import layout, pipeline
 from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, MeshConfig
@@ -312,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --compile-for: compile the config as it is, without searching the largest "
         "micro-batch and questions per step that fit",
     )
+    parser.add_argument(
+        "--json", metavar="FILE", help="with --compile-for: also write the report as JSON to FILE"
+    )
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides")
     args = parser.parse_intermixed_args(argv)
     if args.compile_for:
@@ -346,22 +351,23 @@ def _compile_for(args) -> int:
     divide the target's devices, no libtpu)."""
     import sys
 
-    from cppo_jax import aot, aot_report
+    from cppo_jax import aot_fit, aot_report
     from cppo_jax.config_io import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
         hbm = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
-        report = aot.fit(cfg, args.compile_for, hbm_bytes=hbm, search=not args.no_search)
+        report = aot_fit.fit(cfg, args.compile_for, hbm_bytes=hbm, search=not args.no_search)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(aot_report.lines(report)))
-    if report.fits is not False:
-        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(aot_report.as_json(report), indent=1))
     fixes = aot_report.fit_overrides(report)
     if fixes:
-        print(f"fits with: {fixes}")
+        print(f"run with: {fixes}")
+    if report.fits is not False or fixes:
         return 0
     print(f"error: {aot_report.no_fit_message(report)}", file=sys.stderr)
     return 1

@@ -1,0 +1,77 @@
+"""The plan's figure for each compiled program of a step: what `plan --compile-for` sets beside the
+compiler's.
+
+`program_bytes(cfg, mesh)` is, per device, the total (arguments + temporaries) of the train step, the
+reference log-probs and the embedded sampler, as the TPU compiler lays them out. Its terms were read
+from the compiler's buffer assignment of Qwen2.5-1.5B's step on v5e-8 (`xla_dump_to`'s memory-usage
+report) and are checked against every compile in benchmarks/results/aot_tpu.md:
+
+- compute-dtype copies: each program casts the layers' shard once (when the params' dtype differs)
+  and gathers the vocabulary matrices whole over fsdp (split over tensor) in the compute dtype;
+- train step: params, AdamW state and the whole batch; the gradient (x2 with micro-batches) and the
+  logits chunk of `layout.memory_plan`; with remat the layers' inputs and one layer's three float32
+  score buffers and MLP products rebuilt in the backward (without remat, the plan's activations);
+  with fsdp > 1, each vocabulary matrix gathered in the params' dtype twice (lookup and logits) and
+  its whole gradient before the reduce-scatter;
+- a log-prob forward (reference): its params and tokens for all the step's rows, one layer's two
+  float32 score buffers and MLP products, the logits of one chunk, the layers' copy, one vocabulary
+  copy;
+- the embedded sampler: its params, the layers' copy, the completion keys/values (1.5x: the cache
+  grows by copying into a longer one) and two float32 [N, V] logits buffers.
+"""
+
+from __future__ import annotations
+
+from cppo_jax import layout
+from cppo_jax.layout import _BYTES, _param_shapes, _shard_bytes, _split
+
+VOCAB = ("embed_VD", "lm_head_DV")  # the vocabulary matrices' parameter paths
+
+
+def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
+    """Per-device bytes of each program of a step of `cfg` (see the module docstring)."""
+    kw = layout.plan_kwargs(cfg, shapes, None)
+    plan = layout.memory_plan(tcfg, mesh, **kw)
+    axis = plan.mesh
+    dp, tp, fsdp = axis["data"] * axis["fsdp"], axis["tensor"], axis["fsdp"]
+    pb, cb = _BYTES[tcfg.param_dtype], _BYTES[tcfg.dtype]
+    D, L, E = tcfg.hidden_size, tcfg.num_layers, tcfg.head_dim
+    H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
+    F, V = _split(tcfg.intermediate_size, tp), _split(tcfg.vocab_size, tp)
+    T, C, n = plan.tokens, shapes.C, plan.rows
+    params_shapes = _param_shapes(tcfg)
+    vocab_mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
+    vocab_shard = sum(
+        _shard_bytes(shape, names, axis, pb)
+        for path, shape, names in params_shapes
+        if path[0] in VOCAB
+    )
+    layers_copy = (plan.params - vocab_shard) * cb // pb if pb != cb else 0
+    vocab_c = V * D * cb  # one vocabulary matrix whole over fsdp, in the compute dtype
+    gathered_p = (2 + vocab_mats) * V * D * pb if fsdp > 1 else 0
+    n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
+    row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
+    if tcfg.remat:
+        activations = n * T * (L * cb * D + 3 * 4 * H * T + 2 * cb * F)
+    else:
+        activations = plan.activations_no_remat
+    out = {
+        "train_step": 3 * plan.params
+        + n_all * row
+        + plan.grads
+        + plan.logits_chunk
+        + activations
+        + gathered_p
+        + 2 * vocab_c
+        + layers_copy
+    }
+    if cfg.cppo.beta > 0:
+        logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
+        forward = n_all * (2 * 4 * H * T * T + 2 * T * F * cb) + logits
+        out["ref_logps"] = plan.params + n_all * (T + 1) * 5 + forward + layers_copy + vocab_c
+    if cfg.rollout.backend == "embedded":
+        rows = shapes.Q * shapes.G
+        N = _split(rows, dp) if rows % dp == 0 else rows
+        kv = 2 * L * J * E * C * N * cb
+        out["sampler"] = plan.params + layers_copy + 3 * kv // 2 + 2 * N * V * 4
+    return out
