@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from cppo_jax.config import LOSS_TYPES
-from cppo_jax.models.transformer import dense
+from cppo_jax.models.transformer import unembed
 
 # --------------------------------------------------------------------------- masks
 
@@ -85,7 +85,7 @@ def token_entropy(logits_MTV: jax.Array, temperature: float = 1.0) -> jax.Array:
 
 def _chunk_logps(h_McD, w_DV, t_Mc, temperature, return_entropy):
     """One chunk of tokens: the only place a [M, c, V] float32 logits block exists."""
-    z_McV = dense(h_McD, w_DV, out_dtype=jnp.float32)
+    z_McV = unembed(h_McD, w_DV)
     z_McV = z_McV / temperature
     lse_Mc = jax.nn.logsumexp(z_McV, axis=-1)
     logp_Mc = jnp.take_along_axis(z_McV, t_Mc[..., None], axis=-1)[..., 0] - lse_Mc
@@ -108,7 +108,8 @@ def token_logps_from_hidden(
     The T axis is cut into chunks of chunk_size tokens (the last one may be shorter); a scan
     (lax.map) visits them and each chunk is rematerialised in the backward pass (jax.checkpoint),
     so forward and backward hold a few [M, chunk_size, V] float32 blocks, never [M, T, V].
-    Logits are h @ w accumulated in float32 (h and w may be bfloat16). Inside: X chunks of c tokens.
+    Logits are `models.transformer.unembed(h, w)`: w cast to h's dtype, accumulated in float32.
+    Inside: X chunks of c tokens.
     With return_entropy=True returns (logp_MT, entropy_MT), the entropy from the same chunks.
     """
     _check_temperature(temperature)
