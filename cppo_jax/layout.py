@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config import MESH_AXES, Config
+from cppo_jax.config import BF16_MIN_LR, MESH_AXES, Config
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
@@ -350,7 +350,8 @@ def fit_advice(cfg: Config, tcfg, shapes, num_devices: int, device_bytes: int) -
     if not found:
         return (
             f"{head}; no layout of 1 to 16 such devices fits either: lower rollout.max_new_tokens "
-            f"or set trainer.micro_batch, cppo.beta=0 or model.param_dtype=bfloat16"
+            f"or set trainer.micro_batch, cppo.beta=0 or model.param_dtype=bfloat16 (with "
+            f"optim.lr >= {BF16_MIN_LR:.2g} or optim.allow_bf16_underflow=true)"
         )
     options = "; ".join(
         f"{n} devices with {mesh_overrides(p.mesh)} (peak {_gib(p.peak)})" for n, p in found[:4]

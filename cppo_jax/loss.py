@@ -157,13 +157,10 @@ def _masked_mean(x_MC: jax.Array, mask_MC: jax.Array) -> jax.Array:
     return jnp.sum(x_MC * mask_MC) / jnp.maximum(jnp.sum(mask_MC), 1.0)
 
 
-def _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len, num_tokens_in_batch):
+def _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len):
     total = jnp.sum(per_token_MC * mask_MC)
     if loss_type == "token_mean":
         return total / jnp.maximum(jnp.sum(mask_MC), 1.0)
-    if loss_type == "dapo":
-        n_tokens = jnp.sum(mask_MC) if num_tokens_in_batch is None else num_tokens_in_batch
-        return total / jnp.maximum(n_tokens, 1.0)
     if loss_type == "seq_mean":
         per_seq_M = jnp.sum(per_token_MC * mask_MC, axis=1)
         return jnp.mean(per_seq_M / jnp.maximum(jnp.sum(mask_MC, axis=1), 1.0))
@@ -196,7 +193,6 @@ def policy_loss(
     eps_high: float = 0.2,
     beta: float = 0.04,
     max_completion_len: int | None = None,
-    num_tokens_in_batch: jax.Array | float | None = None,
     behav_logp_MC: jax.Array | None = None,
     tis_cap: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -209,9 +205,10 @@ def policy_loss(
     metric is then 0.
 
     loss_type: "token_mean" (released CPPO code: sum over masked tokens / their count),
-    "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (M * max_completion_len)),
-    "dapo" (sum / tokens of the whole batch: num_tokens_in_batch when micro-batching, else this
-    call's masked tokens). Empty masks give a zero loss, never a division by zero.
+    "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (M * max_completion_len)).
+    Micro-batched, token_mean is DAPO's token-level mean over the whole batch (`step._grads` weighs
+    each micro-batch by its share of the tokens). Empty masks give a zero loss, never a division by
+    zero.
     Metrics (masked token means): loss, kl, clip_ratio/low_mean (ratio < 1 - eps_low, A < 0),
     clip_ratio/high_mean (ratio > 1 + eps_high, A > 0), clip_ratio/region_mean (either), ratio/mean and
     ratio/abs_dev_mean (mean |ratio - 1|: how far the policy is from the one that sampled).
@@ -248,7 +245,7 @@ def policy_loss(
     else:
         kl = jnp.zeros((), dtype)
 
-    loss = _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len, num_tokens_in_batch)
+    loss = _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len)
 
     ratio_MC = jax.lax.stop_gradient(ratio_MC)
     low_MC = ((ratio_MC < 1 - eps_low) & (adv_M1 < 0)).astype(dtype)
