@@ -30,7 +30,14 @@ METRICS = ("smallest", "largest", "random", "max_variance", "proportional")
 GROUP_METRICS = ("max_variance", "proportional")  # rules within each question's group only
 SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
 ADV_SCALES = ("group", "batch", "none")
-LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "dapo")
+LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo")
+# With model.param_dtype=bfloat16, the smallest optim.lr an update survives: bf16 keeps 8 significant
+# bits, so a weight w is stored to a spacing of at least |w| 2^-8, and an update under half of it,
+# |w| 2^-9, rounds back to w. AdamW moves each weight by about lr per step; at the magnitude of a
+# typical weight (0.02: the N(0, 0.02) init of models/transformer.py and Hugging Face's
+# initializer_range) a smaller lr leaves every weight of at least that size unchanged.
+BF16_TYPICAL_WEIGHT = 0.02
+BF16_MIN_LR = BF16_TYPICAL_WEIGHT * 2**-9  # 3.9e-5
 SCHEDULES = ("cosine", "constant", "linear")
 EVAL_RULES = ("released", "strict")  # eval.rule: the two accuracy rules, always both reported
 
@@ -235,7 +242,21 @@ class CPPOConfig:
         )
         _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
+        if self.loss_type == "dapo":
+            raise ConfigError(
+                "config key 'cppo.loss_type' = 'dapo' is no longer accepted: it computed exactly "
+                "'token_mean' (tokens averaged over the whole batch, micro-batches included); for "
+                "DAPO use cppo.loss_type=token_mean with cppo.eps_high=0.28 (clip-higher), and "
+                "cppo.mask_truncated=true (overlong filtering) and cppo.filter_groups=true "
+                "(dynamic sampling) as wanted"
+            )
         _choice("cppo.loss_type", self.loss_type, LOSS_TYPES)
+        if self.loss_type == "dr_grpo" and self.adv_scale != "none":
+            raise ConfigError(
+                f"config key 'cppo.loss_type' = 'dr_grpo' needs cppo.adv_scale='none', got "
+                f"cppo.adv_scale={self.adv_scale!r}: Dr. GRPO's advantages are r - mean, without "
+                "the std normalisation; set cppo.adv_scale=none"
+            )
         _check(self.adv_eps > 0, "cppo.adv_eps", self.adv_eps, "> 0")
         _check(self.mu >= 1, "cppo.mu", self.mu, ">= 1")
         _check(self.beta >= 0, "cppo.beta", self.beta, ">= 0")
@@ -280,6 +301,7 @@ class OptimConfig:
     b2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0
+    allow_bf16_underflow: bool = False  # bf16 params at lr < BF16_MIN_LR (see Config.__post_init__)
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", self.lr, "> 0")
@@ -431,6 +453,16 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):
+        lr, bf16 = self.optim.lr, self.model.param_dtype == "bfloat16"
+        if bf16 and lr < BF16_MIN_LR and not self.optim.allow_bf16_underflow:
+            raise ConfigError(
+                f"config key 'optim.lr' = {lr!r} is too small for model.param_dtype=bfloat16: "
+                f"a bf16 weight of magnitude {BF16_TYPICAL_WEIGHT} is stored to a spacing of "
+                f"{BF16_TYPICAL_WEIGHT} x 2^-8 or more, and AdamW's update of about lr per step "
+                f"is under half of it (lr < {BF16_MIN_LR:.2g}), so it rounds away and training "
+                "changes nothing; use model.param_dtype=float32, or optim.lr >= "
+                f"{BF16_MIN_LR:.2g}, or set optim.allow_bf16_underflow=true to train anyway"
+            )
         if self.rollout.overlap and self.rollout.backend == "embedded":
             raise ConfigError(
                 "config key 'rollout.overlap' = 1 is invalid with rollout.backend='embedded': "

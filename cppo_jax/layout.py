@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config import MESH_AXES, Config
+from cppo_jax.config import BF16_MIN_LR, MESH_AXES, Config
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
@@ -55,7 +55,7 @@ class MemoryPlan:
     opt_state: int  # AdamW mu and nu, in the params' dtype and layout
     grads: int  # the gradient (x2 with micro-batches: the accumulator and one micro-batch's)
     gathered: int  # fsdp > 1: one layer's and the vocabulary matrices' weights gathered for use
-    reference: int  # the reference model's params (beta > 0)
+    reference: int  # the reference model's params (beta > 0), in the compute dtype
     rows: int  # sequences per device in one forward/backward (a micro-batch)
     tokens: int  # T = P + C - 1 positions per sequence in the forward
     activations_remat: int
@@ -65,6 +65,7 @@ class MemoryPlan:
     rollout_kv: int  # the embedded sampler's KV cache, Q*G sequences split over (data, fsdp)
     device_bytes: int | None = None
     unsharded: tuple[Unsharded, ...] = ()  # axes that do not divide a dimension they should shard
+    snapshot: int = 0  # rollout.overlap: the params that sample the next step, in the compute dtype
 
     @property
     def activations(self) -> int:
@@ -72,7 +73,7 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        return self.params + self.opt_state + self.reference
+        return self.params + self.opt_state + self.reference + self.snapshot
 
     @property
     def train_peak(self) -> int:
@@ -158,11 +159,13 @@ def memory_plan(
     logp_chunk: int = 64,
     rollout_rows: int = 0,
     device_bytes: int | None = None,
+    overlap: bool = False,
 ) -> MemoryPlan:
     """Per-device bytes of one training step of `tcfg` (a TransformerConfig) on a (data, fsdp, tensor) mesh.
 
-    Params, AdamW moments, gradients and reference params are exact: every parameter's shard under
-    `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
+    Params, AdamW moments, gradients, reference params and (`overlap`) the rollout snapshot are exact
+    (the last two in the compute dtype, as `transformer.forward_copy` keeps them): every parameter's
+    shard under `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
     counted once more, gathered whole along fsdp where they are used. Activations are an estimate for the dense attention of
     models/transformer.py, per layer and token of a forward/backward of `rows` (or `micro_batch`)
     sequences split over (data, fsdp), heads/MLP/vocab split over tensor where they divide:
@@ -180,6 +183,7 @@ def memory_plan(
     cb = _BYTES[tcfg.dtype]
     shapes = _param_shapes(tcfg)
     params = sum(_shard_bytes(shape, names, axis, pb) for _, shape, names in shapes)
+    forward_copy = sum(_shard_bytes(shape, names, axis, cb) for _, shape, names in shapes)
     # FSDP gathers a weight whole along fsdp where it is used: one layer and the vocabulary matrices.
     no_fsdp = {**axis, "fsdp": 1}
     gathered = 0
@@ -214,7 +218,7 @@ def memory_plan(
         opt_state=2 * params,
         grads=grads,
         gathered=gathered,
-        reference=params if beta > 0 else 0,
+        reference=forward_copy if beta > 0 else 0,
         rows=n,
         tokens=T,
         activations_remat=remat,
@@ -224,6 +228,7 @@ def memory_plan(
         rollout_kv=kv,
         device_bytes=device_bytes,
         unsharded=_unsharded(shapes, axis, pb),
+        snapshot=forward_copy if overlap else 0,
     )
 
 
@@ -237,7 +242,8 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
         f"tensor={mesh['tensor']}; sharded by cppo_jax.sharding.RULES):",
         f"  params ({param_dtype}) {_gib(plan.params)}; AdamW moments mu+nu ({param_dtype}; no "
         f"separate master copy: the params are it) {_gib(plan.opt_state)}; gradients "
-        f"{_gib(plan.grads)}; reference params {_gib(plan.reference)}; weights gathered over "
+        f"{_gib(plan.grads)}; reference params {_gib(plan.reference)}; rollout snapshot "
+        f"{_gib(plan.snapshot)}; weights gathered over "
         f"fsdp for use {_gib(plan.gathered)}",
         f"  activations of {plan.rows} sequence(s) x {plan.tokens} tokens on this device "
         f"{use} remat (model.remat): {_gib(plan.activations)} ({other} remat: {_gib(act_other)}); "
@@ -315,6 +321,7 @@ def plan_kwargs(cfg: Config, shapes, device_bytes: int | None) -> dict:
         beta=cfg.cppo.beta,
         rollout_rows=shapes.Q * shapes.G if embedded else 0,
         device_bytes=device_bytes,
+        overlap=bool(cfg.rollout.overlap),
     )
 
 
@@ -343,7 +350,8 @@ def fit_advice(cfg: Config, tcfg, shapes, num_devices: int, device_bytes: int) -
     if not found:
         return (
             f"{head}; no layout of 1 to 16 such devices fits either: lower rollout.max_new_tokens "
-            f"or set trainer.micro_batch, cppo.beta=0 or model.param_dtype=bfloat16"
+            f"or set trainer.micro_batch, cppo.beta=0 or model.param_dtype=bfloat16 (with "
+            f"optim.lr >= {BF16_MIN_LR:.2g} or optim.allow_bf16_underflow=true)"
         )
     options = "; ".join(
         f"{n} devices with {mesh_overrides(p.mesh)} (peak {_gib(p.peak)})" for n, p in found[:4]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from cppo_jax.config import LOSS_TYPES
-from cppo_jax.models.transformer import dense
+from cppo_jax.models.transformer import unembed
 
 # --------------------------------------------------------------------------- masks
 
@@ -85,7 +85,7 @@ def token_entropy(logits_MTV: jax.Array, temperature: float = 1.0) -> jax.Array:
 
 def _chunk_logps(h_McD, w_DV, t_Mc, temperature, return_entropy):
     """One chunk of tokens: the only place a [M, c, V] float32 logits block exists."""
-    z_McV = dense(h_McD, w_DV, out_dtype=jnp.float32)
+    z_McV = unembed(h_McD, w_DV)
     z_McV = z_McV / temperature
     lse_Mc = jax.nn.logsumexp(z_McV, axis=-1)
     logp_Mc = jnp.take_along_axis(z_McV, t_Mc[..., None], axis=-1)[..., 0] - lse_Mc
@@ -108,7 +108,8 @@ def token_logps_from_hidden(
     The T axis is cut into chunks of chunk_size tokens (the last one may be shorter); a scan
     (lax.map) visits them and each chunk is rematerialised in the backward pass (jax.checkpoint),
     so forward and backward hold a few [M, chunk_size, V] float32 blocks, never [M, T, V].
-    Logits are h @ w accumulated in float32 (h and w may be bfloat16). Inside: X chunks of c tokens.
+    Logits are `models.transformer.unembed(h, w)`: w cast to h's dtype, accumulated in float32.
+    Inside: X chunks of c tokens.
     With return_entropy=True returns (logp_MT, entropy_MT), the entropy from the same chunks.
     """
     _check_temperature(temperature)
@@ -156,13 +157,10 @@ def _masked_mean(x_MC: jax.Array, mask_MC: jax.Array) -> jax.Array:
     return jnp.sum(x_MC * mask_MC) / jnp.maximum(jnp.sum(mask_MC), 1.0)
 
 
-def _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len, num_tokens_in_batch):
+def _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len):
     total = jnp.sum(per_token_MC * mask_MC)
     if loss_type == "token_mean":
         return total / jnp.maximum(jnp.sum(mask_MC), 1.0)
-    if loss_type == "dapo":
-        n_tokens = jnp.sum(mask_MC) if num_tokens_in_batch is None else num_tokens_in_batch
-        return total / jnp.maximum(n_tokens, 1.0)
     if loss_type == "seq_mean":
         per_seq_M = jnp.sum(per_token_MC * mask_MC, axis=1)
         return jnp.mean(per_seq_M / jnp.maximum(jnp.sum(mask_MC, axis=1), 1.0))
@@ -195,7 +193,6 @@ def policy_loss(
     eps_high: float = 0.2,
     beta: float = 0.04,
     max_completion_len: int | None = None,
-    num_tokens_in_batch: jax.Array | float | None = None,
     behav_logp_MC: jax.Array | None = None,
     tis_cap: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -208,9 +205,10 @@ def policy_loss(
     metric is then 0.
 
     loss_type: "token_mean" (released CPPO code: sum over masked tokens / their count),
-    "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (M * max_completion_len)),
-    "dapo" (sum / tokens of the whole batch: num_tokens_in_batch when micro-batching, else this
-    call's masked tokens). Empty masks give a zero loss, never a division by zero.
+    "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (M * max_completion_len)).
+    Micro-batched, token_mean is DAPO's token-level mean over the whole batch (`step._grads` weighs
+    each micro-batch by its share of the tokens). Empty masks give a zero loss, never a division by
+    zero.
     Metrics (masked token means): loss, kl, clip_ratio/low_mean (ratio < 1 - eps_low, A < 0),
     clip_ratio/high_mean (ratio > 1 + eps_high, A > 0), clip_ratio/region_mean (either), ratio/mean and
     ratio/abs_dev_mean (mean |ratio - 1|: how far the policy is from the one that sampled).
@@ -247,7 +245,7 @@ def policy_loss(
     else:
         kl = jnp.zeros((), dtype)
 
-    loss = _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len, num_tokens_in_batch)
+    loss = _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len)
 
     ratio_MC = jax.lax.stop_gradient(ratio_MC)
     low_MC = ((ratio_MC < 1 - eps_low) & (adv_M1 < 0)).astype(dtype)

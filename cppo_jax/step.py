@@ -210,7 +210,7 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
 
     def body(acc, mb: Batch):
         (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, old_is_current)
-        if spec.loss_type in ("token_mean", "dapo"):
+        if spec.loss_type == "token_mean":
             w = mb.mask_MC.sum() / tokens_total
         else:
             w = 1.0 / (M // m)

@@ -45,6 +45,7 @@ from cppo_jax.checkpoint import Checkpointer, CheckpointError, holds_a_run, set_
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.config_io import save_config
 from cppo_jax.models import Tokenizer, load_hf
+from cppo_jax.models.transformer import forward_copy
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout.backend import make_backend
@@ -114,7 +115,9 @@ class Trainer:
         check_vocab(self.tokenizer, model.cfg.vocab_size, path)
         self.graphdef, params = nnx.split(model)
         self.params = params
-        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.cppo.beta > 0 else None
+        self.ref_params = None  # the reference policy: forwards only, so in the compute dtype
+        if cfg.cppo.beta > 0:
+            self.ref_params = forward_copy(params, model.cfg.compute_dtype)
 
         # Data.
         sets = pipeline.load_prompt_sets(
@@ -187,7 +190,9 @@ class Trainer:
         self.num_tokens = 0  # prompt + completion tokens sampled so far (TRL's num_tokens)
         self.step_began: tuple[int, dict | None] = (0, None)  # set by each step (see `_skip`)
         self.evals: list[dict] = []
-        self.overlap = Overlap(self._rollout, self.num_steps) if cfg.rollout.overlap else None
+        self.overlap = None
+        if cfg.rollout.overlap:
+            self.overlap = Overlap(self._rollout, self.num_steps, model.cfg.compute_dtype)
 
     # ------------------------------------------------------------------------------------------
 
@@ -317,6 +322,7 @@ class Trainer:
                 old = _block(self.logps(sampled_by, tokens_MT, valid_MT))
             elif cfg.cppo.mu > 1:  # the params before the first update: its forward's log-probs
                 old, old_from_update = jnp.zeros_like(pruned.mask_MC), True
+        sample_params = sampled_by = None  # the snapshot that sampled: not kept through the update
 
         # 7. mu updates.
         train_batch = step_lib.Batch(

@@ -96,7 +96,7 @@ def aggregate(per_token_NT, mask_NT, loss_type: str, max_completion_len=None) ->
     rows = [[float(per_token_NT[i][t]) * float(mask_NT[i][t]) for t in range(T)] for i in range(N)]
     counts = [math.fsum(float(m) for m in mask_NT[i]) for i in range(N)]
     total = math.fsum(math.fsum(r) for r in rows)
-    if loss_type in ("token_mean", "dapo"):
+    if loss_type == "token_mean":
         return total / max(math.fsum(counts), 1.0)
     if loss_type == "seq_mean":
         return math.fsum(math.fsum(rows[i]) / max(counts[i], 1.0) for i in range(N)) / N

@@ -155,3 +155,58 @@ def test_config_found_by_bare_name(monkeypatch, tmp_path):
     assert cfg.model.path == "/nonexistent/ok-for-validation"
     with pytest.raises(C.ConfigError, match="nosuch.py"):
         CI.resolve_config_path("nosuch.py")
+
+
+def test_bf16_params_refuse_an_lr_their_updates_round_away():
+    """bf16 keeps 8 significant bits: a weight of magnitude 0.02 moves by no less than 0.02 * 2^-9 per
+    rounding step (half its spacing), so AdamW's update of about lr is lost below that."""
+    import numpy as np
+
+    bf16 = "model.param_dtype=bfloat16"
+    with pytest.raises(C.ConfigError) as e:
+        CI.apply_overrides(C.Config(), [bf16, "optim.lr=1e-6"])  # the paper's lr
+    msg = str(e.value)
+    for key in ("'optim.lr' = 1e-06", "model.param_dtype=bfloat16", "optim.allow_bf16_underflow"):
+        assert key in msg
+    # Accepted: float32 params (the default) at that lr, bf16 at a large enough lr, or the override.
+    threshold = 0.02 * 2.0**-9
+    assert CI.apply_overrides(C.Config(), ["optim.lr=1e-6"]).optim.lr == 1e-6
+    assert CI.apply_overrides(C.Config(), [bf16, f"optim.lr={threshold}"]).optim.lr == threshold
+    cfg = CI.apply_overrides(C.Config(), [bf16, "optim.lr=1e-6", "optim.allow_bf16_underflow=true"])
+    assert cfg.model.param_dtype == "bfloat16" and cfg.optim.allow_bf16_underflow
+
+    # The derivation, checked on bf16 itself: an update of the threshold leaves every weight in
+    # [0.02, 2) unchanged; one of two spacings at 0.02 (bf16's eps is the spacing at 1) moves it.
+    assert (0.02, threshold) == (C.BF16_TYPICAL_WEIGHT, C.BF16_MIN_LR)
+    jnp = pytest.importorskip("jax.numpy")
+    w = jnp.asarray(np.geomspace(0.02, 1.99, 257), jnp.bfloat16)
+    assert bool(jnp.all(w + jnp.asarray(threshold, jnp.bfloat16) == w))
+    spacing = 0.02 * float(jnp.finfo(jnp.bfloat16).eps)
+    assert bool(jnp.all((w[:1] - jnp.asarray(2 * spacing, jnp.bfloat16)) != w[:1]))
+
+
+def test_dr_grpo_needs_unscaled_advantages():
+    """Dr. GRPO's advantages are r - mean: the group std normalisation is what it removes."""
+    for scale in ("group", "batch"):
+        with pytest.raises(C.ConfigError) as e:
+            CI.apply_overrides(C.Config(), ["cppo.loss_type=dr_grpo", f"cppo.adv_scale={scale}"])
+        msg = str(e.value)
+        assert "'cppo.loss_type' = 'dr_grpo'" in msg and f"cppo.adv_scale={scale!r}" in msg
+        assert "cppo.adv_scale=none" in msg
+    for order in (["cppo.loss_type=dr_grpo", "cppo.adv_scale=none"],) * 2:
+        cfg = CI.apply_overrides(C.Config(), order)
+        assert (cfg.cppo.loss_type, cfg.cppo.adv_scale) == ("dr_grpo", "none")
+        order.reverse()
+
+
+def test_dapo_loss_type_is_refused_with_what_to_use():
+    """'dapo' computed exactly token_mean in every path of the trainer; the message says what DAPO is
+    here: token_mean with clip-higher, and the overlong and dynamic-sampling filters."""
+    with pytest.raises(C.ConfigError) as e:
+        CI.apply_overrides(C.Config(), ["cppo.loss_type=dapo"])
+    msg = str(e.value)
+    for part in ("'cppo.loss_type' = 'dapo'", "token_mean", "cppo.eps_high=0.28"):
+        assert part in msg
+    assert "dapo" not in C.LOSS_TYPES
+    cfg = CI.apply_overrides(C.Config(), ["cppo.loss_type=token_mean", "cppo.eps_high=0.28"])
+    assert cfg.cppo.eps_high == 0.28

@@ -221,26 +221,6 @@ def test_empty_mask_is_safe():
         assert all(np.isfinite(v) for v in metrics.values()), loss_type
 
 
-def test_dapo_normalises_by_the_whole_batch_when_micro_batching():
-    logp, old, ref_logp, adv, mask = _batch(4, N=6)
-
-    @jax.jit
-    def whole_and_parts(logp, old, ref_logp, adv, mask):
-        whole, _ = loss.policy_loss(logp, old, ref_logp, adv, mask, loss_type="token_mean")
-        parts = [
-            loss.policy_loss(
-                *(x[s] for x in (logp, old, ref_logp, adv, mask)),
-                loss_type="dapo",
-                num_tokens_in_batch=jnp.sum(mask),
-            )[0]
-            for s in (slice(0, 2), slice(2, 6))
-        ]
-        return whole, parts
-
-    whole, parts = whole_and_parts(logp, old, ref_logp, adv, mask)
-    np.testing.assert_allclose(sum(parts), whole, rtol=1e-12)
-
-
 def test_policy_loss_rejects_bad_arguments():
     logp, old, ref_logp, adv, mask = _batch(5)
     with pytest.raises(ValueError, match="loss_type"):

@@ -194,3 +194,36 @@ def test_pick_mesh_refuses_with_the_plans_figures_and_a_layout_that_fits(capsys)
     assert code == 0 and _mesh(line) == {"data": 1, "fsdp": 8, "tensor": 1}
     code, _, err = _pick(capsys, MATH7B, 8, "mesh.data=8")
     assert code == 2 and "on these 8 devices mesh.data=2 mesh.fsdp=4 mesh.tensor=1 fits" in err
+
+
+def test_reference_and_rollout_snapshot_are_counted_in_the_compute_dtype():
+    """The reference policy and the overlap's rollout snapshot only run forwards: the trainer holds them
+    in the compute dtype (`transformer.forward_copy`), so with bf16 compute and float32 params each is
+    exactly half the params' bytes, and both count in what stays resident through the step."""
+    from cppo_jax.config import Config
+    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.cppo import shapes_of
+    from tests.helpers import tiny_config
+
+    mesh = {"data": 1, "fsdp": 2, "tensor": 1}
+    kw = dict(rows=8, prompt_len=5, completion_len=7)
+    for dtype, share in (("bfloat16", 2), ("float32", 1)):
+        tcfg = tiny_config(dtype=dtype, hidden_size=38)  # an even width: fsdp=2 shards it
+        base = layout.memory_plan(tcfg, mesh, **kw)
+        ref = layout.memory_plan(tcfg, mesh, beta=0.04, **kw)
+        assert share * ref.reference == ref.params, dtype
+        both = layout.memory_plan(tcfg, mesh, beta=0.04, overlap=True, **kw)
+        assert base.reference == base.snapshot == 0 and not ref.snapshot
+        assert both.snapshot == both.reference == ref.reference
+        assert ref.resident - base.resident == ref.reference
+        assert both.resident - ref.resident == both.snapshot
+        assert both.train_peak - ref.train_peak == both.snapshot
+    # A config with rollout.overlap=1 plans the snapshot; one without does not.
+    vllm = ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:9"]
+    for overlap in (0, 1):
+        cfg = apply_overrides(Config(), [*vllm, f"rollout.overlap={overlap}"])
+        kwargs = layout.plan_kwargs(cfg, shapes_of(cfg), None)
+        plan_ = layout.memory_plan(tiny_config(dtype="bfloat16"), mesh, **kwargs)
+        assert (plan_.snapshot > 0) == bool(overlap)
+    text = "\n".join(layout.memory_lines(both, "float32"))
+    assert f"rollout snapshot {layout._gib(both.snapshot)}" in text

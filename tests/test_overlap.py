@@ -12,6 +12,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -260,3 +261,25 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
             np.testing.assert_array_equal(a, b)
     assert all("rollout/staleness" not in m and m["ratio/abs_dev_mean"] == 0.0 for m in history)
     assert backend.pushed == [1, 2, 3]
+
+
+def test_the_snapshot_is_a_compute_dtype_copy(tmp_path, arith_model_dir):
+    """bf16 compute, float32 params: the params that sample the next step are held in bf16 (they only
+    run forwards), each leaf the policy's rounded once, a buffer of its own that outlives the donation."""
+    trainer, _ = overlap_trainer(
+        tmp_path, arith_model_dir, "model.dtype=bfloat16", "trainer.steps=2"
+    )
+    try:
+        trainer.overlap.make = lambda params, step: params  # the rollout: what sampled it
+        policy = jax.tree.map(np.asarray, trainer.params)
+        assert trainer.overlap.take(trainer.params, 0)[1] is None  # step 0 sampled on the spot
+        jax.tree.map(lambda x: x.delete(), trainer.params)  # the update donates the live params
+        rollout, sampled_by = trainer.overlap.take(None, 1)
+        assert rollout is sampled_by
+        leaves = jax.tree.leaves(sampled_by)
+        assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+        for got, want in zip(leaves, jax.tree.leaves(policy)):
+            np.testing.assert_array_equal(np.asarray(got), want.astype(jnp.bfloat16))
+    finally:
+        trainer.overlap.close()
+        trainer.close()

@@ -124,3 +124,70 @@ def test_a_process_keeps_only_the_latest_programs():
         step_lib.compiled(g, t, s)
     gc.collect()
     assert released() is None, "the oldest train step outlived KEPT_PROGRAMS newer ones"
+
+
+def _zero_residual_writes(params):
+    """The params with every layer's attention and MLP output projection zero: each layer adds exactly
+    0 to the residual stream, so the hidden states are the embeddings, final-normed, on every path."""
+    flat = [
+        (
+            path,
+            var.replace(jnp.zeros_like(var.get_value()))
+            if path[-1] in ("o_HED", "down_FD")
+            else var,
+        )
+        for path, var in nnx.to_flat_state(params)
+    ]
+    return nnx.from_flat_state(flat)
+
+
+def test_bf16_training_logps_equal_the_samplers_with_float32_params():
+    """bf16 compute, float32 params: the trainer's log-probs of the sampled tokens are the embedded
+    sampler's (Samples.logp_NC), and the on-policy TIS weight is 1, to float32 rounding.
+
+    The layers write zero to the residual stream, so the hidden states are the same bf16 numbers in
+    the sampler's prefill and decode and in the training forward: what is left is the logits matmul.
+    With one precision rule (`transformer.unembed`: both operands bf16, float32 accumulation) both paths
+    multiply the same numbers and differ only by float32 rounding of the accumulation and log-softmax.
+    A float32 unembedding in the training forward moves each log-prob by the bf16 rounding of the
+    weight instead: ~1e4 float32 ulps here (0.1 to 0.4 bf16 ulps: below any bf16 tolerance, so the
+    tolerance is float32's, which the shared bf16 operands allow).
+    """
+    from cppo_jax import loss as loss_lib
+    from cppo_jax.rollout.sampler import make_sampler
+    from cppo_jax.rollout.sampling import SamplingParams
+    from tests import helpers
+
+    cfg = helpers.tiny_config(tie_word_embeddings=False, dtype="bfloat16", num_layers=1)
+    assert cfg.weight_dtype == jnp.float32 and cfg.compute_dtype == jnp.bfloat16
+    graphdef, params = nnx.split(helpers.random_model(cfg, seed=0))
+    params = _zero_residual_writes(params)
+    Pn, Cn, G, temperature = 7, 11, 3, 0.5
+    tokens_QP, valid_QP, _ = helpers.left_pad(
+        [[5, 17, 33], [9, 200, 3, 44, 45, 46, 47], [128]], length=Pn
+    )
+    sp = SamplingParams(
+        max_new_tokens=Cn,
+        temperature=temperature,
+        eos_id=cfg.vocab_size,
+        pad_id=0,
+        cache_dtype="bfloat16",
+    )
+    seeds_Q = jnp.asarray([1, 2, 3], jnp.uint32)
+    out = make_sampler(graphdef, G, sp)(
+        params, jnp.asarray(tokens_QP), jnp.asarray(valid_QP), seeds_Q
+    )
+    tokens_MT = jnp.concatenate([jnp.repeat(jnp.asarray(tokens_QP), G, 0), out.tokens_NC], axis=1)
+    valid_MT = jnp.concatenate([jnp.repeat(jnp.asarray(valid_QP), G, 0), out.valid_NC], axis=1)
+    spec = step_lib.StepSpec.make(CPPOConfig(), Pn, Cn, temperature)
+    _, logps = step_lib.compiled(graphdef, _parts()[3], spec)
+    logp_MC = logps(params, tokens_MT, valid_MT)
+    behav_MC = out.logp_NC
+    mask_MC = out.valid_NC.astype(jnp.float32)
+    assert float(mask_MC.sum()) == mask_MC.size  # no EOS: every sampled token is compared
+    # float32 rounding of a V-term accumulation and log-softmax, relative to the log-prob's size.
+    tol_MC = 16 * EPS32 * (1 + np.abs(np.asarray(behav_MC)))
+    gap_MC = np.abs(np.asarray(logp_MC) - np.asarray(behav_MC))
+    assert np.all(gap_MC <= tol_MC), np.max(gap_MC / tol_MC)
+    w_MC = np.asarray(loss_lib.tis_weights(logp_MC, behav_MC, mask_MC, 2.0))
+    assert np.all(np.abs(w_MC - 1) <= tol_MC), np.max(np.abs(w_MC - 1) / tol_MC)

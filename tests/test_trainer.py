@@ -579,3 +579,28 @@ def test_model_attention_reaches_the_trainers_model(tmp_path, arith_model_dir):
         assert nnx.merge(trainer.graphdef, trainer.params).cfg.attention == "xla"
     finally:
         trainer.close()
+
+
+def test_reference_is_a_compute_dtype_copy_with_the_policys_logps(tmp_path, arith_model_dir):
+    """bf16 compute, float32 params, beta > 0: the reference (forwards only) is held in bf16, half the
+    policy's bytes, and its log-probs are the policy's bit for bit (every forward casts each weight to
+    the compute dtype before use, so a bf16 copy changes no number)."""
+    cfg = small_config(tmp_path, arith_model_dir, "model.dtype=bfloat16", "trainer.steps=1")
+    trainer = Trainer(cfg)
+    try:
+        policy, ref = jax.tree.leaves(trainer.params), jax.tree.leaves(trainer.ref_params)
+        assert {x.dtype for x in policy} == {jnp.dtype(jnp.float32)}
+        assert {x.dtype for x in ref} == {jnp.dtype(jnp.bfloat16)}
+        assert [x.sharding for x in ref] == [x.sharding for x in policy]
+        for r, p in zip(ref, policy):
+            np.testing.assert_array_equal(np.asarray(r), np.asarray(p.astype(jnp.bfloat16)))
+        sh = trainer.shapes
+        rng = np.random.default_rng(0)
+        vocab = nnx.merge(trainer.graphdef, trainer.params).cfg.vocab_size
+        tokens_MT = jnp.asarray(rng.integers(1, vocab, (sh.M, sh.P + sh.C)), jnp.int32)
+        valid_MT = jnp.ones((sh.M, sh.P + sh.C), bool)
+        want = np.asarray(trainer.logps(trainer.params, tokens_MT, valid_MT))
+        got = np.asarray(trainer.logps(trainer.ref_params, tokens_MT, valid_MT))
+        np.testing.assert_array_equal(got, want)
+    finally:
+        trainer.close()

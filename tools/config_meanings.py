@@ -115,7 +115,7 @@ MEANINGS: dict[str, str] = {
     "cppo.processes": "`scope=process`: how many slices (the TRL fork's training processes, one per GPU) "
     "the step's questions are cut into; must divide Q.",
     "cppo.adv_scale": "Advantage scale: `group` (r - mean) / (group std + eps); `batch` divides by the "
-    "std of the whole batch; `none` is r - mean (Dr. GRPO).",
+    "std of the whole batch; `none` is r - mean (Dr. GRPO: `loss_type=dr_grpo` needs it).",
     "cppo.adv_eps": "Added to the std in the advantage's denominator.",
     "cppo.mu": "mu: policy updates per generation, on the same kept batch; with mu > 1 the old "
     "policy's log-probs are those of the first update's forward (the policy before it), kept for the "
@@ -124,8 +124,11 @@ MEANINGS: dict[str, str] = {
     "and its forward pass is skipped.",
     "cppo.eps_low": "Lower clip range: the ratio is clipped below at 1 - eps_low.",
     "cppo.eps_high": "Upper clip range: the ratio is clipped above at 1 + eps_high (DAPO: 0.28).",
-    "cppo.loss_type": "Loss aggregation: `token_mean` (released CPPO code), `seq_mean` (GRPO paper), "
-    "`dr_grpo`, `dapo` (see cppo_jax/loss.py).",
+    "cppo.loss_type": "Loss aggregation: `token_mean` (released CPPO code; over the whole batch, as "
+    "DAPO's token-level loss, micro-batched or not), `seq_mean` (GRPO paper), `dr_grpo` (a constant "
+    "denominator; needs `adv_scale=none`) (see cppo_jax/loss.py). `dapo` is refused: it was "
+    "`token_mean`; DAPO here is `token_mean` with `eps_high=0.28`, `mask_truncated` and "
+    "`filter_groups`.",
     "cppo.mask_truncated": "Leave completions that hit `rollout.max_new_tokens` without an EOS out of "
     "the loss (DAPO-style).",
     "cppo.filter_groups": "Zero-variance filtering (DAPO's dynamic sampling with a fixed shape): roll "
@@ -156,6 +159,10 @@ MEANINGS: dict[str, str] = {
     "optim.b2": "Adam's second-moment decay.",
     "optim.eps": "Adam's epsilon.",
     "optim.grad_clip": "Clip the gradient's global norm to this; 0: off.",
+    "optim.allow_bf16_underflow": "Train with `model.param_dtype=bfloat16` at an `optim.lr` under "
+    "0.02 x 2^-9 = 3.9e-5 (`config.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
+    "step) is then under half the bf16 spacing of every weight of magnitude 0.02 or more, so it "
+    "rounds away and the weights do not move.",
     # mesh
     "mesh.data": "Data-parallel axis: each device along it holds different questions.",
     "mesh.fsdp": "Fully sharded data-parallel axis: parameters and optimizer state are sharded along it.",

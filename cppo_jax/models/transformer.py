@@ -85,6 +85,34 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Arra
     return y_NF.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
 
 
+def unembed(h_XD: jax.Array, w_DV: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] = h @ w: the precision rule of every logits matmul (the forward, the
+    sampler, the training and reference log-probs, the vLLM probe through the forward).
+
+    Both operands in h's dtype, the compute dtype (a float32 weight is cast, as the other layers'
+    weights are), products accumulated and returned in float32. So sampler and trainer multiply the
+    same numbers, and their log-probs of a token differ by float32 rounding, not by the rounding of
+    the [D, V] weight to the compute dtype.
+    """
+    return dense(h_XD, w_DV.astype(h_XD.dtype), out_dtype=jnp.float32)
+
+
+def forward_copy(params, dtype):
+    """A copy of `params` for forwards only (the reference policy, a rollout snapshot): floating
+    leaves in `dtype`, the compute dtype, each array keeping its sharding.
+
+    Every forward casts each weight to the compute dtype before use, so the copy's forwards equal
+    the params' bit for bit, and it takes half the bytes of float32 params.
+    """
+
+    def leaf(x):
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return jnp.copy(x)  # a buffer of its own: the update donates the params
+
+    return jax.tree.map(leaf, params)
+
+
 def apply_rope(x_BTHE: jax.Array, cos_BTE: jax.Array, sin_BTE: jax.Array) -> jax.Array:
     """Rotates each head: x * cos + rotate_half(x) * sin, computed in float32."""
     x_BTHE32 = x_BTHE.astype(jnp.float32)
@@ -387,8 +415,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT, positions_BT, valid_BT, cache: Cache | None = None):
         """Float32 logits [B, T, V] and the updated cache."""
         h_BTD, cache = self.hidden(tokens_BT, positions_BT, valid_BT, cache)
-        w_DV = self.unembed_weight().astype(h_BTD.dtype)
-        logits_BTV = dense(h_BTD, w_DV, out_dtype=jnp.float32)
+        logits_BTV = unembed(h_BTD, self.unembed_weight())
         return constrain(logits_BTV, _ACT_VOCAB), cache
 
 

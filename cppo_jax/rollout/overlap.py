@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+from cppo_jax.models.transformer import forward_copy
 
 
 @dataclasses.dataclass
@@ -34,11 +33,19 @@ class _Pending:
 
 
 class Overlap:
-    """The producer of the next step's rollout: `make(params, step)` run on one background thread."""
+    """The producer of the next step's rollout: `make(params, step)` run on one background thread,
+    from a snapshot of the params in `snapshot_dtype` (the compute dtype: it only runs forwards)."""
 
-    def __init__(self, make: Callable[[Any, int], Any], num_steps: int, close_wait_s: float = 10.0):
+    def __init__(
+        self,
+        make: Callable[[Any, int], Any],
+        num_steps: int,
+        snapshot_dtype: Any,
+        close_wait_s: float = 10.0,
+    ):
         self.make = make
         self.num_steps = num_steps
+        self.snapshot_dtype = snapshot_dtype
         self.close_wait_s = close_wait_s
         self._pending: _Pending | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -60,7 +67,7 @@ class Overlap:
         else:  # the first step of a run (or of a resumed one): nothing was requested yet
             rollout, sampled_by = self.make(params, step), None
         if step + 1 < self.num_steps:
-            snapshot = jax.tree.map(jnp.copy, params)  # the update donates `params`
+            snapshot = forward_copy(params, self.snapshot_dtype)  # the update donates `params`
             future = self._producer().submit(self.make, snapshot, step + 1)
             self._pending = _Pending(step + 1, future, snapshot)
         return rollout, sampled_by

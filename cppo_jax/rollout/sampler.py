@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cppo_jax.models import init_cache
-from cppo_jax.models.transformer import DTYPES, MASKED, dense, rope_tables, run_layers
+from cppo_jax.models.transformer import DTYPES, MASKED, rope_tables, run_layers, unembed
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampling import (
     Samples,
@@ -132,7 +132,7 @@ def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_
 
     x_QGD, kc_LQJGEC, vc_LQJGCE = run_layers(cfg, layers, layer_fn, (x_QGD, kc_LQJGEC, vc_LQJGCE))
     h_ND = model.final_norm(x_QGD).reshape(Q * G, -1)
-    return _unembed(model, h_ND), (kc_LQJGEC, vc_LQJGCE)
+    return unembed(h_ND, model.unembed_weight()), (kc_LQJGEC, vc_LQJGCE)
 
 
 def _empty_kv(Q, J, G, C, E, dtype, num_layers):
@@ -167,12 +167,6 @@ def _segment_ends(C: int, first: int) -> list[int]:
     return [*ends, C]
 
 
-def _unembed(model, h_ND: jax.Array) -> jax.Array:
-    """Float32 logits [N, V], as `Transformer.__call__` computes them."""
-    w_DV = model.unembed_weight().astype(h_ND.dtype)
-    return dense(h_ND, w_DV, out_dtype=jnp.float32)
-
-
 def sample_with_uniforms(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -205,7 +199,7 @@ def sample_with_uniforms(
     prompt_valid_QP = prompt_valid_QP.astype(jnp.bool_)
     pos_QP = positions_from_valid(prompt_valid_QP)
     h_QPD, cache = model.hidden(prompt_QP, pos_QP, prompt_valid_QP, cache=init_cache(cfg, Q, P, cd))
-    logits_QV = _unembed(model, h_QPD[:, -1])
+    logits_QV = unembed(h_QPD[:, -1], model.unembed_weight())
     prompt_kv = (cache.k_LBSJE.transpose(0, 1, 3, 2, 4), cache.v_LBSJE.transpose(0, 1, 3, 2, 4))
     # Completion t sits at position (prompt length) + t; cos/sin for every position, once.
     first_pos_Q = jnp.sum(prompt_valid_QP, axis=-1, dtype=jnp.int32)
