@@ -139,7 +139,10 @@ def target_devices(target: str) -> list:
 
     with _quiet_stderr() as held:
         try:
-            return list(topologies.get_topology_desc(target, platform="tpu").devices)
+            # v4 compiles per TensorCore by default; a v4 slice runs one device per chip
+            # ("megacore"), which is also the only layout jax.make_mesh accepts.
+            kw = {"chip_config_name": "megacore"} if target.startswith("v4:") else {}
+            return list(topologies.get_topology_desc(target, platform="tpu", **kw).devices)
         except Exception as e:  # libtpu's own message names what is wrong with the name
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             noise = held().strip()

@@ -13,9 +13,9 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   score buffers and MLP products rebuilt in the backward (without remat, the plan's activations);
   with fsdp > 1, each vocabulary matrix gathered in the params' dtype twice (lookup and logits) and
   its whole gradient before the reduce-scatter;
-- a log-prob forward (reference): its params and tokens for all the step's rows, one layer's two
-  float32 score buffers and MLP products, the logits of one chunk, the layers' copy, one vocabulary
-  copy;
+- a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
+  rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, one
+  vocabulary copy;
 - the embedded sampler: its params, the layers' copy, the completion keys/values (1.5x: the cache
   grows by copying into a longer one) and two float32 [N, V] logits buffers.
 """
@@ -68,7 +68,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         forward = n_all * (2 * 4 * H * T * T + 2 * T * F * cb) + logits
-        out["ref_logps"] = plan.params + n_all * (T + 1) * 5 + forward + layers_copy + vocab_c
+        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + forward + vocab_c
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
         N = _split(rows, dp) if rows % dp == 0 else rows

@@ -118,7 +118,7 @@ def model_config(cfg: Config):
 
 def build(cfg: Config, devices) -> Built:
     """The programs of one step of `cfg` on a mesh over `devices` (see the module docstring)."""
-    from cppo_jax.models.transformer import Transformer
+    from cppo_jax.models.transformer import Transformer, forward_copy
 
     sh = shapes_of(cfg)
     tcfg = model_config(cfg)
@@ -154,14 +154,19 @@ def build(cfg: Config, devices) -> Built:
     programs = {"train_step": (train_step, (params, opt, batch, flag))}
     args_of = {"train_step": ("params", "opt_state")}
     resident = {"params": _bytes_per_device(params), "opt_state": _bytes_per_device(opt)}
+    # The reference and the overlap's snapshot: forward-only copies in the compute dtype.
+    copy = _abstract(
+        jax.eval_shape(lambda p: forward_copy(p, tcfg.compute_dtype), params),
+        sharding_lib.param_shardings(params, mesh),
+    )
     if cfg.cppo.beta > 0:
-        programs["ref_logps"] = (logps, (params, tokens, valid))
+        programs["ref_logps"] = (logps, (copy, tokens, valid))
         args_of["ref_logps"] = ("reference",)
-        resident["reference"] = resident["params"]
+        resident["reference"] = _bytes_per_device(copy)
     if cfg.rollout.overlap:  # the snapshot's (old or behaviour) log-probs
-        programs["old_logps"] = (logps, (params, tokens, valid))
+        programs["old_logps"] = (logps, (copy, tokens, valid))
         args_of["old_logps"] = ("snapshot",)
-        resident["snapshot"] = resident["params"]
+        resident["snapshot"] = _bytes_per_device(copy)
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)
         sampler = make_sampler(graphdef, sh.G, sampling_params(cfg, sh, stop_ids, pad_id))
