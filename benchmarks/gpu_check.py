@@ -13,7 +13,9 @@ the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
 - compile seconds of each program;
 - the log-prob forward with `model.attention=cudnn` (`jax.nn.dot_product_attention`'s fused kernel)
   against the default einsum attention: seconds and the largest log-prob difference;
-- peak device memory against `cppo_jax.layout.memory_plan`'s figure for the same shapes.
+- peak device memory against `cppo_jax.layout.memory_plan`'s figure for the same shapes, and each
+  program's compiled memory (`memory_analysis()`, the table `plan --compile-for` prints for TPUs:
+  XLA:GPU cannot compile without a GPU) beside the measured peak.
 
 It needs only jax, flax, optax and numpy from the project's dependencies (NOT grain, vllm, math-verify
 or tensorboardX, which the GPU image lacks): the modules it imports are the model, step, sampler,
@@ -41,6 +43,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 from cppo_jax import layout  # noqa: E402
 from cppo_jax import step as step_lib  # noqa: E402
+from cppo_jax.aot import ProgramMemory  # noqa: E402
 from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
 from cppo_jax.cppo import num_kept  # noqa: E402
 from cppo_jax.models.known import KNOWN_MODELS  # noqa: E402
@@ -142,7 +145,27 @@ def _timed(fn, *args, repeat: int):
 class Report:
     def __init__(self, out: Path, meta: dict):
         self.out = out
-        self.data = {"meta": meta, "update": [], "attention": [], "sampler": None, "memory": None}
+        self.data = {
+            "meta": meta,
+            "update": [],
+            "attention": [],
+            "sampler": None,
+            "memory": None,
+            "programs": [],
+        }
+
+    def program(self, name: str, compiled, seconds: float) -> None:
+        """The compiler's memory of one program (as `plan --compile-for` prints it) and the
+        device's peak so far (measured after the program ran)."""
+        m = ProgramMemory.of(name, compiled, seconds)
+        row = {**dataclasses.asdict(m), "total": m.total, "measured_peak": None}
+        self.data["programs"].append(row)
+
+    def measured(self, device) -> None:
+        """The device's peak so far, set on the programs compiled since the last call."""
+        for row in self.data["programs"]:
+            if row["measured_peak"] is None:
+                row["measured_peak"] = peak_memory(device)
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -191,6 +214,22 @@ def markdown(data: dict) -> str:
             f"Embedded sampler: {s['sequences']} sequences x {s['new_tokens']} new tokens: "
             f"{s['tokens_per_s']:,.0f} tokens/s ({s['seconds']:.2f} s a call; compile {s['compile_s']:.1f} s).",
         ]
+    if data.get("programs"):
+        lines += [
+            "",
+            "Compiled memory per program (`memory_analysis()`, as `plan --compile-for` prints it) "
+            "and the device's peak measured after it ran (the peak of the run so far), GiB:",
+            "",
+            "| program | arguments | outputs | donated | temporaries | total | measured peak so far |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in data["programs"]:
+            peak = "n/a" if r["measured_peak"] is None else f"{r['measured_peak'] / 2**30:.2f}"
+            lines.append(
+                f"| {r['name']} | {r['arguments'] / 2**30:.2f} | {r['outputs'] / 2**30:.2f} | "
+                f"{r['aliased'] / 2**30:.2f} | {r['temporaries'] / 2**30:.2f} | "
+                f"{r['total'] / 2**30:.2f} | {peak} |"
+            )
     mem = data["memory"]
     if mem:
         measured = (
@@ -254,6 +293,8 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         step_c = train_step.lower(p_copy, opt_state, batch, False).compile()
         logps_c = logps.lower(params, batch.tokens_MT, batch.valid_MT).compile()
         compile_s = time.perf_counter() - start
+        report.program(f"train_step p={p}", step_c, compile_s)
+        report.program(f"logps p={p}", logps_c, compile_s)
         ref_s, _ = _timed(logps_c, params, batch.tokens_MT, batch.valid_MT, repeat=repeat)
         # The update donates params and state: carry them through the repeats.
         state = [p_copy, opt_state]
@@ -263,6 +304,7 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
             return metrics
 
         upd_s, metrics = _timed(update, repeat=repeat)
+        report.measured(device)
         seconds = ref_s + upd_s
         tokens = rows * T
         flops = tokens * (per_token + 2 * n_params)  # + the reference forward
@@ -312,7 +354,9 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
     start = time.perf_counter()
     sampler_c = sampler.lower(params, prompts, valid, seeds).compile()
     compile_s = time.perf_counter() - start
+    report.program("sampler", sampler_c, compile_s)
     seconds, samples = _timed(sampler_c, params, prompts, valid, seeds, repeat=max(1, repeat // 2))
+    report.measured(device)
     new_tokens = int(np.asarray(samples.valid_NC).sum()) if hasattr(samples, "valid_NC") else None
     n_seq = sh.Q * sh.G
     report.data["sampler"] = {

@@ -33,6 +33,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from cppo_jax.config import Config
 from cppo_jax.config_io import load_config
 from cppo_jax.models import known
 from cppo_jax.sft import SFTConfig
+from tests.conftest import build_arith_model_dir
 from tests.documented import _ENV, NOT_RUN, Doc, _head, _synopsis, collect
 from tests.test_launch import model_folder
 from tools import docs_gen
@@ -265,6 +267,8 @@ class Runner:
             assert code == 0 and "dry run: would evaluate" in out, out[-3000:]
             return "ok: --dry-run"
         assert name == "plan", name
+        if "--compile-for" in argv:
+            return self.compile_for(argv)
         code, out = _call(plan.main, argv, {})
         shown = [ln for ln in doc.output if ln != "..."]
         for line in shown:
@@ -273,6 +277,32 @@ class Runner:
         fits_no = any(ln.startswith("fits: no") for ln in shown)
         assert code == (1 if fits_no else 0), out[-3000:]
         return f"ok: exit {code}, {len(shown)} shown output lines matched"
+
+    def compile_for(self, argv: list[str]) -> str:
+        """`plan --compile-for TARGET` at a tiny shape, in its own process (libtpu is loaded only
+        there): the config's model replaced by a 2-layer one, prompts of 16 and completions of 8
+        tokens, no search. The target's devices, the config's mesh rules and the report are real."""
+        tiny = self.s.tmp / "compile_for_model"
+        if not (tiny / "config.json").is_file():
+            build_arith_model_dir(tiny, hidden=32, layers=2)
+        shrink = [
+            f"model.path={tiny}",
+            "data.max_prompt_len=16",
+            "rollout.max_new_tokens=8",
+            "--no-search",
+        ]
+        out = subprocess.run(
+            [sys.executable, "-m", "cppo_jax.plan", *argv, *shrink],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        target = argv[argv.index("--compile-for") + 1]
+        assert f"compiled for {target}: " in out.stdout and "fits: yes" in out.stdout, out.stdout
+        return f"ok: compiled for {target} at a tiny shape ({' '.join(shrink[1:])})"
 
     def script(self, argv: list[str], env: dict, doc: Doc) -> tuple[str, list[Doc]]:
         argv = [argv[0], "--dry-run", *self.s.substitute(argv[1:])]

@@ -63,3 +63,19 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
     assert data["memory"]["plan_train_peak"] > data["memory"]["plan_resident"] > 0
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| update" in md and "Embedded sampler" in md and "Peak device memory" in md
+    # The compiler's memory per program, as `plan --compile-for` prints it for TPUs.
+    names = [r["name"] for r in data["programs"]]
+    assert names == [
+        "train_step p=0.0",
+        "logps p=0.0",
+        "train_step p=0.875",
+        "logps p=0.875",
+        "sampler",
+    ]
+    for r in data["programs"]:
+        assert (
+            r["total"]
+            == r["arguments"] + r["outputs"] - r["aliased"] + r["temporaries"] + r["code"]
+        )
+        assert r["arguments"] > 0
+    assert "Compiled memory per program" in md

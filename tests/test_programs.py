@@ -1,0 +1,78 @@
+"""`programs.build` gives the programs the trainer runs: what `plan --compile-for` compiles is that code.
+
+A real trainer takes one step with each program recorded as it is called; each recorded call, lowered
+with the arguments it got, must give the same program text as `programs.build`'s function lowered with
+its abstract arguments (shapes, dtypes and shardings built from the config alone).
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from cppo_jax import programs
+from cppo_jax.trainer import Trainer
+from tests.test_trainer import small_config
+
+
+class Recorder:
+    """Wraps a jitted function: calls pass through, the first call's arguments are kept."""
+
+    def __init__(self, fn):
+        self.fn, self.args = fn, None
+
+    def __call__(self, *args):
+        if self.args is None:
+            self.args = jax.tree.map(
+                lambda x: (
+                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                    if isinstance(x, jax.Array)
+                    else x
+                ),
+                args,
+            )
+        return self.fn(*args)
+
+    def lower(self, *args):
+        return self.fn.lower(*args)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),  # mu = 1, beta > 0
+        ("cppo.mu=2", "model.dtype=bfloat16"),  # the old log-probs from the first update's forward
+    ],
+)
+def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
+    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=1", *overrides)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step = Recorder(trainer.train_step)
+        trainer.logps = Recorder(trainer.logps)
+        backend = trainer.backend
+        generate = backend.generate
+        seen = {}
+
+        def recording_generate(params, *rest):
+            fn = programs.make_sampler(backend.graphdef, rest[-1], backend.sp)
+            seen["sampler"] = Recorder(fn)
+            seen["sampler"](params, *rest[:-1])
+            return generate(params, *rest)
+
+        backend.generate = recording_generate
+        trainer.step(0)
+        built = programs.build(cfg, jax.devices()).programs
+        recorded = {
+            "train_step": trainer.train_step,
+            "ref_logps": trainer.logps,
+            "sampler": seen["sampler"],
+        }
+        assert set(built) == set(recorded)
+        for name, (fn, args) in built.items():
+            rec = recorded[name]
+            assert jax.tree.structure(args) == jax.tree.structure(rec.args), name
+            want = rec.lower(*rec.args).as_text()
+            assert fn.lower(*args).as_text() == want, name
+    finally:
+        trainer.close()
