@@ -57,7 +57,7 @@ def lines(report: Report) -> list[str]:
     where = f"{c.devices} x {c.device_kind}"
     if dev is not None:
         where += (
-            f" ({dev.share} device(s) per chip; {_gib(dev.hbm_bytes)} GiB HBM, "
+            f" ({dev.share} device(s) per chip; {_gib(dev.hbm_bytes)} HBM, "
             f"{dev.flops / 1e12:.0f} TFLOP/s bf16, {dev.bandwidth / 1e9:.0f} GB/s per device; "
             f"{dev.chip.source})"
         )
