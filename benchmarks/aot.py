@@ -66,7 +66,19 @@ def measure(case: dict) -> dict:
         "programs": aot_report.program_rows(report),
         "phases": aot_report.phase_rows(report),
         "seconds": round(time.perf_counter() - t0, 1),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str:
+    """The checkout's commit (the code that built the programs), with + when it has changes."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "cppo_jax"], capture_output=True, text=True, cwd=ROOT
+    )
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def plan_programs(row: dict) -> dict[str, int]:
@@ -92,7 +104,7 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
-def render(rows: list[dict], out: Path, info: dict) -> str:
+def render(rows: list[dict], out: Path, info: dict, before: list[dict] = ()) -> str:
     lines = [
         "# The paper configs compiled for TPU slices on a CPU (deviceless, libtpu)",
         "",
@@ -103,14 +115,14 @@ def render(rows: list[dict], out: Path, info: dict) -> str:
         "`cppo_jax.layout`'s estimate of the program's total, recomputed from the current code.",
         "",
         "| config | p | topology | mesh | micro-batch | program | args | temps | total | peak | "
-        "plan | plan/compiled | compile s | fits |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "plan | plan/compiled | compile s | fits | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     worst = 0.0
     for row in rows:
         planned = plan_programs(row)
         mesh = "/".join(str(row["mesh"][a]) for a in ("data", "fsdp", "tensor"))
-        fits = "yes" if row["fits_as_configured"] else "no"
+        fits = {True: "yes", False: "no", None: "unknown"}[row["fits_as_configured"]]
         for p in row["programs"]:
             plan = planned.get(p["program"])
             ratio = plan / p["total"] if plan and p["total"] else None
@@ -121,7 +133,7 @@ def render(rows: list[dict], out: Path, info: dict) -> str:
                 f"{row['micro_batch'] or 'whole'} | {p['program']} | {_gib(p['arguments'])} | "
                 f"{_gib(p['temporaries'])} | {_gib(p['total'])} | {_gib(p['peak'])} | "
                 f"{_gib(plan)} | {'-' if ratio is None else f'{ratio:.2f}'} | {p['compile_s']} | "
-                f"{fits} |"
+                f"{fits} | {row.get('commit', '?')} |"
             )
     lines += [
         "",
@@ -129,7 +141,7 @@ def render(rows: list[dict], out: Path, info: dict) -> str:
         f"(target {PLAN_TOLERANCE:.2f}).",
         "",
     ]
-    lines += _fit_lines(rows) + _flops_lines(rows) + _notes()
+    lines += _fit_lines(rows) + _flops_lines(rows) + _before_lines(rows, before) + _notes()
     text = "\n".join(lines) + "\n"
     (out / "aot_tpu.md").write_text(text)
     return text
@@ -147,7 +159,8 @@ def _fit_lines(rows: list[dict]) -> list[str]:
         found = r["micro_batch_found"]
         out.append(
             f"| {r['config']} | {r['rate']} | {r['target']} | {_gib(r['hbm_bytes'])} | "
-            f"{_gib(r['run_peak'])} | {'yes' if r['fits_as_configured'] else 'no'} | "
+            f"{_gib(r['run_peak'])} | "
+            f"{ {True: 'yes', False: 'no', None: 'unknown'}[r['fits_as_configured']] } | "
             f"{'none' if found is None else found} |"
         )
     smallest: dict[tuple, str] = {}
@@ -188,6 +201,32 @@ def _flops_lines(rows: list[dict]) -> list[str]:
             + f" | {total:.1f} |"
         )
     return out + [""]
+
+
+def _before_lines(rows: list[dict], before: list[dict]) -> list[str]:
+    """Earlier compiles of the same cases (`before` in aot_tpu.json, with the commit they ran at)
+    beside today's: what a change of the code did to the compiled memory."""
+    if not before:
+        return []
+    now = {(r["config"], r["rate"], r["target"]): r for r in rows}
+    out = [
+        "## Before and after",
+        "",
+        "| config | p | topology | program | before: commit, total | now: total | run peak before -> now |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for b in before:
+        r = now.get((b["config"], b["rate"], b["target"]))
+        if r is None:
+            continue
+        totals = {p["program"]: p["total"] for p in r["programs"]}
+        for p in b["programs"]:
+            out.append(
+                f"| {b['config']} | {b['rate']} | {b['target']} | {p['program']} | "
+                f"{b['commit']}: {_gib(p['total'])} | {_gib(totals.get(p['program']))} | "
+                f"{_gib(b['run_peak'])} -> {_gib(r['run_peak'])} |"
+            )
+    return [*out, ""]
 
 
 def _notes() -> list[str]:
@@ -271,7 +310,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 flush=True,
             )
     info["load_after"] = _common.load_average()
-    render(data["rows"], out, info)
+    render(data["rows"], out, info, data.get("before", []))
     return data["rows"]
 
 

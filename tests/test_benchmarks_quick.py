@@ -265,3 +265,23 @@ def test_demo_start_quick(tmp_path):
     assert "| 1 | this tree, empty cache |" in report and "| 1 | this tree, run again |" in report
     assert "## Headline" in report and "shorter than in the run of this tree, empty cache" in report
     assert json.loads((tmp_path / "demo_start.json").read_text())["quick"] is True
+
+
+def test_aot_quick(tmp_path):
+    """A tiny config compiled for a TPU slice (libtpu, in a child process) and for this CPU: every
+    program's compiled figures, the plan's beside them, and what fits."""
+    rows = load_script("aot").main(["--quick", "--out", str(tmp_path)])
+    assert [(r["config"], r["target"]) for r in rows] == [
+        ("tiny_cpu", "v5e:2x2"),
+        ("tiny_cpu", "cpu"),
+    ]
+    tpu, cpu = rows
+    assert tpu["device_kind"] == "TPU v5 lite" and tpu["fits_as_configured"] is True
+    assert cpu["hbm_bytes"] is None and cpu["fits_as_configured"] is None  # no memory to judge by
+    for r in rows:
+        assert [p["program"] for p in r["programs"]] == ["train_step", "ref_logps", "sampler"]
+        assert all(p["total"] > 0 and p["compile_s"] > 0 for p in r["programs"])
+    report = (tmp_path / "aot_tpu.md").read_text()
+    assert "| tiny_cpu | 0.75 | v5e:2x2 |" in report and "Largest |plan/compiled - 1|" in report
+    assert "## What a compile cannot tell" in report
+    assert json.loads((tmp_path / "aot_tpu.json").read_text())["quick"] is True
