@@ -34,7 +34,7 @@ class Report:
         if self.hbm_bytes is None:
             return None
         c = self.compiled
-        return not c.refused and c.run_peak <= self.hbm_bytes
+        return not c.refused and c.run_peak <= _usable(self.hbm_bytes)
 
 
 def _usable(hbm: int | None) -> int | None:
@@ -45,25 +45,37 @@ def _usable(hbm: int | None) -> int | None:
 
 def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
     """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
-    the layout `layout.pick_mesh` prefers (the most data parallel that the plan says fits)."""
+    the most data parallel layout (then the fewest tensor shards) whose peak by
+    `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; without a memory size,
+    the layout of the smallest peak."""
     from cppo_jax import layout
     from cppo_jax.config import MeshConfig
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import run_peak
     from cppo_jax.programs import model_config
 
     if cfg.mesh != MeshConfig():
         cfg.mesh.sizes(n)  # raises naming the keys
         return cfg
-    sh = shapes_of(cfg)
-    kw = layout.plan_kwargs(cfg, sh, hbm)
-    plans = layout.pick_mesh(model_config(cfg), n, sh.Q, **kw)
-    if not plans:
+    sh, tcfg = shapes_of(cfg), model_config(cfg)
+    meshes = layout.candidate_meshes(n, sh.Q)
+    if not meshes:
         raise ConfigError(
             f"no layout of the {n} devices has data x fsdp dividing the {sh.Q} questions per step: "
             f"set mesh.data / mesh.fsdp / mesh.tensor (product {n}) or cppo.questions_per_step"
         )
-    best = plans[0] if hbm is not None else min(plans, key=lambda p: p.peak)
-    return dataclasses.replace(cfg, mesh=MeshConfig(**best.mesh))
+    peaks = [(run_peak(cfg, tcfg, sh, m), m) for m in meshes]
+    usable = _usable(hbm)
+    if usable is None:
+        best = min(peaks, key=lambda pm: pm[0])[1]
+    else:
+
+        def preference(pm):
+            peak, m = pm
+            return (peak > usable, -(m["data"] * m["fsdp"]), m["tensor"], -m["data"])
+
+        best = min(peaks, key=preference)[1]
+    return dataclasses.replace(cfg, mesh=MeshConfig(**best))
 
 
 def _divisors_for(M: int, dp: int) -> list[int]:

@@ -14,10 +14,14 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   with fsdp > 1, each vocabulary matrix gathered in the params' dtype twice (lookup and logits) and
   its whole gradient before the reduce-scatter;
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
-  rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, one
-  vocabulary copy;
-- the embedded sampler: its params, the layers' copy, the completion keys/values (1.5x: the cache
-  grows by copying into a longer one) and two float32 [N, V] logits buffers.
+  rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, and with
+  fsdp > 1 the vocabulary matrix gathered whole;
+- the embedded sampler: its params, the compute-dtype copy of its shard (the layers and, twice, the
+  vocabulary matrix: lookup and logits), the completion keys/values (1.5x: the cache grows by
+  copying into a longer one) and two float32 [N, V] logits buffers.
+
+`run_peak` adds the run's state alive beside each program (the AdamW state while sampling, the
+reference during the update) and takes the largest: what `aot_fit` picks a mesh by.
 """
 
 from __future__ import annotations
@@ -68,10 +72,43 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         forward = n_all * (2 * 4 * H * T * T + 2 * T * F * cb) + logits
-        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + forward + vocab_c
+        # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
+        gathered_c = vocab_c if fsdp > 1 else 0
+        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + forward + gathered_c
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
         N = _split(rows, dp) if rows % dp == 0 else rows
         kv = 2 * L * J * E * C * N * cb
-        out["sampler"] = plan.params + layers_copy + 3 * kv // 2 + 2 * N * V * 4
+        vocab_copy = 2 * vocab_shard * cb // pb if pb != cb else 0  # the lookup's and the logits'
+        out["sampler"] = plan.params + layers_copy + vocab_copy + 3 * kv // 2 + 2 * N * V * 4
     return out
+
+
+def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
+    """The state a run keeps through a step, per device: params, AdamW state, the reference and
+    the overlap snapshot (compute-dtype copies)."""
+    plan = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, None))
+    out = {"params": plan.params, "opt_state": plan.opt_state}
+    if plan.reference:
+        out["reference"] = plan.reference
+    if plan.snapshot:
+        out["snapshot"] = plan.snapshot
+    return out
+
+
+ARGS_OF = {  # the resident state each program takes as arguments (the rest is alive beside it)
+    "train_step": ("params", "opt_state"),
+    "ref_logps": ("reference",),
+    "old_logps": ("snapshot",),
+    "sampler": ("params",),
+}
+
+
+def run_peak(cfg, tcfg, shapes, mesh: dict[str, int]) -> int:
+    """The largest of the programs' totals plus the state beside each (see the module docstring)."""
+    programs = program_bytes(cfg, tcfg, shapes, mesh)
+    resident = resident_bytes(cfg, tcfg, shapes, mesh)
+    return max(
+        total + sum(b for k, b in resident.items() if k not in ARGS_OF[name])
+        for name, total in programs.items()
+    )

@@ -21,6 +21,7 @@ from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
+from cppo_jax.program_memory import ARGS_OF
 from cppo_jax.rollout.sampler import make_sampler
 from cppo_jax.rollout.sampling import SamplingParams
 
@@ -152,7 +153,6 @@ def build(cfg: Config, devices) -> Built:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
     programs = {"train_step": (train_step, (params, opt, batch, flag))}
-    args_of = {"train_step": ("params", "opt_state")}
     resident = {"params": _bytes_per_device(params), "opt_state": _bytes_per_device(opt)}
     # The reference and the overlap's snapshot: forward-only copies in the compute dtype.
     copy = _abstract(
@@ -161,11 +161,9 @@ def build(cfg: Config, devices) -> Built:
     )
     if cfg.cppo.beta > 0:
         programs["ref_logps"] = (logps, (copy, tokens, valid))
-        args_of["ref_logps"] = ("reference",)
         resident["reference"] = _bytes_per_device(copy)
     if cfg.rollout.overlap:  # the snapshot's (old or behaviour) log-probs
         programs["old_logps"] = (logps, (copy, tokens, valid))
-        args_of["old_logps"] = ("snapshot",)
         resident["snapshot"] = _bytes_per_device(copy)
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)
@@ -177,5 +175,5 @@ def build(cfg: Config, devices) -> Built:
             rows_of((sh.Q,), jnp.uint32, q_rows),
         )
         programs["sampler"] = (sampler, (params, *prompts))
-        args_of["sampler"] = ("params",)
+    args_of = {name: ARGS_OF[name] for name in programs}
     return Built(mesh, sh, programs, resident, args_of)
