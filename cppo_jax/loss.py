@@ -1,13 +1,12 @@
-"""Masks, memory-bounded token log-probs and the clipped GRPO/CPPO policy loss (pure, no model).
+"""Memory-bounded token log-probs and the clipped GRPO/CPPO policy loss (pure, no model).
 
-Letters (docs/conventions.md): N completions (the masks take any rows of completions, e.g. all Q * G
-rolled out), M kept (trained) sequences, C completion tokens, D model width, V vocabulary. The log-prob
-helpers take any [M, T] block of tokens (step.py passes the C completion positions); inside the chunked
-one, X chunks of c tokens. Static (Python) arguments: loss_type, beta, eps_low, eps_high, max_completion_len,
-tis_cap, chunk_size, return_entropy; everything else may be traced.
+Letters (docs/conventions.md): M kept (trained) sequences, C completion tokens, D model width, V
+vocabulary. The log-prob helper takes any [M, T] block of tokens (step.py passes the C completion
+positions); inside it, X chunks of c tokens. Static (Python) arguments: loss_type, beta, eps_low,
+eps_high, max_completion_len, tis_cap, chunk_size, return_entropy; everything else may be traced.
 
-Masking truncated completions (`mask_truncated`) is the caller's choice: pass
-`apply_truncation_mask(mask_NC, truncated_N(...))`, i.e. mask * (1 - truncated), to `policy_loss`.
+The loss mask is the caller's: `cppo.prune` builds it from the rollout's `valid_NC` and, with
+`cppo.mask_truncated`, `finished_N` (both from `rollout.sampling.completion_ends`).
 """
 
 from __future__ import annotations
@@ -18,69 +17,12 @@ import jax.numpy as jnp
 from cppo_jax.config import LOSS_TYPES
 from cppo_jax.models.transformer import unembed
 
-# --------------------------------------------------------------------------- masks
-
-
-def _eos_NC(completion_ids_NC: jax.Array, eos_id, valid_NC: jax.Array | None) -> jax.Array:
-    """Where a completion holds an end id: `eos_id` is one id or a tuple of ids."""
-    is_eos_NC = jnp.isin(completion_ids_NC, jnp.asarray(eos_id, completion_ids_NC.dtype))
-    if valid_NC is not None:
-        is_eos_NC = is_eos_NC & valid_NC.astype(bool)
-    return is_eos_NC
-
-
-def completion_mask(
-    completion_ids_NC: jax.Array, eos_id, valid_NC: jax.Array | None = None
-) -> jax.Array:
-    """mask_NC (float32): 1 for tokens up to and including the first EOS (all tokens if none).
-
-    With valid_NC (padding), only valid positions count as EOS and the mask is and-ed with it.
-    """
-    is_eos_NC = _eos_NC(completion_ids_NC, eos_id, valid_NC).astype(jnp.int32)
-    eos_before_NC = jnp.cumsum(is_eos_NC, axis=1) - is_eos_NC  # EOS strictly before t
-    mask_NC = eos_before_NC == 0
-    if valid_NC is not None:
-        mask_NC = mask_NC & valid_NC.astype(bool)
-    return mask_NC.astype(jnp.float32)
-
-
-def truncated_N(
-    completion_ids_NC: jax.Array, eos_id, valid_NC: jax.Array | None = None
-) -> jax.Array:
-    """bool_N: True where a completion has no EOS (it hit the length limit)."""
-    return ~jnp.any(_eos_NC(completion_ids_NC, eos_id, valid_NC), axis=1)
-
-
-def apply_truncation_mask(mask_NC: jax.Array, truncated: jax.Array) -> jax.Array:
-    """mask * (1 - truncated): drop every token of truncated completions (DAPO-style option)."""
-    keep_N = 1 - truncated.astype(mask_NC.dtype)
-    return mask_NC * keep_N[:, None]
-
-
 # --------------------------------------------------------------------------- log-probs
 
 
 def _check_temperature(temperature) -> None:
     if isinstance(temperature, int | float) and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-
-
-def token_logps_from_logits(
-    logits_MTV: jax.Array, targets_MT: jax.Array, temperature: float = 1.0
-) -> jax.Array:
-    """logp_MT (float32): log-softmax(logits / temperature) at the targets. For small V only."""
-    _check_temperature(temperature)
-    z_MTV = logits_MTV.astype(jnp.float32) / temperature
-    logp_MTV = jax.nn.log_softmax(z_MTV, axis=-1)
-    return jnp.take_along_axis(logp_MTV, targets_MT[..., None], axis=-1)[..., 0]
-
-
-def token_entropy(logits_MTV: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """ent_MT (float32): entropy of softmax(logits / temperature). For small V only."""
-    _check_temperature(temperature)
-    z_MTV = logits_MTV.astype(jnp.float32) / temperature
-    logp_MTV = jax.nn.log_softmax(z_MTV, axis=-1)
-    return -jnp.sum(jnp.exp(logp_MTV) * logp_MTV, axis=-1)
 
 
 def _chunk_logps(h_McD, w_DV, t_Mc, temperature, return_entropy):

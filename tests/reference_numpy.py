@@ -174,19 +174,20 @@ def token_entropy(logits_NTV, temperature: float = 1.0) -> np.ndarray:
     return out_NT
 
 
-def completion_mask(ids_NC, eos_id, valid_NC=None) -> np.ndarray:
-    """1 up to and including the first (valid) EOS, any id of `eos_id` (an id or a tuple), then 0;
-    and-ed with valid_NC."""
-    eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+def completion_ends(ids_NC, end_ids, length_N=None) -> tuple[np.ndarray, np.ndarray]:
+    """(valid_NC, finished_N), one token at a time: valid up to and including the first end id
+    (any of `end_ids`, an id or a tuple) among each row's first length_N[i] tokens (all when None),
+    finished when there is one."""
+    ends = (end_ids,) if isinstance(end_ids, int) else tuple(end_ids)
     N, C = np.shape(ids_NC)
-    mask_NC = np.zeros((N, C))
+    valid_NC, finished_N = np.zeros((N, C), bool), np.zeros(N, bool)
     for i in range(N):
-        for t in range(C):
-            valid = True if valid_NC is None else bool(valid_NC[i][t])
-            mask_NC[i, t] = 1.0 if valid else 0.0
-            if valid and int(ids_NC[i][t]) in eos_ids:
+        for t in range(C if length_N is None else int(length_N[i])):
+            valid_NC[i, t] = True
+            if int(ids_NC[i][t]) in ends:
+                finished_N[i] = True
                 break
-    return mask_NC
+    return valid_NC, finished_N
 
 
 def informative_groups(rewards_QG, U: int) -> list[int]:

@@ -150,16 +150,14 @@ GOLD_SOLUTION = "She earns 12 * 150 = 1800 dollars.\n#### 1,800"
 def _score(tok, rows_NC: list[list[int]], C: int, stop_ids):
     """The trainer's step 3 on these completion ids: valid up to the first stop id (as the samplers
     mark them), decoded and scored by `scoring.score_rollout` with the paper's GSM8K rewards."""
-    from cppo_jax.rollout.sampling import completion_valid
+    from cppo_jax.rollout.sampling import completion_ends
 
     tokens_NC = np.full((len(rows_NC), C), tok.pad_id, np.int32)
     length_N = np.zeros(len(rows_NC), np.int32)
     for n, row in enumerate(rows_NC):
         tokens_NC[n, : len(row)] = row
         length_N[n] = len(row)
-    valid_NC = np.asarray(completion_valid(tokens_NC, stop_ids)) & (
-        np.arange(C)[None, :] < length_N[:, None]
-    )
+    valid_NC, _ = completion_ends(tokens_NC, stop_ids, length_N)
     example = datasets.to_example({"question": "How much?", "answer": GOLD_SOLUTION}, "gsm8k")
     batch = pipeline.encode_prompts([example], tok, "gsm8k", 256, "reject")
     pool = RewardPool(["gsm8k_accuracy", "gsm8k_format"], num_workers=0)

@@ -29,8 +29,10 @@ from cppo_jax.rollout.sampling import SamplingParams
 
 try:
     import helpers
+    import reference_numpy as ref
 except ImportError:  # pragma: no cover - run as a package
     from tests import helpers
+    from tests import reference_numpy as ref
 
 PROMPTS = [[5, 17, 33], [9, 200, 3, 44, 45, 46, 47], [128]]  # different lengths: left padding
 P, C, G = 7, 6, 2
@@ -277,15 +279,114 @@ def test_a_row_ends_at_the_first_of_several_eos_ids(policy, greedy):
     # A one-id list misses those ends: the rows run on (the bug of a single eos id).
     only_first = make_sampler(graphdef, 1, dataclasses.replace(sp, eos_id=NEVER))
     assert not np.asarray(only_first(state, *batch(PROMPTS, SEEDS)).finished_N).any()
+    # The vLLM backend, given these completions as a server returns them, marks the same tokens.
+    np.testing.assert_array_equal(_as_served(out, sp), np.asarray(out.valid_NC))
 
 
-def test_completion_valid_and_eos_id_forms():
-    tokens_NC = jnp.asarray([[5, 3, 9, 4], [5, 4, 3, 9], [5, 6, 7, 8]], jnp.int32)
-    valid = np.asarray(sampling.completion_valid(tokens_NC, (3, 4)))
-    np.testing.assert_array_equal(valid.sum(1), [2, 2, 4])  # ends at whichever comes first
-    np.testing.assert_array_equal(
-        np.asarray(sampling.completion_valid(tokens_NC, 4)).sum(1), [4, 2, 4]
+def _as_served(samples, sp):
+    """valid_NC of the vLLM backend's `samples_from_completions` on the rows of `samples`, each
+    cut to its valid tokens (what a server sends back, with "stop" or "length"), no server."""
+    from cppo_jax.rollout.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.vllm_client import Completion
+
+    tokens_NC, valid_NC = np.asarray(samples.tokens_NC), np.asarray(samples.valid_NC)
+    finished_N = np.asarray(samples.finished_N)
+    groups = [
+        [
+            Completion(
+                tuple(int(t) for t in row[ok]), (0.0,) * int(ok.sum()), "stop" if f else "length"
+            )
+        ]
+        for row, ok, f in zip(tokens_NC, valid_NC, finished_N)
+    ]
+    served = samples_from_completions(groups, 1, sp)
+    np.testing.assert_array_equal(np.asarray(served.tokens_NC), tokens_NC)
+    np.testing.assert_array_equal(np.asarray(served.finished_N), finished_N)
+    return np.asarray(served.valid_NC)
+
+
+QWEN_ENDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5's two end ids
+
+
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jax"])
+def test_completion_ends_edge_cases(xp):
+    im_end, text_end = QWEN_ENDS
+    tokens_NC = np.asarray(
+        [
+            [im_end, 5, 6, 7, 8],  # end id first: only it is valid
+            [5, 6, 7, 8, im_end],  # last
+            [5, 6, 7, 8, 9],  # absent: all valid, truncated
+            [5, im_end, 6, im_end, im_end],  # several: the first ends it
+            [5, text_end, im_end, 6, 7],  # the other of two stop ids ends it too
+            [
+                5,
+                6,
+                im_end,
+                text_end,
+                text_end,
+            ],  # padded with an end id (Qwen pads with <|endoftext|>)
+        ],
+        np.int32,
     )
+    valid_NC, finished_N = sampling.completion_ends(xp.asarray(tokens_NC), QWEN_ENDS, xp=xp)
+    np.testing.assert_array_equal(np.asarray(valid_NC).sum(1), [1, 5, 5, 2, 2, 3])
+    np.testing.assert_array_equal(finished_N, [True, True, False, True, True, True])
+    assert isinstance(valid_NC, np.ndarray) == (xp is np)  # host code stays on the host
+    # One id (an int or a 1-tuple): the other stop id is an ordinary token.
+    for one in (im_end, (im_end,)):
+        valid_NC, finished_N = sampling.completion_ends(xp.asarray(tokens_NC), one, xp=xp)
+        np.testing.assert_array_equal(np.asarray(valid_NC).sum(1), [1, 5, 5, 2, 3, 3])
+        np.testing.assert_array_equal(finished_N, [True, True, False, True, True, True])
+    # With lengths, positions past a row's length are padding even when they hold an end id.
+    length_N = np.asarray([5, 4, 3, 1, 0, 2])
+    valid_NC, finished_N = sampling.completion_ends(
+        xp.asarray(tokens_NC), QWEN_ENDS, xp.asarray(length_N), xp=xp
+    )
+    np.testing.assert_array_equal(np.asarray(valid_NC).sum(1), [1, 4, 3, 1, 0, 2])
+    np.testing.assert_array_equal(finished_N, [True, False, False, False, False, False])
+    np.testing.assert_array_equal(
+        np.asarray(valid_NC)[1], [True, True, True, True, False]
+    )  # valid is a prefix of each row
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_completion_ends_numpy_equals_jit_equals_reference(seed):
+    """The same function on NumPy (the vLLM backend's host code) and in jit (the embedded
+    sampler) gives the reference's masks on random rows, end ids common, several, or absent."""
+    gen = np.random.default_rng(seed)
+    N, C = 7, 11
+    ends = [3, (3,), (4, 3), (151645, 151643)][seed % 4]
+    pool = np.asarray([1, 2, 3, 4, 151645, 151643, 9], np.int32)
+    tokens_NC = pool[gen.integers(0, len(pool), size=(N, C))]
+    for length_N in (None, gen.integers(0, C + 1, size=N)):
+        want = ref.completion_ends(tokens_NC, ends, length_N)
+        got_np = sampling.completion_ends(tokens_NC, ends, length_N, xp=np)
+        got_jit = jax.jit(lambda t, n: sampling.completion_ends(t, ends, n, xp=jnp))(
+            jnp.asarray(tokens_NC), None if length_N is None else jnp.asarray(length_N)
+        )
+        for w, a, b in zip(want, got_np, got_jit):
+            np.testing.assert_array_equal(a, w)
+            np.testing.assert_array_equal(np.asarray(b), w)
+
+
+def test_both_backends_mark_the_same_tokens_on_random_rows():
+    """Sampler-style rows (pad_id after the first end id) and the same completions as a vLLM server
+    returns them (cut after the end id; "stop" or "length") get the same valid_NC and finished_N,
+    with the pad id itself an end id (Qwen's <|endoftext|>)."""
+    gen = np.random.default_rng(0)
+    N, C = 9, 8
+    sp = SamplingParams(max_new_tokens=C, eos_id=QWEN_ENDS, pad_id=QWEN_ENDS[1])
+    pool = np.asarray([5, 6, 7, 8, *QWEN_ENDS], np.int32)
+    tokens_NC = pool[gen.integers(0, len(pool), size=(N, C))]
+    tokens_NC[0] = 5  # one row with no end id
+    valid_NC, finished_N = sampling.completion_ends(tokens_NC, sp.eos_id)
+    tokens_NC = np.where(valid_NC, tokens_NC, sp.pad_id)  # as the sampler pads
+    assert finished_N.any() and not finished_N.all()
+    samples = sampling.Samples(tokens_NC, np.zeros((N, C)), valid_NC, finished_N)
+    np.testing.assert_array_equal(_as_served(samples, sp), valid_NC)
+
+
+def test_eos_id_forms():
     assert SamplingParams(max_new_tokens=2, eos_id=7).eos_id == (7,)
     for bad in ((), (3, -1), ("2",), 2.5):
         with pytest.raises(ValueError, match="eos_id"):

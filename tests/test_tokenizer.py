@@ -112,15 +112,14 @@ def test_stop_ids_gather_generation_config_config_and_chat_template(tok_dir, tmp
     assert tok.end_of_turn_id() == 0 and tok.stop_ids == (2, 0)
     # The reward text of a completion ended by the second id stops there.
     from cppo_jax.pipeline import decode_completions
-    from cppo_jax.rollout.sampling import completion_valid
+    from cppo_jax.rollout.sampling import completion_ends
 
     ids = tok.encode("The answer is 42.")
     row = np.asarray([[*ids, 0, *tok.encode(" and more")]], np.int32)
-    valid = np.asarray(completion_valid(row, tok.stop_ids))
+    valid, _ = completion_ends(row, tok.stop_ids)
     assert decode_completions(tok, row, valid) == ["The answer is 42."]
-    assert decode_completions(tok, row, np.asarray(completion_valid(row, tok.eos_id)))[0].endswith(
-        "more"
-    )
+    valid, _ = completion_ends(row, tok.eos_id)
+    assert decode_completions(tok, row, valid)[0].endswith("more")
 
 
 def test_stop_ids_refuse_a_malformed_eos_token_id(tok_dir, tmp_path):

@@ -99,16 +99,17 @@ class FakeVLLM:
 
     def choices(self, payload):
         prompts, n, max_tokens = payload["prompt"], payload["n"], payload["max_tokens"]
+        end = (payload.get("stop_token_ids") or [EOS])[0]  # as vLLM, end on an id it was sent
         out = []
         for p, prompt in enumerate(prompts):
             for j in range(n):
                 # Deterministic: sample j of a prompt is (prompt length + j) % 3 + 1 tokens long, then
-                # EOS; an odd j runs into max_tokens instead.
+                # an end id; an odd j runs into max_tokens instead.
                 length = (len(prompt) + j) % 3 + 1
                 if j % 2:
                     ids, reason = [10 + j] * max_tokens, "length"
                 else:
-                    ids, reason = [10 + p] * (min(length, max_tokens) - 1) + [EOS], "stop"
+                    ids, reason = [10 + p] * (min(length, max_tokens) - 1) + [end], "stop"
                 lps = [-0.5 - 0.01 * k for k in range(len(ids))]
                 choice = {
                     "index": p * n + j,
@@ -329,16 +330,18 @@ def test_samples_layout():
     np.testing.assert_array_equal(valid.sum(1), [3, 5, 1, 5])
     np.testing.assert_allclose(logp[0], [-0.1, -0.2, -0.3, 0, 0], rtol=1e-6)
     np.testing.assert_array_equal(finished, [True, False, True, True])
-    # The same invariant the embedded sampler keeps: valid up to and including the first EOS.
-    from cppo_jax.rollout.sampling import completion_valid
+    # The rule the embedded sampler uses: valid up to and including the first EOS.
+    from cppo_jax.rollout.sampling import completion_ends
 
-    np.testing.assert_array_equal(valid, np.asarray(completion_valid(s.tokens_NC, EOS)))
+    want = completion_ends(np.asarray(s.tokens_NC), EOS)
+    np.testing.assert_array_equal(valid, want[0])
+    np.testing.assert_array_equal(finished, want[1])
     short = [[Completion((7, EOS), (-0.1, -0.2), "stop"), Completion((EOS,), (-0.3,), "stop")]]
     assert int(samples_from_completions(short, 2, _sp()).steps) == 2
 
 
 def test_samples_end_at_any_of_several_stop_ids():
-    from cppo_jax.rollout.sampling import completion_valid
+    from cppo_jax.rollout.sampling import completion_ends
     from cppo_jax.rollout.vllm_backend import samples_from_completions
 
     other = EOS + 1  # a second end id (e.g. <|endoftext|> beside <|im_end|>)
@@ -348,11 +351,24 @@ def test_samples_end_at_any_of_several_stop_ids():
     ]
     s = samples_from_completions(groups, 2, sp)
     np.testing.assert_array_equal(
-        np.asarray(s.valid_NC), np.asarray(completion_valid(s.tokens_NC, (EOS, other)))
+        np.asarray(s.valid_NC), completion_ends(np.asarray(s.tokens_NC), (EOS, other))[0]
     )
     past = Completion((other, 7), (-0.1, -0.2), "length")
     with pytest.raises(ResponseError, match=rf"after EOS \(ids \[{EOS}, {other}\]\) at token 0"):
         samples_from_completions([[past]], 1, sp)
+
+
+def test_samples_reject_a_finish_reason_the_end_ids_contradict():
+    """finished_N comes from the end ids (as the embedded sampler's), so `cppo.mask_truncated`
+    treats both backends alike; a server stopping on another id is refused, not guessed at."""
+    from cppo_jax.rollout.vllm_backend import samples_from_completions
+
+    stopped = Completion((7, 8), (-0.1, -0.2), "stop")  # 8 is not an end id here
+    with pytest.raises(ResponseError, match="finish_reason 'stop', but its end ids .* truncated"):
+        samples_from_completions([[stopped]], 1, _sp())
+    ended = Completion((7, 7, 7, 7, EOS), (-0.1,) * 5, "length")
+    with pytest.raises(ResponseError, match="finish_reason 'length', but its end ids .* finished"):
+        samples_from_completions([[ended]], 1, _sp())
 
 
 def test_samples_reject_incomplete_groups():
@@ -382,7 +398,7 @@ def _tiny_backend(url, tmp_path, sp=None, **kw):
 
 
 def test_backend_generate_through_fake_server(fake, tmp_path):
-    # Two end ids (the fake server only ends on EOS): both go to vLLM as stop_token_ids.
+    # Two end ids (the fake server ends on the first): both go to vLLM as stop_token_ids.
     backend, params = _tiny_backend(fake.url, tmp_path, sp=_sp(eos_id=(EOS, 3)))
     backend.synced_step = 0  # the fake server cannot pass the probe check
     prompt_QP = np.array([[0, 0, 5, 6, 7], [0, 0, 0, 8, 9]], np.int32)

@@ -39,7 +39,8 @@ from cppo_jax.rollout.sampling import (
     Samples,
     SamplingParams,
     choose,
-    completion_valid,
+    completion_ends,
+    is_end_id,
     sequence_uniforms,
 )
 
@@ -215,7 +216,7 @@ def sample_with_uniforms(
             token_N,
             tokens_NC,
             logp_NC,
-            done_N | jnp.isin(token_N, jnp.asarray(sp.eos_id, token_N.dtype)),
+            done_N | is_end_id(token_N, sp.eos_id, xp=jnp),
         )
 
     # 2. Decode: positions 0 .. C - 2 each sample a token and run it through the model. The
@@ -255,9 +256,11 @@ def sample_with_uniforms(
     t, _, logits_NV, tokens_NC, logp_NC, done_N = carry
     all_done = jnp.all(done_N)
     # 3. The last position needs no forward pass (a no-op when every sequence already stopped).
-    _, tokens_NC, logp_NC, done_N = emit(t, logits_NV, tokens_NC, logp_NC, done_N)
+    _, tokens_NC, logp_NC, _ = emit(t, logits_NV, tokens_NC, logp_NC, done_N)
     steps = jnp.where(all_done, t, t + 1)
-    return Samples(tokens_NC, logp_NC, completion_valid(tokens_NC, sp.eos_id), done_N, steps)
+    # done_N only stopped the loop: the masks come from the rule every backend uses.
+    valid_NC, finished_N = completion_ends(tokens_NC, sp.eos_id, xp=jnp)
+    return Samples(tokens_NC, logp_NC, valid_NC, finished_N, steps)
 
 
 def sample(

@@ -1,7 +1,8 @@
 """Sampling parameters and choosing tokens: what the embedded sampler draws, and how.
 
-`SamplingParams` (validated once), `Samples` (what every rollout backend returns), which completion tokens
-are valid, and the choice of one token per row from logits: greedy, or the top-k/top-p truncation of
+`SamplingParams` (validated once), `Samples` (what every rollout backend returns), where a completion
+ends (`completion_ends`: its valid tokens and whether it finished, on NumPy or in jit, for every
+backend), and the choice of one token per row from logits: greedy, or the top-k/top-p truncation of
 softmax(logits / temperature) sampled by inverse CDF from one uniform number per token
 (`sequence_uniforms`: question q's numbers come from `PRNGKey(seed_q)` alone). Pure functions of arrays;
 the model and its caches are `sampler`'s.
@@ -73,22 +74,35 @@ class SamplingParams:
 class Samples(NamedTuple):
     tokens_NC: jax.Array  # int32, pad after EOS
     logp_NC: jax.Array  # float32, 0 after EOS
-    valid_NC: jax.Array  # bool: tokens up to and including EOS
-    finished_N: jax.Array  # bool: stopped on EOS (False: truncated at C)
+    valid_NC: jax.Array  # bool: tokens up to and including EOS (`completion_ends`)
+    finished_N: jax.Array  # bool: has an EOS (False: truncated at C) (`completion_ends`)
     # int32 scalar: completion positions decoded, C unless every sequence stopped earlier (then
     # 1 + the last sequence's EOS position). None where a backend does not report it.
     steps: jax.Array | None = None
 
 
-def completion_valid(tokens_NC: jax.Array, eos_id, length=None) -> jax.Array:
-    """True up to and including the first EOS, any id of `eos_id` (an id or a tuple of ids; all
-    True when there is none), within `length`."""
-    is_eos_NC = jnp.isin(tokens_NC, jnp.asarray(eos_id, tokens_NC.dtype))
-    before_eos_NC = jnp.cumsum(is_eos_NC.astype(jnp.int32), axis=-1) - is_eos_NC.astype(jnp.int32)
-    valid_NC = before_eos_NC == 0
-    if length is not None:
-        valid_NC = valid_NC & (jnp.arange(tokens_NC.shape[1]) < length)[None, :]
-    return valid_NC
+def is_end_id(tokens, end_ids, *, xp=np):
+    """bool, shaped like `tokens`: which tokens are end ids (`end_ids`: an id or a tuple of ids)."""
+    return xp.isin(tokens, xp.asarray(end_ids, tokens.dtype))
+
+
+def completion_ends(tokens_NC, end_ids, length_N=None, *, xp=np):
+    """(valid_NC, finished_N): where each completion ends, the one rule both backends use.
+
+    A token is valid up to and including the row's first end id (any id of `end_ids`, an id or a
+    tuple of ids); everything after it is padding. A row with no end id is valid up to its length
+    and not finished (truncated). `length_N` (optional, [N]) is how many tokens each row holds;
+    positions at or past it are padding and never end a row. `xp` is the array namespace: NumPy
+    on the host (`samples_from_completions`, no device round trip), `jax.numpy` inside jit (the
+    embedded sampler).
+    """
+    N, C = tokens_NC.shape
+    within_NC = xp.ones((N, C), bool)
+    if length_N is not None:
+        within_NC = xp.arange(C)[None, :] < xp.asarray(length_N)[:, None]
+    end_NC = is_end_id(tokens_NC, end_ids, xp=xp) & within_NC
+    ends_before_NC = xp.cumsum(end_NC, axis=1, dtype=xp.int32) - end_NC  # end ids strictly before t
+    return (ends_before_NC == 0) & within_NC, xp.any(end_NC, axis=1)
 
 
 # ---------------------------------------------------------------------------------------------

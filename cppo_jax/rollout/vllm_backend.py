@@ -5,7 +5,8 @@
 - `generate`: one `/v1/completions` request per question (its left padding stripped), `n = G`, seeded
   `seeds_Q[q] * G` so that the per-sample seeds (seed + j) of different questions never overlap; the answers
   come back as the same `Samples` the embedded sampler returns (tokens padded with `pad_id` after EOS,
-  log-probs 0 there, `valid` up to and including EOS, `finished` for "stop" vs "length").
+  log-probs 0 there, `valid` and `finished` by the sampler's own rule, `sampling.completion_ends`, which
+  the server's "stop" vs "length" must agree with).
 - `sync_weights(params, step)`: write the policy as a Hugging Face checkpoint, cast to the dtype the server
   computes in (`GET /server_info`; bf16 halves the bytes of an fp32 policy), into one of two alternating
   slots under `rollout.weights_dir` (default `<run_dir>/weights`; written to a temporary sibling and renamed
@@ -44,7 +45,7 @@ from cppo_jax.config import ConfigError, RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
 from cppo_jax.models.transformer import DTYPES, Transformer
 from cppo_jax.profile import KEPT_PROGRAMS
-from cppo_jax.rollout.sampling import Samples, SamplingParams
+from cppo_jax.rollout.sampling import Samples, SamplingParams, completion_ends
 from cppo_jax.rollout.vllm_client import (
     Completion,
     ResponseError,
@@ -104,13 +105,18 @@ def default_probe_ids(vocab_size: int, length: int = PROBE_LEN, seed: int = 1234
 def samples_from_completions(
     groups: list[list[Completion]], num_samples: int, sp: SamplingParams, url: str = ""
 ) -> Samples:
-    """Static-shape `Samples` [Q*G, C] from per-question completions (prompt-major rows)."""
+    """Static-shape `Samples` [Q*G, C] from per-question completions (prompt-major rows).
+
+    `valid_NC` and `finished_N` come from `sampling.completion_ends` on the server's token ids, as
+    the embedded sampler's do; a completion that goes on after an end id, or whose `finish_reason`
+    disagrees with the rule (the server stopped on an id that is not one of `sp.eos_id`), raises
+    `ResponseError`."""
     G, C = num_samples, sp.max_new_tokens
     N = len(groups) * G
     tokens_NC = np.full((N, C), sp.pad_id, np.int32)
     logp_NC = np.zeros((N, C), np.float32)
-    valid_NC = np.zeros((N, C), bool)
-    finished_N = np.zeros((N,), bool)
+    length_N = np.zeros((N,), np.int64)
+    stop_N = np.zeros((N,), bool)
     for q, group in enumerate(groups):
         if len(group) != G:
             raise ResponseError(
@@ -123,20 +129,30 @@ def samples_from_completions(
                 raise ResponseError(
                     f"{url}: completion {j} of question {q} has {n} tokens, more than {C}", url=url
                 )
-            ids = np.asarray(c.token_ids, np.int64)
-            eos_at = np.flatnonzero(np.isin(ids, sp.eos_id))
-            if eos_at.size and eos_at[0] != n - 1:
-                raise ResponseError(
-                    f"{url}: completion {j} of question {q} goes on after EOS (ids {list(sp.eos_id)}) at "
-                    f"token {eos_at[0]} of {n}: the server ignored the stop token",
-                    url=url,
-                )
-            tokens_NC[row, :n] = ids
+            tokens_NC[row, :n] = c.token_ids
             logp_NC[row, :n] = c.logprobs
-            valid_NC[row, :n] = True
-            finished_N[row] = c.finish_reason == "stop"
+            length_N[row] = n
+            stop_N[row] = c.finish_reason == "stop"
+    valid_NC, finished_N = completion_ends(tokens_NC, sp.eos_id, length_N, xp=np)
+    for row in range(N):
+        q, j, n, used = row // G, row % G, int(length_N[row]), int(valid_NC[row].sum())
+        if used != n:
+            raise ResponseError(
+                f"{url}: completion {j} of question {q} goes on after EOS (ids {list(sp.eos_id)}) at "
+                f"token {used - 1} of {n}: the server ignored the stop token",
+                url=url,
+            )
+        if stop_N[row] != finished_N[row]:
+            reason = "stop" if stop_N[row] else "length"
+            raise ResponseError(
+                f"{url}: completion {j} of question {q} has finish_reason {reason!r}, but its end "
+                f"ids (ids {list(sp.eos_id)}) say {'finished' if finished_N[row] else 'truncated'}: "
+                f"the server stops on other ids than the trainer (last token "
+                f"{int(tokens_NC[row, n - 1])})",
+                url=url,
+            )
     # Decoded positions: C when any sequence was truncated, else 1 + the last EOS position.
-    steps = int(valid_NC.sum(axis=1).max()) if N else 0
+    steps = int(length_N.max()) if N else 0
     return Samples(
         jnp.asarray(tokens_NC),
         jnp.asarray(logp_NC),
