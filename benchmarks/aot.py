@@ -217,8 +217,8 @@ def _before_lines(rows: list[dict], before: list[dict]) -> list[str]:
     ]
     for b in before:
         r = now.get((b["config"], b["rate"], b["target"]))
-        if r is None:
-            continue
+        if r is None or r["mesh"] != b["mesh"] or r["micro_batch"] != b["micro_batch"]:
+            continue  # compare like with like: the same mesh and micro-batch
         totals = {p["program"]: p["total"] for p in r["programs"]}
         for p in b["programs"]:
             out.append(
