@@ -27,6 +27,7 @@ __all__ = [
     "Cache",
     "Transformer",
     "TransformerConfig",
+    "gather_cast",
     "has_o_bias",
     "init_cache",
     "init_model",
@@ -95,6 +96,17 @@ def unembed(h_XD: jax.Array, w_DV: jax.Array) -> jax.Array:
     the [D, V] weight to the compute dtype.
     """
     return dense(h_XD, w_DV.astype(h_XD.dtype), out_dtype=jnp.float32)
+
+
+def gather_cast(w: jax.Array, names: tuple[str, ...], whole: tuple[str | None, ...], dtype):
+    """`w`, sharded by its logical `names`, cast to `dtype` on each device's shard, then laid out
+    by `whole` (gathered along the dims `whole` leaves unsharded).
+
+    The all-gather moves `dtype` bytes (a float32 matrix gathered and then cast held the whole
+    float32 copy), and the gradient comes back reduced in `dtype`, cast to w's dtype on the
+    shard. The identity without a mesh but for the cast.
+    """
+    return constrain(constrain(w.astype(dtype), names), whole)
 
 
 def forward_copy(params, dtype):
@@ -383,9 +395,11 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        # The table whole along D (gathered over fsdp), so each row's lookup stays on its device.
-        embed_VD = constrain(self.embed_VD[...], ("vocab", None))
-        x_BTD = jnp.take(embed_VD, tokens_BT, axis=0, mode="clip")
+        # Looked up in the table as it is sharded (D split over fsdp): each device takes every
+        # row's D slice, [B, T, D / fsdp], which is then regathered along D and split by rows. No
+        # [V, D] table is gathered, and the lookup's gradient is scattered into the shard.
+        x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0, mode="clip")
+        x_BTD = constrain(x_BTD, (None, None, "embed"))
         x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), _ACT_EMBED)
         valid_BT = valid_BT.astype(jnp.bool_)
         if cache is None:
