@@ -51,7 +51,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     gathered_p = (2 + vocab_mats) * V * D * pb if fsdp > 1 else 0
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
-    if tcfg.remat:
+    if tcfg.remat == "full":
         activations = n * T * (L * cb * D + 3 * 4 * H * T + 2 * cb * F)
     else:
         activations = plan.activations_no_remat

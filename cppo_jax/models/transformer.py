@@ -337,13 +337,29 @@ class DecoderLayer(nnx.Module):
         return self.mlp_residual(x_BTD), cache
 
 
-def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, remat: bool = False):
+# What each remat policy (TransformerConfig.remat) saves of a layer's forward for its backward;
+# None: jax.checkpoint is not applied (every residual is kept).
+REMAT_POLICIES = {
+    "save_all": None,
+    # only the layer's input (the carry): the whole layer is recomputed
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # the projections (q, k, v, o, gate, up, down: 2-D `dense` matmuls); attention's batched
+    # einsums (scores, weighted values) and all elementwise work recomputed
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # every matmul output, the attention scores too; elementwise work recomputed
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def run_layers(
+    cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, remat: str = "save_all"
+):
     """`carry = body(layer_i, i, carry)` for each of the L layers stacked in `layers`, in order.
 
     Under one `lax.scan` over the stacked params when `cfg.scan_layers` (every program holds one
     copy of the layer), else unrolled (layer i is a static slice of the stack). `body` may close
-    over traced values; with `remat` each layer's activations are recomputed in the backward pass
-    (scanned without remat: only its matmul outputs are kept).
+    over traced values. `remat` names what each layer keeps for the backward pass
+    (`REMAT_POLICIES`); the rest is recomputed there.
     """
     graphdef, state = nnx.split(layers)
 
@@ -351,13 +367,9 @@ def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, rem
         state_l, index = xs
         return body(nnx.merge(graphdef, state_l), index, carry), None
 
-    if remat:
-        step = jax.checkpoint(step)
-    elif cfg.scan_layers:
-        # A scan keeps every residual of every layer for the backward pass, some of them per layer
-        # where the unrolled program shares one copy; keeping the matmul outputs only (elementwise
-        # work is recomputed) makes the scanned step need less memory than the unrolled one.
-        step = jax.checkpoint(step, policy=jax.checkpoint_policies.dots_saveable)
+    policy = REMAT_POLICIES[remat]
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy)
     if cfg.scan_layers:
         carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
         return carry
