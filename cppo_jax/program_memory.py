@@ -14,11 +14,11 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   output too) and one layer's three float32 score buffers and MLP products rebuilt in the backward
   (`save_all`: the plan's activations);
   with fsdp > 1, the unembedding gathered whole in the compute dtype, its whole gradient and that
-  gradient summed over devices, both in the compute dtype (the embedding is looked up in its
-  shard: `transformer.gather_cast`, `Transformer.hidden`);
+  gradient summed over devices, both in the compute dtype (a float32 embedding is looked up in
+  its shard: `transformer.gather_cast`, `Transformer.hidden`);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
   rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, one
-  vocabulary copy;
+  vocabulary copy (the compute-dtype table gathered once, for the lookup and the logits);
 - the embedded sampler: its params, the layers' copy, the completion keys/values (1.5x: the cache
   grows by copying into a longer one) and two float32 [N, V] logits buffers.
 """

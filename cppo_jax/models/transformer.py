@@ -106,7 +106,9 @@ def gather_cast(w: jax.Array, names: tuple[str, ...], whole: tuple[str | None, .
     float32 copy), and the gradient comes back reduced in `dtype`, cast to w's dtype on the
     shard. The identity without a mesh but for the cast.
     """
-    return constrain(constrain(w.astype(dtype), names), whole)
+    if w.dtype != dtype:
+        w = constrain(w.astype(dtype), names)
+    return constrain(w, whole)
 
 
 def forward_copy(params, dtype):
@@ -407,11 +409,18 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        # Looked up in the table as it is sharded (D split over fsdp): each device takes every
-        # row's D slice, [B, T, D / fsdp], which is then regathered along D and split by rows. No
-        # [V, D] table is gathered, and the lookup's gradient is scattered into the shard.
-        x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0, mode="clip")
-        x_BTD = constrain(x_BTD, (None, None, "embed"))
+        table_VD = self.embed_VD[...]
+        if table_VD.dtype == cfg.compute_dtype:
+            # The table whole along D (gathered over fsdp), so each row's lookup stays on its
+            # device; a tied unembedding shares the gathered copy (a forward copy's programs).
+            x_BTD = jnp.take(constrain(table_VD, ("vocab", None)), tokens_BT, axis=0, mode="clip")
+        else:
+            # Wider params (float32 under bfloat16 compute): looked up in the table as it is
+            # sharded, each device taking every row's D slice [B, T, D / fsdp], then regathered
+            # along D and split by rows. No float32 [V, D] copy is gathered, and the lookup's
+            # gradient is scattered into the shard.
+            x_BTD = jnp.take(table_VD, tokens_BT, axis=0, mode="clip")
+            x_BTD = constrain(x_BTD, (None, None, "embed"))
         x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), _ACT_EMBED)
         valid_BT = valid_BT.astype(jnp.bool_)
         if cache is None:
