@@ -237,7 +237,7 @@ def memory_plan(
 def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
     """The report's lines for a `MemoryPlan`, ending with `fits: yes|no|unknown`."""
     mesh = plan.mesh
-    use, other = ("with", "without") if plan.remat else ("without", "with")
+    use, other = ("with full remat", "dots_saveable") if plan.remat else ("with", "full")
     act_other = plan.activations_no_remat if plan.remat else plan.activations_remat
     lines = [
         f"memory per device (mesh data={mesh['data']} fsdp={mesh['fsdp']} "
@@ -248,7 +248,7 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
         f"{_gib(plan.snapshot)}; weights gathered over "
         f"fsdp for use {_gib(plan.gathered)}",
         f"  activations of {plan.rows} sequence(s) x {plan.tokens} tokens on this device "
-        f"{use} remat (model.remat): {_gib(plan.activations)} ({other} remat: {_gib(act_other)}); "
+        f"{use} (model.remat): {_gib(plan.activations)} ({other}: {_gib(act_other)}); "
         f"logits chunk {_gib(plan.logits_chunk)}",
         f"  training step peak {_gib(plan.train_peak)}; rollout peak (embedded KV cache "
         f"{_gib(plan.rollout_kv)}) {_gib(plan.rollout_peak)}",
