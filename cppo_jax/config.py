@@ -22,6 +22,10 @@ ARCHS = ("qwen2", "llama")
 DTYPES = ("float32", "bfloat16")
 # How a whole sequence attends (models.config.TransformerConfig.attention explains each).
 ATTENTION_KINDS = ("einsum", "xla", "cudnn")
+# model.remat: what each decoder layer keeps for its backward pass (tools/config_meanings.py says
+# what each keeps); the booleans of older configs name the two that ran before: true -> "full",
+# false -> "dots_saveable".
+REMAT_POLICIES = ("save_all", "full", "minimal", "dots_saveable")
 PROMPT_FORMATS = ("chat", "plain")
 ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
@@ -53,6 +57,13 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
 
 def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
     _check(value in options, key, value, "one of " + ", ".join(repr(o) for o in options))
+
+
+def remat_policy(value: str | bool) -> str | bool:
+    """`model.remat` with an older config's boolean (a file's, or an override's text) named."""
+    if isinstance(value, bool) or value in ("true", "false"):
+        return "full" if value in (True, "true") else "dots_saveable"
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +104,9 @@ class ModelConfig:
     arch: ArchConfig = ArchConfig()
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: str | bool = (
+        "dots_saveable"  # REMAT_POLICIES; a boolean: true = full, false = dots_saveable
+    )
     scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
     # The sampler's cached steps always use einsum; xla is jax.nn.dot_product_attention anywhere.
     attention: str = "einsum"  # einsum (ours), cudnn (fused GPU kernel, bf16), xla (jax.nn's)
@@ -102,6 +115,8 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, DTYPES)
         _choice("model.param_dtype", self.param_dtype, DTYPES)
         _choice("model.attention", self.attention, ATTENTION_KINDS)
+        object.__setattr__(self, "remat", remat_policy(self.remat))
+        _choice("model.remat", self.remat, REMAT_POLICIES)
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise ConfigError(
                 f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused attention takes "

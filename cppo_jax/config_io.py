@@ -88,6 +88,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if any(type(value) is a for a in args):  # e.g. a boolean where str | bool is allowed
+            return value
         return _coerce(key, value, args[0])
     if origin is tuple:
         (elem, *_rest) = typing.get_args(tp)

@@ -58,9 +58,9 @@ class MemoryPlan:
     reference: int  # the reference model's params (beta > 0), in the compute dtype
     rows: int  # sequences per device in one forward/backward (a micro-batch)
     tokens: int  # T = P + C - 1 positions per sequence in the forward
-    activations_remat: int
-    activations_no_remat: int
-    remat: bool
+    activations_remat: int  # full remat: the layers' inputs, one layer rebuilt
+    activations_no_remat: int  # any other policy (model.remat): what it keeps of every layer
+    remat: bool  # model.remat is full
     logits_chunk: int
     rollout_kv: int  # the embedded sampler's KV cache, Q*G sequences split over (data, fsdp)
     device_bytes: int | None = None
@@ -200,14 +200,16 @@ def memory_plan(
     H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
     F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
     scores = 4 * H * T  # one float32 [H, T] row of scores per token
-    # Per token, one layer's activations: all of them (unrolled, or one layer recomputed under
-    # remat), or, scanned without remat, the matmul outputs run_layers keeps (fitted on CPU).
+    # Per token, one layer's activations: all of them (save_all, or one layer recomputed under
+    # full remat), or what the policy keeps: the matmul outputs (dots_saveable, fitted on CPU),
+    # those without attention's scores (minimal).
     layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
     kept = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
+    kept = {"save_all": layer, "minimal": kept - 2 * scores}.get(tcfg.remat, kept)
     work = 3 * scores  # per token, one layer's backward
     edges = cb * D + 4 * D  # embeddings out and the final norm, per token
     batch = (T + 1) * 5 + completion_len * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv per row
-    no_remat = n * T * (L * (kept if tcfg.scan_layers else layer) + work + edges) + n * batch
+    no_remat = n * T * (L * kept + work + edges) + n * batch
     remat = n * T * (L * cb * D + layer + work + edges) + n * batch
     grads = params * (2 if m < rows else 1)
     kv_rows = _split(rollout_rows, dp) if rollout_rows % dp == 0 else rollout_rows
@@ -223,7 +225,7 @@ def memory_plan(
         tokens=T,
         activations_remat=remat,
         activations_no_remat=no_remat,
-        remat=tcfg.remat,
+        remat=tcfg.remat == "full",
         logits_chunk=3 * n * min(logp_chunk, completion_len) * V * 4,
         rollout_kv=kv,
         device_bytes=device_bytes,
@@ -235,7 +237,7 @@ def memory_plan(
 def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
     """The report's lines for a `MemoryPlan`, ending with `fits: yes|no|unknown`."""
     mesh = plan.mesh
-    use, other = ("with", "without") if plan.remat else ("without", "with")
+    use, other = ("with full remat", "dots_saveable") if plan.remat else ("with", "full")
     act_other = plan.activations_no_remat if plan.remat else plan.activations_remat
     lines = [
         f"memory per device (mesh data={mesh['data']} fsdp={mesh['fsdp']} "
@@ -246,7 +248,7 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
         f"{_gib(plan.snapshot)}; weights gathered over "
         f"fsdp for use {_gib(plan.gathered)}",
         f"  activations of {plan.rows} sequence(s) x {plan.tokens} tokens on this device "
-        f"{use} remat (model.remat): {_gib(plan.activations)} ({other} remat: {_gib(act_other)}); "
+        f"{use} (model.remat): {_gib(plan.activations)} ({other}: {_gib(act_other)}); "
         f"logits chunk {_gib(plan.logits_chunk)}",
         f"  training step peak {_gib(plan.train_peak)}; rollout peak (embedded KV cache "
         f"{_gib(plan.rollout_kv)}) {_gib(plan.rollout_peak)}",

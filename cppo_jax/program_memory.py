@@ -7,12 +7,15 @@ from the compiler's buffer assignment of Qwen2.5-1.5B's step on v5e-8 (`xla_dump
 report) and are checked against every compile in benchmarks/results/aot_tpu.md:
 
 - compute-dtype copies: each program casts the layers' shard once (when the params' dtype differs)
-  and gathers the vocabulary matrices whole over fsdp (split over tensor) in the compute dtype;
+  and gathers the unembedding whole over fsdp (split over tensor) in the compute dtype;
 - train step: params, AdamW state and the whole batch; the gradient (x2 with micro-batches) and the
-  logits chunk of `layout.memory_plan`; with remat the layers' inputs and one layer's three float32
-  score buffers and MLP products rebuilt in the backward (without remat, the plan's activations);
-  with fsdp > 1, each vocabulary matrix gathered in the params' dtype twice (lookup and logits) and
-  its whole gradient before the reduce-scatter;
+  logits chunk of `layout.memory_plan`; what the remat policy keeps of every layer (`full`: its
+  input; `minimal`: the projections' outputs too; `dots_saveable`: attention's float32 scores and
+  output too) and one layer's three float32 score buffers and MLP products rebuilt in the backward
+  (`save_all`: the plan's activations);
+  with fsdp > 1, the unembedding gathered whole in the compute dtype, its whole gradient and that
+  gradient summed over devices, both in the compute dtype (a float32 embedding is looked up in
+  its shard: `transformer.gather_cast`, `Transformer.hidden`);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
   rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, and with
   fsdp > 1 the vocabulary matrix gathered whole;
@@ -44,7 +47,6 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     F, V = _split(tcfg.intermediate_size, tp), _split(tcfg.vocab_size, tp)
     T, C, n = plan.tokens, shapes.C, plan.rows
     params_shapes = _param_shapes(tcfg)
-    vocab_mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
     vocab_shard = sum(
         _shard_bytes(shape, names, axis, pb)
         for path, shape, names in params_shapes
@@ -52,12 +54,20 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     )
     layers_copy = (plan.params - vocab_shard) * cb // pb if pb != cb else 0
     vocab_c = V * D * cb  # one vocabulary matrix whole over fsdp, in the compute dtype
-    gathered_p = (2 + vocab_mats) * V * D * pb if fsdp > 1 else 0
+    # The unembedding gathered in the compute dtype, its gradient whole and that gradient's sum
+    # over devices (the embedding is looked up in its shard); without fsdp the cast and gradient.
+    vocab_train = 3 * vocab_c if fsdp > 1 else 2 * vocab_c
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
-    if tcfg.remat:
-        activations = n * T * (L * cb * D + 3 * 4 * H * T + 2 * cb * F)
-    else:
+    # Per token and layer, what the remat policy keeps for the backward (read from the compiler's
+    # buffer assignment): the layer's input (full); the projections' outputs too (minimal: gate,
+    # up, q, o, down, k, v); attention's float32 scores and its output too (dots_saveable). Plus
+    # the backward's work on one layer: three float32 score buffers and two MLP products.
+    kept = {"full": cb * D, "minimal": cb * (2 * D + H * E + 2 * F + 2 * J * E)}
+    kept["dots_saveable"] = kept["minimal"] + 4 * H * T + cb * H * E
+    if tcfg.remat in kept:
+        activations = n * T * (L * kept[tcfg.remat] + 3 * 4 * H * T + 2 * cb * F)
+    else:  # save_all: not compiled at these sizes; the plan's (CPU-fitted) estimate
         activations = plan.activations_no_remat
     out = {
         "train_step": 3 * plan.params
@@ -65,8 +75,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
         + plan.grads
         + plan.logits_chunk
         + activations
-        + gathered_p
-        + 2 * vocab_c
+        + vocab_train
         + layers_copy
     }
     if cfg.cppo.beta > 0:

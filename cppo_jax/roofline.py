@@ -127,7 +127,7 @@ def step_phases(tcfg, shapes, *, mu: int, beta: float, overlap: bool, embedded: 
         phases.append(Phase("ref_logps", fwd, weights))
     if overlap:
         phases.append(Phase("old_logps", fwd, weights))
-    recompute = 1 if tcfg.remat else 0
+    recompute = 1 if tcfg.remat == "full" else 0  # minimal recomputes attention only
     phases.append(Phase("update", mu * (3 + recompute) * fwd, mu * 3 * weights))
     return phases
 

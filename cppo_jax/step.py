@@ -23,6 +23,7 @@ from flax import nnx
 from cppo_jax import loss as loss_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.models.transformer import gather_cast
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampler import positions_from_valid
 
@@ -76,10 +77,14 @@ def completion_logps(model, tokens_MT, valid_MT, spec: StepSpec, return_entropy:
     pos_MT = positions_from_valid(valid_MT)
     h_MTD, _ = model.hidden(tokens_MT[:, :-1], pos_MT[:, :-1], valid_MT[:, :-1])
     h_MCD = h_MTD[:, P - 1 :]
+    # Cast to the compute dtype on the shard, then gathered over fsdp (D whole), split by
+    # vocabulary: logits stay split by sequence.
+    w_DV = gather_cast(
+        model.unembed_weight(), ("embed", "vocab"), (None, "vocab"), model.cfg.compute_dtype
+    )
     return loss_lib.token_logps_from_hidden(
         h_MCD,
-        # Gathered over fsdp (D whole), split by vocabulary: logits stay split by sequence.
-        sharding_lib.constrain(model.unembed_weight(), (None, "vocab")),
+        w_DV,
         tokens_MT[:, P:],
         temperature=spec.temperature,
         chunk_size=spec.logp_chunk,

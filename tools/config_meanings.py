@@ -31,8 +31,15 @@ MEANINGS: dict[str, str] = {
     "`model.init_checkpoint` when that folder does not exist.",
     "model.dtype": "Compute dtype of the forward and backward passes and of the sampler's KV cache.",
     "model.param_dtype": "Storage dtype of the parameters (and so of the optimizer's updates).",
-    "model.remat": "Rematerialize each decoder layer in the backward pass: less activation memory, "
-    "about one more forward pass of compute.",
+    "model.remat": "What each decoder layer keeps of its forward for the backward pass (a "
+    "`jax.checkpoint` policy, named as MaxText's `remat_policy`); the rest is recomputed there. "
+    "`full`: only the layer's input, the whole layer recomputed (least memory, about one more "
+    "forward pass of compute); `minimal`: the outputs of the projections (q, k, v, o, gate, up, "
+    "down), attention's scores and everything elementwise recomputed; `dots_saveable`: every matmul "
+    "output, attention's float32 scores too (per layer [heads, T, T] per sequence), elementwise work "
+    "recomputed; `save_all`: no `jax.checkpoint`, every residual kept (under `model.scan_layers`, "
+    "some of them once per layer). The booleans of older configs still load: true is `full`, false "
+    "`dots_saveable` (what each ran before).",
     "model.scan_layers": "Run the decoder layers under one `lax.scan` over their stacked params, so "
     "every program holds one copy of the layer and compiles in about the same time at any depth; "
     "false unrolls them (same params and results, one copy per layer in each program).",

@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from cppo_jax.config import ATTENTION_KINDS
+from cppo_jax.config import ATTENTION_KINDS, REMAT_POLICIES, remat_policy
 from cppo_jax.models.rope import normalize_scaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -41,7 +41,10 @@ class TransformerConfig:
     rope_scaling: Any = None
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    # What each layer keeps for the backward pass (`run_layers`): "save_all" (everything), "full"
+    # (its input only), "minimal" (the projections' outputs, not attention's) or "dots_saveable"
+    # (every matmul output, attention scores too); a boolean: True = "full", False = "dots_saveable".
+    remat: str | bool = "dots_saveable"
     # Layers run under one `lax.scan` over their stacked params (compiled once, whatever the depth);
     # False unrolls them (one copy of the layer per depth in every program). Params are stacked
     # [L, ...] either way, so checkpoints, sharding and Hugging Face I/O do not depend on it.
@@ -61,6 +64,9 @@ class TransformerConfig:
             )
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise ValueError(f"attention: cudnn needs dtype bfloat16, got {self.dtype}")
+        object.__setattr__(self, "remat", remat_policy(self.remat))
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat: unknown {self.remat!r}; one of {', '.join(REMAT_POLICIES)}")
         if self.attention_bias is None:
             object.__setattr__(self, "attention_bias", self.arch == "qwen2")
         if self.arch == "qwen2" and not self.attention_bias:

@@ -305,14 +305,14 @@ def load_hf(
     mesh: jax.sharding.Mesh | None = None,
     *,
     param_dtype: str = "float32",
-    remat: bool = False,
+    remat: str | bool = "dots_saveable",
     scan_layers: bool = True,
     attention: str = "einsum",
 ) -> Transformer:
     """Loads a local HF folder (single or sharded safetensors) as a `Transformer`.
 
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters, `remat`
-    recomputes each layer's activations in the backward pass, `scan_layers` runs the layers under
+    names what each layer keeps for the backward pass (`TransformerConfig.remat`), `scan_layers` runs the layers under
     one scan (else unrolled), `attention` is `TransformerConfig.attention`; with a `mesh` the parameters are sharded on it by the rules of
     `cppo_jax.sharding`.
     """

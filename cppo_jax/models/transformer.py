@@ -27,6 +27,7 @@ __all__ = [
     "Cache",
     "Transformer",
     "TransformerConfig",
+    "gather_cast",
     "has_o_bias",
     "init_cache",
     "init_model",
@@ -95,6 +96,19 @@ def unembed(h_XD: jax.Array, w_DV: jax.Array) -> jax.Array:
     the [D, V] weight to the compute dtype.
     """
     return dense(h_XD, w_DV.astype(h_XD.dtype), out_dtype=jnp.float32)
+
+
+def gather_cast(w: jax.Array, names: tuple[str, ...], whole: tuple[str | None, ...], dtype):
+    """`w`, sharded by its logical `names`, cast to `dtype` on each device's shard, then laid out
+    by `whole` (gathered along the dims `whole` leaves unsharded).
+
+    The all-gather moves `dtype` bytes (a float32 matrix gathered and then cast held the whole
+    float32 copy), and the gradient comes back reduced in `dtype`, cast to w's dtype on the
+    shard. The identity without a mesh but for the cast.
+    """
+    if w.dtype != dtype:
+        w = constrain(w.astype(dtype), names)
+    return constrain(w, whole)
 
 
 def forward_copy(params, dtype):
@@ -325,13 +339,29 @@ class DecoderLayer(nnx.Module):
         return self.mlp_residual(x_BTD), cache
 
 
-def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, remat: bool = False):
+# What each remat policy (TransformerConfig.remat) saves of a layer's forward for its backward;
+# None: jax.checkpoint is not applied (every residual is kept).
+REMAT_POLICIES = {
+    "save_all": None,
+    # only the layer's input (the carry): the whole layer is recomputed
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # the projections (q, k, v, o, gate, up, down: 2-D `dense` matmuls); attention's batched
+    # einsums (scores, weighted values) and all elementwise work recomputed
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # every matmul output, the attention scores too; elementwise work recomputed
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def run_layers(
+    cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, remat: str = "save_all"
+):
     """`carry = body(layer_i, i, carry)` for each of the L layers stacked in `layers`, in order.
 
     Under one `lax.scan` over the stacked params when `cfg.scan_layers` (every program holds one
     copy of the layer), else unrolled (layer i is a static slice of the stack). `body` may close
-    over traced values; with `remat` each layer's activations are recomputed in the backward pass
-    (scanned without remat: only its matmul outputs are kept).
+    over traced values. `remat` names what each layer keeps for the backward pass
+    (`REMAT_POLICIES`); the rest is recomputed there.
     """
     graphdef, state = nnx.split(layers)
 
@@ -339,13 +369,9 @@ def run_layers(cfg: TransformerConfig, layers: DecoderLayer, body, carry, *, rem
         state_l, index = xs
         return body(nnx.merge(graphdef, state_l), index, carry), None
 
-    if remat:
-        step = jax.checkpoint(step)
-    elif cfg.scan_layers:
-        # A scan keeps every residual of every layer for the backward pass, some of them per layer
-        # where the unrolled program shares one copy; keeping the matmul outputs only (elementwise
-        # work is recomputed) makes the scanned step need less memory than the unrolled one.
-        step = jax.checkpoint(step, policy=jax.checkpoint_policies.dots_saveable)
+    policy = REMAT_POLICIES[remat]
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy)
     if cfg.scan_layers:
         carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
         return carry
@@ -383,9 +409,18 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        # The table whole along D (gathered over fsdp), so each row's lookup stays on its device.
-        embed_VD = constrain(self.embed_VD[...], ("vocab", None))
-        x_BTD = jnp.take(embed_VD, tokens_BT, axis=0, mode="clip")
+        table_VD = self.embed_VD[...]
+        if table_VD.dtype == cfg.compute_dtype:
+            # The table whole along D (gathered over fsdp), so each row's lookup stays on its
+            # device; a tied unembedding shares the gathered copy (a forward copy's programs).
+            x_BTD = jnp.take(constrain(table_VD, ("vocab", None)), tokens_BT, axis=0, mode="clip")
+        else:
+            # Wider params (float32 under bfloat16 compute): looked up in the table as it is
+            # sharded, each device taking every row's D slice [B, T, D / fsdp], then regathered
+            # along D and split by rows. No float32 [V, D] copy is gathered, and the lookup's
+            # gradient is scattered into the shard.
+            x_BTD = jnp.take(table_VD, tokens_BT, axis=0, mode="clip")
+            x_BTD = constrain(x_BTD, (None, None, "embed"))
         x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), _ACT_EMBED)
         valid_BT = valid_BT.astype(jnp.bool_)
         if cache is None:
