@@ -2,16 +2,18 @@
 
     python benchmarks/aot.py                 # both paper configs, p = 0 and 0.875, four topologies
     python benchmarks/aot.py --cases gsm8k_1p5b:0.875:v5e:2x4   # some cases (kept beside the others)
-    python benchmarks/aot.py --render        # the tables again from aot_tpu.json (plan recomputed)
+    python benchmarks/aot.py --render        # the tables again from aot_tpu.json
+    python benchmarks/aot.py --render --replan   # ... with the plan of the current code
     python benchmarks/aot.py --quick         # a tiny config on v5e:2x2 and cpu (the suite)
 
 Each case runs `cppo_jax.aot_fit.fit` in a fresh process (its own host memory): the config at its paper
 shapes (P = 512, C = 1024, G = 16; p = 0.875 with dynamic allocation, or p = 0), the mesh the plan
 prefers on that topology, the train step, the reference log-probs and the embedded sampler compiled by
 libtpu, and, when the whole batch does not fit, the largest micro-batch that does (found by compiling).
-The compiler's figures are stored in aot_tpu.json as measured; the plan's figures beside them are
-recomputed from the current code each time the tables are written (`--render`), so a fix of the plan
-is judged against the same compiles. Results: aot_tpu.md and aot_tpu.json under --out.
+The compiler's figures are stored in aot_tpu.json as measured, each row with the commit that built its
+programs and the plan's figure of that commit; `--render --replan` sets the current code's plan beside
+the same compiles instead (to judge a fix of the plan; not for rows whose programs changed since).
+Results: aot_tpu.md and aot_tpu.json under --out.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
-def render(rows: list[dict], out: Path, info: dict, before: list[dict] = ()) -> str:
+def render(
+    rows: list[dict], out: Path, info: dict, before: list[dict] = (), replan: bool = False
+) -> str:
     lines = [
         "# The paper configs compiled for TPU slices on a CPU (deviceless, libtpu)",
         "",
@@ -112,7 +116,7 @@ def render(rows: list[dict], out: Path, info: dict, before: list[dict] = ()) -> 
         "- Written by `python benchmarks/aot.py`; compiled with libtpu, nothing run on a TPU. "
         "Figures per device, GiB. `peak` = the program's total plus the run's state alive beside it "
         "(the optimizer state while sampling, the reference during the update). `plan` is "
-        "`cppo_jax.layout`'s estimate of the program's total, recomputed from the current code.",
+        "`cppo_jax.program_memory`'s estimate of the program's total, at the row's commit.",
         "",
         "| config | p | topology | mesh | micro-batch | program | args | temps | total | peak | "
         "plan | plan/compiled | compile s | fits | commit |",
@@ -120,7 +124,8 @@ def render(rows: list[dict], out: Path, info: dict, before: list[dict] = ()) -> 
     ]
     worst = 0.0
     for row in rows:
-        planned = plan_programs(row)
+        stored = {p["program"]: p["plan"] for p in row["programs"]}
+        planned = plan_programs(row) if replan else stored
         mesh = "/".join(str(row["mesh"][a]) for a in ("data", "fsdp", "tensor"))
         fits = {True: "yes", False: "no", None: "unknown"}[row["fits_as_configured"]]
         for p in row["programs"]:
@@ -261,6 +266,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--cases", nargs="*", help="config:p:topology (topology may hold a colon)")
     ap.add_argument("--render", action="store_true", help="only write the tables from the JSON")
+    ap.add_argument(
+        "--replan", action="store_true", help="the current code's plan beside the compiles"
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -310,7 +318,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 flush=True,
             )
     info["load_after"] = _common.load_average()
-    render(data["rows"], out, info, data.get("before", []))
+    render(data["rows"], out, info, data.get("before", []), replan=args.replan)
     return data["rows"]
 
 

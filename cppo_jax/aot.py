@@ -196,7 +196,16 @@ def compile_program(name: str, fn, args) -> ProgramMemory:
             if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
                 raise
             first = next((line for line in text.splitlines() if line.strip()), text)
-            return ProgramMemory(name, seconds=time.perf_counter() - t0, error=first[:400])
+            # libtpu says what it needed: "... required for HLO temporaries (128.41G) exceeds ..."
+            need = re.search(r"HLO temporaries \((\d+(?:\.\d+)?)([KMG])\)", first)
+            temps = (
+                0
+                if need is None
+                else int(float(need[1]) * 2 ** {"K": 10, "M": 20, "G": 30}[need[2]])
+            )
+            return ProgramMemory(
+                name, temporaries=temps, seconds=time.perf_counter() - t0, error=first[:400]
+            )
     return ProgramMemory.of(name, compiled, time.perf_counter() - t0)
 
 

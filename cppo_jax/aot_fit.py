@@ -46,8 +46,8 @@ def _usable(hbm: int | None) -> int | None:
 def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
     """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
     the most data parallel layout (then the fewest tensor shards) whose peak by
-    `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; without a memory size,
-    the layout of the smallest peak."""
+    `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; when none does, or
+    without a memory size, the layout of the smallest peak."""
     from cppo_jax import layout
     from cppo_jax.config import MeshConfig
     from cppo_jax.cppo import shapes_of
@@ -66,15 +66,11 @@ def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
         )
     peaks = [(run_peak(cfg, tcfg, sh, m), m) for m in meshes]
     usable = _usable(hbm)
-    if usable is None:
+    fitting = [(p, m) for p, m in peaks if usable is not None and p <= usable]
+    if fitting:
+        best = min(fitting, key=lambda pm: (-(pm[1]["data"] * pm[1]["fsdp"]), pm[1]["tensor"]))[1]
+    else:  # nothing fits by the plan: the smallest peak (the micro-batch search starts there)
         best = min(peaks, key=lambda pm: pm[0])[1]
-    else:
-
-        def preference(pm):
-            peak, m = pm
-            return (peak > usable, -(m["data"] * m["fsdp"]), m["tensor"], -m["data"])
-
-        best = min(peaks, key=preference)[1]
     return dataclasses.replace(cfg, mesh=MeshConfig(**best))
 
 
