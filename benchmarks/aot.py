@@ -156,7 +156,7 @@ def _fit_lines(rows: list[dict]) -> list[str]:
     out = [
         "## What fits",
         "",
-        "| config | p | topology | HBM per device | run peak | fits | "
+        "| config | p | topology | HBM per device | run peak | fits as configured | "
         "largest micro-batch that fits (compiled) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -243,8 +243,8 @@ def _notes() -> list[str]:
         "ICI, the host and the decode loop's overheads make a step slower, often several times.",
         "- Collectives' speed and the overlap of communication with compute.",
         "- Runtime memory outside the program: fragmentation, the runtime's reserve (the plan "
-        "keeps 10% aside), host memory. v4 compiles per TensorCore (two devices per chip), so its "
-        "HBM per device is half a chip's.",
+        "keeps 10% aside), host memory. v4 is compiled one device per chip (megacore), as a v4 "
+        "slice runs.",
         "",
     ]
 
