@@ -123,6 +123,8 @@ def render(
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     worst = 0.0
+    failed = [r for r in rows if "failed" in r]
+    rows = [r for r in rows if "failed" not in r]
     for row in rows:
         stored = {p["program"]: p["plan"] for p in row["programs"]}
         planned = plan_programs(row) if replan else stored
@@ -130,19 +132,33 @@ def render(
         fits = {True: "yes", False: "no", None: "unknown"}[row["fits_as_configured"]]
         for p in row["programs"]:
             plan = planned.get(p["program"])
+            head = (
+                f"| {row['config']} | {row['rate']} | {row['target']} | {mesh} | "
+                f"{row['micro_batch'] or 'whole'} | {p['program']} | "
+            )
+            if p["error"]:  # refused: libtpu names the temporaries it needed, not the arguments
+                lines.append(
+                    f"{head}refused | needs {_gib(p['temporaries'])} | | | {_gib(plan)} | - | "
+                    f"{p['compile_s']} | {fits} | {row.get('commit', '?')} |"
+                )
+                continue
             ratio = plan / p["total"] if plan and p["total"] else None
             if ratio is not None:
                 worst = max(worst, abs(ratio - 1))
             lines.append(
-                f"| {row['config']} | {row['rate']} | {row['target']} | {mesh} | "
-                f"{row['micro_batch'] or 'whole'} | {p['program']} | {_gib(p['arguments'])} | "
+                f"{head}{_gib(p['arguments'])} | "
                 f"{_gib(p['temporaries'])} | {_gib(p['total'])} | {_gib(p['peak'])} | "
                 f"{_gib(plan)} | {'-' if ratio is None else f'{ratio:.2f}'} | {p['compile_s']} | "
                 f"{fits} | {row.get('commit', '?')} |"
             )
+    for r in failed:
+        lines.append(
+            f"| {r['config']} | {r['rate']} | {r['target']} | - | - | all | the compile process "
+            f"died ({r['failed']}) | | | | | | | - | {r.get('commit', '?')} |"
+        )
     lines += [
         "",
-        f"Largest |plan/compiled - 1| over all programs: {worst:.2f} "
+        f"Largest |plan/compiled - 1| over all programs the compiler accepted: {worst:.2f} "
         f"(target {PLAN_TOLERANCE:.2f}).",
         "",
     ]
@@ -256,7 +272,10 @@ def run_case(case: dict) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith(_common.RESULT_TAG):
             return json.loads(line[len(_common.RESULT_TAG) :])
-    raise RuntimeError(f"case {case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    # A compile that dies (a signal from libtpu, no Python error) is recorded, and the others go on.
+    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    print(f"case {case} failed with exit code {proc.returncode}: {tail}", file=sys.stderr)
+    return {**case, "failed": f"exit code {proc.returncode}: {tail}", "commit": _commit()}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
