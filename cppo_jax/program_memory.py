@@ -18,7 +18,7 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   its shard: `transformer.gather_cast`, `Transformer.hidden`);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
   rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, and with
-  fsdp > 1 the vocabulary matrix gathered whole;
+  fsdp > 1 each vocabulary matrix gathered whole (a compute-dtype table is looked up gathered);
 - the embedded sampler: its params, the compute-dtype copy of its shard (the layers and, twice, the
   vocabulary matrix: lookup and logits), the completion keys/values (1.5x: the cache grows by
   copying into a longer one) and two float32 [N, V] logits buffers.
@@ -82,7 +82,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         forward = n_all * (2 * 4 * H * T * T + 2 * T * F * cb) + logits
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
-        gathered_c = vocab_c if fsdp > 1 else 0
+        # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
+        mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
+        gathered_c = mats * vocab_c if fsdp > 1 else 0
         out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + forward + gathered_c
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
