@@ -45,7 +45,7 @@ def _usable(hbm: int | None) -> int | None:
 
 def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
     """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
-    the most data parallel layout (then the fewest tensor shards) whose peak by
+    the most data parallel layout (then the fewest tensor shards, then the most replicas) whose peak by
     `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; when none does, or
     without a memory size, the layout of the smallest peak."""
     from cppo_jax import layout
@@ -68,10 +68,16 @@ def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
     usable = _usable(hbm)
     fitting = [(p, m) for p, m in peaks if usable is not None and p <= usable]
     if fitting:
-        best = min(fitting, key=lambda pm: (-(pm[1]["data"] * pm[1]["fsdp"]), pm[1]["tensor"]))[1]
+        best = min(fitting, key=lambda pm: _preference(pm[1]))[1]
     else:  # nothing fits by the plan: the smallest peak (the micro-batch search starts there)
         best = min(peaks, key=lambda pm: pm[0])[1]
     return dataclasses.replace(cfg, mesh=MeshConfig(**best))
+
+
+def _preference(mesh: dict[str, int]) -> tuple:
+    """Among layouts that fit: the most data parallel, then the fewest tensor shards, then the most
+    `data` (replicas need no gathers), as `layout.pick_mesh` orders them."""
+    return (-(mesh["data"] * mesh["fsdp"]), mesh["tensor"], -mesh["data"])
 
 
 def _divisors_for(M: int, dp: int) -> list[int]:
