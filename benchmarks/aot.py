@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             data["quick"] = bool(args.quick)
             store.write_text(json.dumps(data, indent=1))
             print(
-                f"{config} p={rate} {target}: {row['seconds']} s, fits {row['fits_as_configured']}",
+                f"{config} p={rate} {target}: {row.get('seconds', '-')} s, "
+                f"fits {row.get('fits_as_configured', row.get('failed'))}",
                 flush=True,
             )
     info["load_after"] = _common.load_average()
