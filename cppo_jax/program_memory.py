@@ -17,11 +17,12 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   gradient summed over devices, both in the compute dtype (a float32 embedding is looked up in
   its shard: `transformer.gather_cast`, `Transformer.hidden`);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
-  rows, one layer's two float32 score buffers and MLP products, the logits of one chunk, and with
+  rows, one layer's float32 score buffer and MLP products, the logits of one chunk, and with
   fsdp > 1 each vocabulary matrix gathered whole (a compute-dtype table is looked up gathered);
 - the embedded sampler: its params, the compute-dtype copy of its shard (the layers and, twice, the
-  vocabulary matrix: lookup and logits), the completion keys/values (1.5x: the cache grows by
-  copying into a longer one) and two float32 [N, V] logits buffers.
+  vocabulary matrix: lookup and logits), the completion keys/values of every cache segment (the
+  cache grows by copying into a segment twice as long, and each segment's buffer stays assigned:
+  about 1.94x the final cache at C = 1024) and two float32 [N, V] logits buffers.
 
 `run_peak` adds the run's state alive beside each program (the AdamW state while sampling, the
 reference during the update) and takes the largest: what `aot_fit` picks a mesh by.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from cppo_jax import layout
 from cppo_jax.layout import _BYTES, _param_shapes, _shard_bytes, _split
+from cppo_jax.rollout.segments import SEGMENT_LEN, segment_ends
 
 VOCAB = ("embed_VD", "lm_head_DV")  # the vocabulary matrices' parameter paths
 
@@ -80,7 +82,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     }
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
-        forward = n_all * (2 * 4 * H * T * T + 2 * T * F * cb) + logits
+        # One float32 score buffer [rows, H, T, T] (the softmax is computed in place of the
+        # scores; read from the compiles of 7B and of tensor-parallel layouts) and two MLP products.
+        forward = n_all * (4 * H * T * T + 2 * T * F * cb) + logits
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
         # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
@@ -89,9 +93,12 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
         N = _split(rows, dp) if rows % dp == 0 else rows
-        kv = 2 * L * J * E * C * N * cb
+        # Keys and values of every cache segment: the compiler keeps each segment's buffer, not
+        # only the one being grown into (`segments.segment_ends`: 64 + 128 + ... + C slots).
+        slots = sum(segment_ends(C, SEGMENT_LEN)) if C > 1 else 0
+        kv = 2 * L * J * E * slots * N * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb else 0  # the lookup's and the logits'
-        out["sampler"] = plan.params + layers_copy + vocab_copy + 3 * kv // 2 + 2 * N * V * 4
+        out["sampler"] = plan.params + layers_copy + vocab_copy + kv + 2 * N * V * 4
     return out
 
 

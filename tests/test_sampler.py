@@ -26,6 +26,7 @@ from flax import nnx
 from cppo_jax.rollout import sampler, sampling
 from cppo_jax.rollout.sampler import make_sampler, positions_from_valid
 from cppo_jax.rollout.sampling import SamplingParams
+from cppo_jax.rollout.segments import segment_ends
 
 try:
     import helpers
@@ -229,7 +230,7 @@ def test_eos_stops_sequences_and_top_k_1_is_greedy(policy, greedy):
     sp = SamplingParams(
         max_new_tokens=C, temperature=1.0, top_k=1, eos_id=eos, pad_id=PAD, segment_len=2
     )
-    assert sampler._segment_ends(C, sp.segment_len) == [2, C]
+    assert segment_ends(C, sp.segment_len) == [2, C]
     fn = make_sampler(graphdef, 1, sp)
 
     out = fn(state, *batch(PROMPTS, (1, 2, 3)))
@@ -614,9 +615,9 @@ def test_sampling_params_reject_bad_values(kwargs, culprit):
 
 
 def test_segment_ends():
-    assert sampler._segment_ends(40, 64) == [40]
-    assert sampler._segment_ends(256, 64) == [64, 128, 256]
-    assert sampler._segment_ends(130, 64) == [64, 130]
-    assert sampler._segment_ends(6, 2) == [2, 6]
-    assert sampler._segment_ends(6, 1) == [1, 2, 6]
-    assert sampler._segment_ends(6, 0) == [6]
+    assert segment_ends(40, 64) == [40]
+    assert segment_ends(256, 64) == [64, 128, 256]
+    assert segment_ends(130, 64) == [64, 130]
+    assert segment_ends(6, 2) == [2, 6]
+    assert segment_ends(6, 1) == [1, 2, 6]
+    assert segment_ends(6, 0) == [6]

@@ -3,6 +3,7 @@
 - `draw`: steps 1-2 of a CPPO step, the step's questions (and their seeds) and their completions;
 - `backend`: the `RolloutBackend` protocol, the embedded backend and the factory `make_backend`;
 - `sampling`: `SamplingParams`, `Samples` and choosing a token (greedy, top-k/top-p, inverse CDF);
+- `segments`: the sampler's completion-cache segments (host arithmetic, shared with the memory plan);
 - `sampler`: the embedded JAX sampler (shared prompt prefill, batched KV-cache decode);
 - `vllm_http`, `vllm_client`: the HTTP client of a vLLM server (host code, no JAX);
 - `vllm_backend`: the vLLM backend (completions as `Samples`, weight pushes checked by a probe);

@@ -43,6 +43,7 @@ from cppo_jax.rollout.sampling import (
     is_end_id,
     sequence_uniforms,
 )
+from cppo_jax.rollout.segments import segment_ends
 
 
 def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
@@ -153,21 +154,6 @@ def _grow_kv(kv, slots: int):
     return grow(k, 5), grow(v, 4)
 
 
-def _segment_ends(C: int, first: int) -> list[int]:
-    """Completion-cache sizes of the decode segments: first, 2 first, 4 first, ..., then C.
-
-    Decode attention reads every slot of the current segment: with one segment of C slots it reads
-    twice the slots in use on average, with doubling segments about 4/3 (past the first), at the
-    price of one compiled loop body per segment. One segment when `first` is 0 or C < 2 first.
-    """
-    ends = []
-    size = first
-    while size > 0 and 2 * size <= C:
-        ends.append(size)
-        size *= 2
-    return [*ends, C]
-
-
 def sample_with_uniforms(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -220,7 +206,7 @@ def sample_with_uniforms(
         )
 
     # 2. Decode: positions 0 .. C - 2 each sample a token and run it through the model. The
-    # completion cache grows by segments (see `_segment_ends`) so attention reads about the slots
+    # completion cache grows by segments (see `segments.segment_ends`) so attention reads about the slots
     # in use, not all C; each segment is one while loop over a fixed slot count.
     def body(carry):
         t, kv, logits_NV, tokens_NC, logp_NC, done_N = carry
@@ -239,7 +225,7 @@ def sample_with_uniforms(
         )
         return t + 1, kv, logits_NV, tokens_NC, logp_NC, done_N
 
-    ends = _segment_ends(C, sp.segment_len)
+    ends = segment_ends(C, sp.segment_len)
     carry = (
         jnp.int32(0),
         _empty_kv(Q, J, G, ends[0], E, cd, cfg.num_layers),

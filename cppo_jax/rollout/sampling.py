@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cppo_jax.models.transformer import DTYPES
+from cppo_jax.rollout.segments import SEGMENT_LEN
 
 
 def _is_int(value) -> bool:
@@ -37,8 +38,8 @@ class SamplingParams:
     pad_id: int = 0
     cache_dtype: str = "float32"
     # Completion-cache slots of the first decode segment; later segments double it (0: one
-    # segment of max_new_tokens). See `_segment_ends`.
-    segment_len: int = 64
+    # segment of max_new_tokens). See `segments.segment_ends`.
+    segment_len: int = SEGMENT_LEN
 
     def __post_init__(self):
         eos = (self.eos_id,) if _is_int(self.eos_id) else self.eos_id
