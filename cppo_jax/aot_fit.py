@@ -28,6 +28,7 @@ class Report:
     micro_batch: int | None = None  # the largest that fits (None: not searched or none fits)
     questions: int | None = None  # the largest questions_per_step whose sampler fits
     tried: tuple[tuple[str, int, bool], ...] = ()  # (what, value, fits) in the order compiled
+    rows: int = 0  # the kept sequences of a step (M): trainer.micro_batch=M is the whole batch
 
     @property
     def fits(self) -> bool | None:
@@ -140,7 +141,7 @@ def fit(
         tp=mesh["tensor"],
     )
     planned = program_bytes(cfg, tcfg, sh, mesh)
-    report = Report(cfg, compiled, hbm, planned, phases, device)
+    report = Report(cfg, compiled, hbm, planned, phases, device, rows=sh.M)
     if not search or hbm is None:
         return report
     usable, tried = _usable(hbm), []

@@ -120,17 +120,13 @@ def _search_lines(report: Report) -> list[str]:
         "searched with the compiler: "
         + ", ".join(f"{k.split('.')[-1]}={v} {'fits' if ok else 'no'}" for k, v, ok in report.tried)
     ]
-    sh_M = None
-    for k, v, _ in report.tried:
-        if k == "trainer.micro_batch":
-            sh_M = max(sh_M or 0, v)
     if report.micro_batch is None:
         out.append(
             "  no micro-batch fits: lower rollout.max_new_tokens, set cppo.beta=0, or use a "
             "larger topology"
         )
     else:
-        m = 0 if report.micro_batch == sh_M else report.micro_batch
+        m = 0 if report.micro_batch == report.rows else report.micro_batch
         out.append(f"  largest micro-batch that fits: trainer.micro_batch={m}")
     if report.questions is not None:
         out.append(
@@ -149,8 +145,7 @@ def fit_overrides(report: Report) -> str:
     others = [p for p in c.programs if p.name != "train_step"]
     if any(p.error or c.peak(p) > usable for p in others):
         return ""
-    M = max(v for k, v, _ in report.tried if k == "trainer.micro_batch")
-    m = 0 if report.micro_batch == M else report.micro_batch
+    m = 0 if report.micro_batch == report.rows else report.micro_batch
     return f"{mesh_overrides(c.mesh)} trainer.micro_batch={m}"
 
 
