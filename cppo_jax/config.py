@@ -21,7 +21,7 @@ TASKS = ("arith", "gsm8k", "math")  # data.task: prompt, rewards and answer form
 ARCHS = ("qwen2", "llama")
 DTYPES = ("float32", "bfloat16")
 # How a whole sequence attends (models.config.TransformerConfig.attention explains each).
-ATTENTION_KINDS = ("einsum", "xla", "cudnn")
+ATTENTION_KINDS = ("einsum", "xla", "cudnn", "splash")
 # model.remat: what each decoder layer keeps for its backward pass (tools/config_meanings.py says
 # what each keeps); the booleans of older configs name the two that ran before: true -> "full",
 # false -> "dots_saveable".
@@ -109,7 +109,7 @@ class ModelConfig:
     )
     scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
     # The sampler's cached steps always use einsum; xla is jax.nn.dot_product_attention anywhere.
-    attention: str = "einsum"  # einsum (ours), cudnn (fused GPU kernel, bf16), xla (jax.nn's)
+    attention: str = "einsum"  # einsum (ours), cudnn (GPU kernel, bf16), splash (TPU), xla
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, DTYPES)

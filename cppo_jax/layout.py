@@ -199,7 +199,8 @@ def memory_plan(
     D, F, L, E = tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_layers, tcfg.head_dim
     H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
     F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
-    scores = 4 * H * T  # one float32 [H, T] row of scores per token
+    # one float32 [H, T] row of scores per token (the splash kernel: a log-sum-exp per head)
+    scores = 4 * H * (T if tcfg.attention != "splash" else 1)
     # Per token, one layer's activations: all of them (save_all, or one layer recomputed under
     # full remat), or what the policy keeps: the matmul outputs (dots_saveable, fitted on CPU),
     # those without attention's scores (minimal).

@@ -66,9 +66,12 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     # up, q, o, down, k, v); attention's float32 scores and its output too (dots_saveable). Plus
     # the backward's work on one layer: three float32 score buffers and two MLP products.
     kept = {"full": cb * D, "minimal": cb * (2 * D + H * E + 2 * F + 2 * J * E)}
-    kept["dots_saveable"] = kept["minimal"] + 4 * H * T + cb * H * E
+    # Attention's [T, T] float32 scores per query token and head (none with the splash kernel,
+    # which walks blocks and keeps one float32 log-sum-exp per query and head).
+    scores = 4 * T if tcfg.attention != "splash" else 4
+    kept["dots_saveable"] = kept["minimal"] + H * scores + cb * H * E
     if tcfg.remat in kept:
-        activations = n * T * (L * kept[tcfg.remat] + 3 * 4 * H * T + 2 * cb * F)
+        activations = n * T * (L * kept[tcfg.remat] + 3 * H * scores + 2 * cb * F)
     else:  # save_all: not compiled at these sizes; the plan's (CPU-fitted) estimate
         activations = plan.activations_no_remat
     out = {
@@ -84,7 +87,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         # One float32 score buffer [rows, H, T, T] (the softmax is computed in place of the
         # scores; read from the compiles of 7B and of tensor-parallel layouts) and two MLP products.
-        forward = n_all * (4 * H * T * T + 2 * T * F * cb) + logits
+        forward = n_all * T * (H * scores + 2 * F * cb) + logits
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
         # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)

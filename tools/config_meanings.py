@@ -46,8 +46,9 @@ MEANINGS: dict[str, str] = {
     "model.attention": "How a whole sequence attends in training and log-probs: `einsum` (this "
     "package's grouped-query attention, scores in float32), `cudnn` "
     "(`jax.nn.dot_product_attention`'s fused kernel on NVIDIA GPUs; needs `model.dtype=bfloat16`, "
-    "refused off a GPU) or `xla` (the same call on any backend, to compare). The sampler's cached "
-    "steps always use `einsum`.",
+    "refused off a GPU), `splash` (TPUs' Pallas splash attention: no [T, T] scores in memory; "
+    "Pallas' interpreter on CPU, refused on a GPU) or `xla` (the same call on any backend, to "
+    "compare). The sampler's cached steps always use `einsum`.",
     # data
     "data.task": "Prompt format, system prompt and answer parsing: `arith` (the tiny synthetic task), "
     "`gsm8k` or `math`.",

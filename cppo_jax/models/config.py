@@ -52,7 +52,8 @@ class TransformerConfig:
     # How a whole sequence attends (training, log-probs; the sampler's cached steps always use
     # "einsum"): "einsum", this package's grouped-query attention; "xla" or "cudnn",
     # `jax.nn.dot_product_attention` with that implementation ("cudnn": the fused kernel of NVIDIA
-    # GPUs, bfloat16/float16 compute only; "xla": the same call on any backend, for comparison).
+    # GPUs, bfloat16/float16 compute only; "xla": the same call on any backend, for comparison);
+    # "splash", TPUs' Pallas flash kernel (no [T, T] scores in memory; interpreted on CPU).
     attention: str = "einsum"
 
     def __post_init__(self):

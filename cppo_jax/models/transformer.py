@@ -152,9 +152,13 @@ def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
 
 def library_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTT, cfg: TransformerConfig) -> jax.Array:
     """`attend` without a cache through `jax.nn.dot_product_attention` (`cfg.attention`: "xla", or
-    "cudnn" for the fused kernel of NVIDIA GPUs). Same rule: the causal mask of the T slots and the
+    "cudnn" for the fused kernel of NVIDIA GPUs) or TPUs' splash kernel ("splash": `splash`). Same rule: the causal mask of the T slots and the
     key-validity of `mask_BTT`'s last row (a padding query's row is all False there and is
     meaningless either way)."""
+    if cfg.attention == "splash":
+        from cppo_jax.models.splash import splash_attend
+
+        return splash_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTT[:, -1, :])
     if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(
             f"model.attention=cudnn needs an NVIDIA GPU; this JAX runs on {jax.default_backend()} "
