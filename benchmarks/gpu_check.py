@@ -11,8 +11,10 @@ the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
   log-probs plus one policy update, in trained tokens/s and model FLOP utilisation;
 - the embedded sampler's tokens/s (Q prompts x G samples, completions run to the length limit);
 - compile seconds of each program;
-- the log-prob forward with `model.attention=cudnn` (`jax.nn.dot_product_attention`'s fused kernel)
-  against the default einsum attention: seconds and the largest log-prob difference;
+- the log-prob forward of padded rows with `model.attention=cudnn` (`jax.nn.dot_product_attention`'s
+  fused kernel) and `xla` against the default einsum attention, and the sampler's log-probs against
+  the training forward's (`_gpu_numerics`: a NaN or a difference over the bf16 tolerance fails the
+  check, exit status 1);
 - peak device memory against `cppo_jax.layout.memory_plan`'s figure for the same shapes, and each
   program's compiled memory (`memory_analysis()`, the table `plan --compile-for` prints for TPUs:
   XLA:GPU cannot compile without a GPU) beside the measured peak.
@@ -41,13 +43,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import _gpu_numerics as numerics  # noqa: E402
 from cppo_jax import layout  # noqa: E402
 from cppo_jax import step as step_lib  # noqa: E402
 from cppo_jax.aot import ProgramMemory  # noqa: E402
 from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
 from cppo_jax.cppo import num_kept  # noqa: E402
 from cppo_jax.models.known import KNOWN_MODELS  # noqa: E402
-from cppo_jax.models.transformer import Transformer, TransformerConfig, init_model  # noqa: E402
+from cppo_jax.models.transformer import TransformerConfig, init_model  # noqa: E402
 from cppo_jax.rollout.sampler import make_sampler  # noqa: E402
 from cppo_jax.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -150,6 +153,7 @@ class Report:
             "update": [],
             "attention": [],
             "sampler": None,
+            "precision": None,
             "memory": None,
             "programs": [],
         }
@@ -171,6 +175,19 @@ class Report:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=2) + "\n")
         (self.out / "gpu_check.md").write_text(markdown(self.data))
+
+
+def _ok(row: dict) -> str:
+    return "ok" if row.get("ok") else "FAILED"
+
+
+def failures(data: dict) -> list[str]:
+    """What makes the check fail: a non-finite loss, an attention row or the precision row not ok."""
+    out = [f"update p={r['p']}: non-finite loss" for r in data["update"] if not r["loss_finite"]]
+    out += [f"attention {r['attention']}: {r}" for r in data["attention"] if not r["ok"]]
+    if data.get("precision") and not data["precision"]["ok"]:
+        out.append(f"precision: {data['precision']}")
+    return out
 
 
 def markdown(data: dict) -> str:
@@ -195,17 +212,22 @@ def markdown(data: dict) -> str:
     if data["attention"]:
         lines += [
             "",
-            "| log-prob forward, p = 0 | seconds | compile s | max abs log-prob difference vs einsum |",
-            "| --- | --- | --- | --- |",
+            "Log-prob forward of padded rows (prompts left-padded, completions right-padded), "
+            "each attention against einsum at the completion tokens:",
+            "",
+            "| attention | seconds | compile s | max abs log-prob difference | worst token, in "
+            "tolerances | non-finite | ok |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in data["attention"]:
             if "error" in r:
-                lines.append(f"| {r['attention']} | failed: {r['error']} | | |")
+                lines.append(f"| {r['attention']} | failed: {r['error']} | | | | | {_ok(r)} |")
             else:
-                diff = r["max_abs_logp_diff"]
+                diff, tol = r["max_abs_logp_diff"], r["worst"]
                 lines.append(
                     f"| {r['attention']} | {r['seconds']:.3f} | {r['compile_s']:.1f} | "
-                    f"{'-' if diff is None else f'{diff:.3g}'} |"
+                    f"{'-' if diff is None else f'{diff:.3g}'} | "
+                    f"{'-' if tol is None else f'{tol:.3g}'} | {r['nonfinite']} | {_ok(r)} |"
                 )
     s = data["sampler"]
     if s:
@@ -213,6 +235,16 @@ def markdown(data: dict) -> str:
             "",
             f"Embedded sampler: {s['sequences']} sequences x {s['new_tokens']} new tokens: "
             f"{s['tokens_per_s']:,.0f} tokens/s ({s['seconds']:.2f} s a call; compile {s['compile_s']:.1f} s).",
+        ]
+    pr = data.get("precision")
+    if pr:
+        lines += [
+            "",
+            f"Sampler vs training log-probs of the same {pr['tokens']} sampled tokens (one "
+            f"precision from sampler to loss): max difference {pr['max_abs_logp_diff']:.3g} "
+            f"(worst token {pr['worst']:.3g} of its tolerance; mean {pr['mean_logp_diff']:.2g}), "
+            f"max |TIS weight - 1| "
+            f"{pr['max_abs_tis_weight_minus_1']:.3g}, non-finite {pr['nonfinite']}: {_ok(pr)}.",
         ]
     if data.get("programs"):
         lines += [
@@ -341,7 +373,7 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
             report.save()
         del state, p_copy, opt_state, step_c, logps_c
 
-    attention_rows(report, graphdef, params, tcfg, sh, rng, repeat)
+    numerics.attention_rows(report, graphdef, params, tcfg, sh, rng, repeat, _timed)
 
     # eos_id = vocab_size is never sampled: every completion runs to the length limit.
     sp = SamplingParams(
@@ -367,47 +399,14 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         "tokens_per_s": n_seq * sh.C / seconds,
         "compile_s": compile_s,
     }
+    report.data["precision"] = numerics.precision_row(
+        graphdef, params, tcfg, sh, prompts, valid, samples
+    )
     mem = report.data["memory"]
     if mem is not None:
         mem["measured_peak"] = peak_memory(device)
     report.save()
     return report.data
-
-
-def attention_rows(report, graphdef, params, tcfg, sh: Shapes, rng, repeat: int) -> None:
-    """The log-prob forward of all Q * G sequences with each `model.attention`; a kind that fails
-    (cudnn off a GPU, or a cuDNN without this shape) is recorded with its error, not raised."""
-    from flax import nnx
-
-    spec = step_lib.StepSpec.make(CPPOConfig(num_generations=sh.G, beta=0.04), sh.P, sh.C, 1.0)
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-6), 1000)
-    batch = _batch(rng, sh, sh.Q * sh.G, tcfg.vocab_size, with_ref=False)
-    base = None
-    for kind in ("einsum", "cudnn"):
-        row = {"attention": kind}
-        try:
-            cfg = dataclasses.replace(tcfg, attention=kind)
-            gd = (
-                graphdef
-                if kind == tcfg.attention
-                else nnx.graphdef(
-                    nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0)))
-                )
-            )
-            _, logps = step_lib.compiled(gd, tx, spec)
-            start = time.perf_counter()
-            logps_c = logps.lower(params, batch.tokens_MT, batch.valid_MT).compile()
-            row["compile_s"] = time.perf_counter() - start
-            row["seconds"], out = _timed(
-                logps_c, params, batch.tokens_MT, batch.valid_MT, repeat=repeat
-            )
-            out = np.asarray(out, np.float32)
-            base = out if base is None else base
-            row["max_abs_logp_diff"] = None if kind == "einsum" else float(np.abs(out - base).max())
-        except Exception as err:  # recorded in the table; the check goes on
-            row["error"] = f"{type(err).__name__}: {err}"[:300]
-        report.data["attention"].append(row)
-        report.save()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,7 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data = run(args.quick, args.out, args.repeat)
     print(markdown(data))
-    return 0 if all(r["loss_finite"] for r in data["update"]) else 1
+    failed = failures(data)
+    for line in failed:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

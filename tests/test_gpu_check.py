@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MISSING_ON_GPU_IMAGE = ("grain", "vllm", "math_verify", "tensorboardX")
 
@@ -56,9 +59,16 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
     for r in data["update"]:
         assert r["loss_finite"] and r["tokens_per_s"] > 0 and r["compile_s"] > 0
         assert r["mfu"] is None  # no known peak for a CPU: not made up
-    einsum, cudnn = data["attention"]
+    einsum, xla, cudnn = data["attention"]
     assert einsum["attention"] == "einsum" and einsum["seconds"] > 0
+    # Padded rows through jax.nn.dot_product_attention: every completion log-prob finite, within
+    # the bf16 tolerance of einsum's.
+    assert xla["ok"] and xla["nonfinite"] == 0 and 0 <= xla["worst"] <= 1
     assert "model.attention=cudnn needs an NVIDIA GPU" in cudnn["error"]  # recorded, not raised
+    assert cudnn["ok"]  # off a GPU; on one, a cudnn that fails fails the check
+    # One precision from sampler to loss: the sampler's log-probs are the training forward's.
+    precision = data["precision"]
+    assert precision["ok"] and precision["tokens"] == 2 * 16 * 16 and precision["worst"] <= 1
     assert data["sampler"]["tokens_per_s"] > 0
     assert data["memory"]["plan_train_peak"] > data["memory"]["plan_resident"] > 0
     md = (tmp_path / "gpu_check.md").read_text()
@@ -79,3 +89,28 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
         )
         assert r["arguments"] > 0
     assert "Compiled memory per program" in md
+
+
+def test_gpu_check_fails_on_a_nan_or_a_difference_over_the_tolerance():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import _gpu_numerics as numerics
+    from benchmarks.gpu_check import failures
+
+    ref = np.array([-1.0, -3.0, -10.0])
+    eps = 2.0**-7  # bfloat16's
+    tol = numerics.TOL_EPS * eps * (1 + np.abs(ref))
+    assert numerics.worst(ref + 0.5 * tol, ref, "bfloat16")[1] == pytest.approx(0.5)
+    assert numerics.worst(ref + 2 * tol, ref, "bfloat16")[1] == pytest.approx(2.0)
+    good = {
+        "update": [{"p": 0.0, "loss_finite": True}],
+        "attention": [{"attention": "cudnn", "ok": True}],
+        "precision": {"ok": True},
+    }
+    assert failures(good) == []
+    bad = {
+        "update": [{"p": 0.0, "loss_finite": False}],
+        "attention": [{"attention": "cudnn", "ok": False, "nonfinite": 3}],
+        "precision": {"ok": False, "worst": 2.0},
+    }
+    found = failures(bad)
+    assert len(found) == 3 and "non-finite loss" in found[0] and "cudnn" in found[1]
