@@ -173,22 +173,45 @@ def local_slice(rows: int) -> slice:
     return slice(i * per, (i + 1) * per)
 
 
+def _whole(x) -> np.ndarray:
+    """`x`'s whole value as numpy; an array spread over processes is gathered (a collective)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def to_host(tree):
     """Numpy copies of `tree`'s arrays, whole, on every process (gathered when they span processes).
 
     With several processes every process must call this for the same arrays (it is a collective).
     """
     import jax
-    from jax.experimental import multihost_utils
+
+    return jax.tree.map(_whole, tree)
+
+
+def to_main(tree):
+    """Numpy copies of `tree`'s arrays, whole, on process 0; None elsewhere.
+
+    Every process must call this (a collective), but the arrays are gathered one at a time and the
+    other processes drop each at once: they never hold more than one array's copy, where `to_host`
+    gives each of them the whole tree (a model copy per host for a weight push or an export).
+    """
+    import jax
+
+    main = is_main()
 
     def one(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            if x.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
+        whole = _whole(x)
+        return whole if main else None
 
-    return jax.tree.map(one, tree)
+    out = jax.tree.map(one, tree)
+    return out if main else None
 
 
 def gather_rows(local: np.ndarray) -> np.ndarray:

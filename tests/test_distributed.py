@@ -346,3 +346,107 @@ def test_only_process_0_writes(two_process_runs):
     assert np.array_equal(embed, got["['embed_VD'].value"])
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [3]
+
+
+def _track_gathers() -> dict:
+    """Counts the bytes of gathered arrays alive at once (each gather's result, until it is freed):
+    every cross-process gather goes through `multihost_utils.process_allgather`."""
+    import weakref
+
+    from jax.experimental import multihost_utils
+
+    seen = {"live": 0, "peak": 0}
+    gather = multihost_utils.process_allgather
+
+    def tracked(x, *args, **kwargs):
+        out = gather(x, *args, **kwargs)
+        n = out.nbytes
+        seen["live"] += n
+        seen["peak"] = max(seen["peak"], seen["live"])
+        weakref.finalize(out, lambda: seen.__setitem__("live", seen["live"] - n))
+        return out
+
+    multihost_utils.process_allgather = tracked
+    return seen
+
+
+def _export_worker(out_dir: str, result: str) -> None:
+    """Each process: a ~120 MB float32 model split over both processes' devices (fsdp = 4), then
+    save_hf; the most bytes of gathered arrays it held at once goes to result."""
+    distributed.initialize()
+    import jax
+    from flax import nnx
+
+    from cppo_jax import sharding
+    from cppo_jax.config import MeshConfig
+    from cppo_jax.models import TransformerConfig, init_model, save_hf
+
+    cfg = TransformerConfig(
+        arch="qwen2",
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    graphdef, params = nnx.split(init_model(cfg, 0))
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=4, tensor=1))
+    params = sharding.shard_params(params, mesh)
+    leaves = jax.tree.leaves(params)
+    model = nnx.merge(graphdef, params)
+    total = sum(x.size * x.dtype.itemsize for x in leaves)
+    largest = max(x.size * x.dtype.itemsize for x in leaves)
+    # The arrays split over both processes (the replicated ones are read where they are).
+    spread = sum(x.size * x.dtype.itemsize for x in leaves if not x.is_fully_replicated)
+    assert all(not x.is_fully_addressable for x in leaves if x.ndim > 1)
+    seen = _track_gathers()
+    save_hf(model, Path(out_dir) / "export")
+    info = {"held": seen["peak"], "total": total, "spread": spread, "largest": largest}
+    Path(f"{result}.{jax.process_index()}.json").write_text(json.dumps(info))
+
+
+@pytest.mark.slow
+def test_an_export_gathers_the_model_on_process_0_alone(tmp_path):
+    """save_hf with several processes: process 0 holds the whole model and writes it; the other
+    process joins the gathers one array at a time and drops each: it never holds more than the
+    largest array (a gather of the whole tree on every process held a model copy on each)."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPPO_", "JAX_", "SLURM_"))}
+    procs = []
+    for i in range(2):
+        env_i = {
+            **env,
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_XLA}",
+            "JAX_PLATFORMS": "cpu",
+            "CPPO_COORDINATOR": f"127.0.0.1:{port}",
+            "CPPO_NUM_PROCESSES": "2",
+            "CPPO_PROCESS_ID": str(i),
+        }
+        code = (
+            "import sys; sys.path.insert(0, 'tests'); import test_distributed as t; "
+            f"t._export_worker({str(tmp_path)!r}, {str(tmp_path / 'export')!r})"
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=ROOT,
+                env=env_i,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    _wait(procs)
+    main, other = (json.loads((tmp_path / f"export.{i}.json").read_text()) for i in range(2))
+    total, largest = main["total"], main["largest"]
+    assert largest < total / 4  # one array at a time is well under a model copy
+    assert main["spread"] > 0.99 * total
+    assert main["held"] >= main["spread"]  # process 0 gathers the whole model (the count sees it)
+    assert other["held"] <= largest, (other, total)  # the other one a single array at a time
+    from cppo_jax.models import load_hf
+
+    exported = load_hf(tmp_path / "export")  # process 0 wrote the whole model
+    assert exported.cfg.num_layers == 8 and exported.embed_VD.get_value().shape == (4096, 512)

@@ -131,23 +131,19 @@ def _ignored(name: str, cfg: TransformerConfig) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _host(x) -> np.ndarray:
-    """The whole value of `x`; an array spread over several processes is gathered (a collective)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
-def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray] | None:
     """All parameters as HF-named numpy arrays (torch layouts) in the param dtype.
 
     Tied models also get `lm_head.weight`, a copy of the embedding (vLLM needs it on reload). With
-    several processes every process must call this (parameters are gathered across them).
+    several processes every process must call this (parameters are gathered across them, one at a
+    time) and only process 0 gets the tensors (None elsewhere: no other host holds a model copy).
     """
+    from cppo_jax import distributed
+
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    host = {path: _host(var.get_value()) for path, var in params.items()}
+    host = distributed.to_main({path: var.get_value() for path, var in params.items()})
+    if host is None:
+        return None
     tensors = {
         e.hf_name: e.to_hf(host[e.path] if e.layer is None else host[e.path][e.layer])
         for e in name_table(model.cfg)
@@ -374,7 +370,8 @@ def save_hf(
     `extra_config` added last. `generation_config.json` is copied from `source_dir`, the tokenizer files
     from `tokenizer_dir` (default `source_dir`). The folder is built beside `path` and renamed into
     place; an existing `path` is replaced only once the new folder is complete. With several
-    processes every process calls this: the parameters are gathered and process 0 alone writes.
+    processes every process calls this: the parameters are gathered to process 0 (one at a time:
+    no other host holds a model copy) and process 0 alone writes.
     """
     path = Path(path)
     source = Path(source_dir) if source_dir is not None else None
@@ -385,7 +382,7 @@ def save_hf(
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)}")
     tensors = state_to_hf_tensors(model)
-    if jax.process_index() != 0:
+    if tensors is None:  # not process 0: it joined the gathers; process 0 alone writes
         return path
     tensors = {k: np.ascontiguousarray(v.astype(_DTYPE_NAMES[dtype])) for k, v in tensors.items()}
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else source

@@ -36,7 +36,7 @@ class MainProcessBackend:
     def _host(self, params):
         if self._synced_of is not None and self._synced_of() is params:
             return self._host_params
-        host = distributed.to_host(params)
+        host = distributed.to_main(params)  # the whole model on process 0 alone
         try:
             ref = weakref.ref(params)
         except TypeError:
