@@ -174,21 +174,22 @@ def local_slice(rows: int) -> slice:
 
 
 def to_host(tree):
-    """Numpy copies of `tree`'s arrays, whole, on every process (gathered when they span processes).
+    """Numpy copies of `tree`'s arrays, whole, on every process (gathered when they span processes),
+    fetched together (one `jax.device_get`).
 
     With several processes every process must call this for the same arrays (it is a collective).
     """
     import jax
     from jax.experimental import multihost_utils
 
-    def one(x):
+    def local(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             if x.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
+                return x.addressable_data(0)
+            return multihost_utils.process_allgather(x, tiled=True)
+        return x
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(np.asarray, jax.device_get(jax.tree.map(local, tree)))
 
 
 def gather_rows(local: np.ndarray) -> np.ndarray:

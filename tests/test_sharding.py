@@ -110,7 +110,7 @@ def _worker() -> dict:
     finished_N = ~cvalid_NC[:, -1]
     rewards_QG = rng.integers(0, 3, (Q, G)).astype(np.float32)
     key = jax.random.PRNGKey(0)
-    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, logp_chunk=C)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=C)
     ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
     tx = step_lib.make_optimizer(ocfg, 10)
 
@@ -144,7 +144,7 @@ def _worker() -> dict:
         (tokens_MT, valid_MT, mask_MC, adv_M), hlo = prune(mesh)
         lp = logps(params, tokens_MT, valid_MT)
         batch = step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, lp - 0.01, lp + 0.02)
-        new_params, new_opt, metrics, _ = train_step(params, opt, batch, False)
+        new_params, new_opt, metrics = train_step(params, opt, batch)
         # After one AdamW step (no clipping) mu = (1 - b1) * the gradient.
         grads = jax.tree.map(lambda mu: mu / (1 - ocfg.b1), new_opt[-1][0].mu)
         values = {
@@ -211,7 +211,7 @@ def _worker() -> dict:
 
     _, (params_a, opt_a, batch_a, step_a) = states[(2, 2, 2)]  # after step 1
     _, (params_b, opt_b, batch_b, step_b) = states[(8, 1, 1)]
-    params_a, opt_a, _, _ = step_a(params_a, opt_a, batch_a, False)  # step 2
+    params_a, opt_a, _ = step_a(params_a, opt_a, batch_a)  # step 2
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Checkpointer(Path(tmp) / "ckpt")
         ckpt.save(2, {"params": params_a, "opt_state": opt_a}, {"step": 2})
@@ -223,8 +223,8 @@ def _worker() -> dict:
     )
     saved = {"params": params_a, "opt_state": opt_a}
     err_restored = max_err(jax.device_get(restored), jax.device_get(saved))
-    got = step_b(restored["params"], restored["opt_state"], batch_b, False)  # step 3, (8, 1, 1)
-    want = step_a(*jax.tree.map(jnp.copy, (params_a, opt_a)), batch_a, False)  # uninterrupted
+    got = step_b(restored["params"], restored["opt_state"], batch_b)  # step 3, (8, 1, 1)
+    want = step_a(*jax.tree.map(jnp.copy, (params_a, opt_a)), batch_a)  # uninterrupted
     out["restore"] = {
         "layout": same_layout,
         "meta_step": meta["step"],
@@ -392,7 +392,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
         head_dim=16,
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0))))
-    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, logp_chunk=16)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=16)
     tx = step_lib.make_optimizer(OptimConfig(), 10)
     S = jax.ShapeDtypeStruct
     f32 = jnp.float32
@@ -405,7 +405,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
         S((N, C), f32),
     )
     train_step, _ = step_lib.compiled(graphdef, tx, spec)
-    compiled = train_step.lower(params, jax.eval_shape(tx.init, params), batch, False).compile()
+    compiled = train_step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
     mem = compiled.memory_analysis()
     measured = (
         mem.argument_size_in_bytes
