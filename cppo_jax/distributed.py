@@ -174,22 +174,21 @@ def local_slice(rows: int) -> slice:
 
 
 def to_host(tree):
-    """Numpy copies of `tree`'s arrays, whole, on every process (gathered when they span processes),
-    fetched together (one `jax.device_get`).
+    """Numpy copies of `tree`'s arrays, whole, on every process (gathered when they span processes).
 
     With several processes every process must call this for the same arrays (it is a collective).
     """
     import jax
     from jax.experimental import multihost_utils
 
-    def local(x):
+    def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             if x.is_fully_replicated:
-                return x.addressable_data(0)
-            return multihost_utils.process_allgather(x, tiled=True)
-        return x
+                return np.asarray(x.addressable_data(0))
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
 
-    return jax.tree.map(np.asarray, jax.device_get(jax.tree.map(local, tree)))
+    return jax.tree.map(one, tree)
 
 
 def gather_rows(local: np.ndarray) -> np.ndarray:

@@ -329,7 +329,8 @@ class Trainer:
         self.tracer.dump_hlo_once(self.train_step, args, "train_step")
         with prof.phase("update", times):
             self.params, self.opt_state, m = self.train_step(*args)
-            m = distributed.to_host(m)
+            # Replicated (the program's out_shardings): each process's first shard is the whole value.
+            m = jax.device_get(jax.tree.map(lambda x: x.addressable_data(0), m))
         self.params_step = step + 1
         if self.overlap is not None:  # the server must be idle before new weights go in
             times["rollout"] += self.overlap.wait()
