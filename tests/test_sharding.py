@@ -233,6 +233,30 @@ def _worker() -> dict:
         "step_3_moved": max_err(got[0], params_a),
         "global_norm": float(optax.global_norm(got[0])),
     }
+
+    # mu = 2 in one program (a scan, the first update's log-probs carried) on a sharded mesh, with
+    # micro-batches, against one device: the old policy the current one (no old log-probs given).
+    def mu2(mesh, micro):
+        sp = step_lib.StepSpec(**{**spec.__dict__, "mu": 2, "micro_batch": micro})
+        if mesh is None:
+            params = jax.tree.map(jnp.asarray, host_params)
+        else:
+            params = sharding_lib.shard_params(host_params, mesh)
+        opt = sharding_lib.init_opt_state(tx, params, mesh)
+        step, _ = step_lib.compiled(graphdef, tx, sp, mesh=mesh, params=params, rows=M)
+        batch = states[(2, 2, 2)][1][2]._replace(old_logp_MC=None)
+        if mesh is None:
+            batch = jax.tree.map(lambda x: jnp.asarray(jax.device_get(x)), batch)
+        new_params, _, metrics = step(params, opt, batch)
+        return jax.device_get((new_params, metrics))
+
+    want = mu2(None, 0)
+    got = mu2(states[(2, 2, 2)][0], 8)
+    out["mu2"] = {
+        "err_params": max_err(got[0], want[0]),
+        "err_metrics": max_err(got[1], want[1]),
+        "ratio_moved": float(want[1]["ratio/abs_dev_mean"]),
+    }
     return out
 
 
@@ -259,6 +283,13 @@ def test_sharded_step_equals_single_device(mesh_results, shape):
         assert err < TOL, (name, err)
     assert r["err_batch"] < 1e-7
     assert abs(r["grad_norm"] - mesh_results["base_grad_norm"]) < TOL
+
+
+def test_mu2_in_one_program_sharded_equals_single_device(mesh_results):
+    r = mesh_results["mu2"]
+    print(r)
+    assert r["err_params"] < TOL and r["err_metrics"] < TOL, r
+    assert r["ratio_moved"] > 0.0  # the second update ran on the first's old log-probs
 
 
 def test_rules_place_params_with_fallback(mesh_results):
