@@ -84,7 +84,7 @@ def measure(spec: dict) -> dict:
     out = {"layers": cfg.num_layers, "scan": cfg.scan_layers, "compile_s": {}}
     compiled = {}
     for name, fn, args in (
-        ("train_step", train_step, (params, opt_state, batch, False)),
+        ("train_step", train_step, (params, opt_state, batch)),
         ("logps", logps, (params, tokens, valid)),
         ("sampler", sampler, (params, prompts, prompt_valid, seeds)),
     ):
@@ -93,10 +93,10 @@ def measure(spec: dict) -> dict:
         out["compile_s"][name] = time.perf_counter() - start
     step = compiled["train_step"]
     params_, state_ = jax.tree.map(jnp.copy, params), opt_state
-    params_, state_, _, _ = jax.block_until_ready(step(params_, state_, batch, False))  # warm
+    params_, state_, _ = jax.block_until_ready(step(params_, state_, batch))  # warm
     start = time.perf_counter()
     for _ in range(3):
-        params_, state_, metrics, _ = step(params_, state_, batch, False)
+        params_, state_, metrics = step(params_, state_, batch)
     jax.block_until_ready(metrics)
     out["step_s"] = (time.perf_counter() - start) / 3
     return out

@@ -322,7 +322,7 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         opt_state = tx.init(p_copy)
         batch = _batch(rng, sh, rows, tcfg.vocab_size, with_ref=True)
         start = time.perf_counter()
-        step_c = train_step.lower(p_copy, opt_state, batch, False).compile()
+        step_c = train_step.lower(p_copy, opt_state, batch).compile()
         logps_c = logps.lower(params, batch.tokens_MT, batch.valid_MT).compile()
         compile_s = time.perf_counter() - start
         report.program(f"train_step p={p}", step_c, compile_s)
@@ -332,7 +332,7 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         state = [p_copy, opt_state]
 
         def update(state=state, batch=batch, step_c=step_c):
-            state[0], state[1], metrics, _ = step_c(state[0], state[1], batch, False)
+            state[0], state[1], metrics = step_c(state[0], state[1], batch)
             return metrics
 
         upd_s, metrics = _timed(update, repeat=repeat)

@@ -80,7 +80,7 @@ def build(quick: bool):
     model = init_model(mcfg, seed=0)
     graphdef, params = nnx.split(model)
     n_params = int(sum(x.size for x in jax.tree.leaves(params)))
-    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0)
     tx = step_lib.make_optimizer(OptimConfig(lr=1e-6, schedule="constant", warmup_ratio=0.0), 100)
     vocab = mcfg.vocab_size
     keys = jax.random.split(jax.random.key(0), 4)
@@ -130,7 +130,7 @@ def run(args) -> dict:
     graphdef, params, n_params, spec, tx, batch = build(args.quick)
     copy = lambda t: jax.tree.map(lambda x: x.copy(), t)  # noqa: E731
 
-    grads_fn = jax.jit(lambda params, batch: step_lib._grads(params, graphdef, batch, spec, False))
+    grads_fn = jax.jit(lambda params, batch: step_lib._grads(params, graphdef, batch, spec))
     loss, _, grads, _ = grads_fn(params, batch)
     grads = jax.block_until_ready(grads)
     step, _ = step_lib.compiled(graphdef, tx, spec)
@@ -139,7 +139,7 @@ def run(args) -> dict:
 
     rows = {}
     programs = [
-        ("train step", step, lambda: (copy(params), tx.init(params), batch, False), True),
+        ("train step", step, lambda: (copy(params), tx.init(params), batch), True),
         ("update only", update, lambda: (copy(params), tx.init(params), grads, loss), True),
         (
             "optax update (before)",

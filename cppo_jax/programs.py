@@ -21,6 +21,8 @@ from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
+from cppo_jax.logp_sources import LogpSources
+from cppo_jax.logp_sources import logp_sources as sources_of
 from cppo_jax.program_memory import ARGS_OF
 from cppo_jax.rollout.sampler import make_sampler
 from cppo_jax.rollout.sampling import SamplingParams
@@ -46,14 +48,18 @@ def sampling_params(cfg: Config, shapes: Shapes, stop_ids, pad_id: int) -> Sampl
     )
 
 
+def logp_sources(cfg: Config) -> LogpSources:
+    """Where `cfg`'s steps take their old-policy and behaviour log-probs from (`logp_sources`)."""
+    return sources_of(bool(cfg.rollout.overlap), cfg.cppo.tis_cap, cfg.cppo.mu)
+
+
 def batch_fields(cfg: Config) -> dict[str, bool]:
     """Which optional log-probs a step's `step.Batch` carries (as `Trainer._step` fills it)."""
-    c, overlap = cfg.cppo, bool(cfg.rollout.overlap)
-    tis = c.tis_cap > 0
+    src = logp_sources(cfg)
     return {
-        "old_logp_MC": (overlap and not tis) or c.mu > 1,
-        "ref_logp_MC": c.beta > 0,
-        "behav_logp_MC": tis,
+        "old_logp_MC": src.old_given,
+        "ref_logp_MC": cfg.cppo.beta > 0,
+        "behav_logp_MC": src.behav is not None,
     }
 
 
@@ -150,9 +156,7 @@ def build(cfg: Config, devices) -> Built:
         rows_of((sh.M,), jnp.float32),
         *(logp if have[f] else None for f in ("old_logp_MC", "ref_logp_MC", "behav_logp_MC")),
     )
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
-    programs = {"train_step": (train_step, (params, opt, batch, flag))}
+    programs = {"train_step": (train_step, (params, opt, batch))}
     resident = {"params": _bytes_per_device(params), "opt_state": _bytes_per_device(opt)}
     # The reference and the overlap's snapshot: forward-only copies in the compute dtype.
     copy = _abstract(
@@ -162,7 +166,7 @@ def build(cfg: Config, devices) -> Built:
     if cfg.cppo.beta > 0:
         programs["ref_logps"] = (logps, (copy, tokens, valid))
         resident["reference"] = _bytes_per_device(copy)
-    if cfg.rollout.overlap:  # the snapshot's (old or behaviour) log-probs
+    if logp_sources(cfg).needs_snapshot:  # the overlap snapshot's (old or behaviour) log-probs
         programs["old_logps"] = (logps, (copy, tokens, valid))
         resident["snapshot"] = _bytes_per_device(copy)
     if cfg.rollout.backend == "embedded":

@@ -1,4 +1,5 @@
-"""The jitted device functions of a CPPO step: completion log-probs and the policy update.
+"""The jitted device functions of a CPPO step: completion log-probs and the policy updates (all mu
+of a step in one program).
 
 M kept (trained) sequences, P prompt slots (left-padded), C completion slots (right-padded), T = P + C.
 Both functions take the model as (graphdef, params) so params and optimizer state are plain pytrees that
@@ -33,7 +34,7 @@ class Batch(NamedTuple):
     valid_MT: jax.Array  # bool: real prompt tokens, completion tokens up to and including EOS
     mask_MC: jax.Array  # float32: completion tokens that count in the loss
     adv_M: jax.Array  # float32
-    old_logp_MC: jax.Array | None  # mu > 1 or rollout.overlap only (None: the current policy's)
+    old_logp_MC: jax.Array | None  # stale rollout only (`logp_sources`); None: the current's
     ref_logp_MC: jax.Array | None  # beta > 0 only
     behav_logp_MC: jax.Array | None = None  # cppo.tis_cap > 0 only: the sampling policy's log-probs
 
@@ -152,18 +153,19 @@ def update_count(opt_state) -> jax.Array:
     return counts[0]
 
 
-def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
+def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec, first=None):
     model = nnx.merge(graphdef, params)
     logp_MC, ent_MC = completion_logps(
         model, batch.tokens_MT, batch.valid_MT, spec, return_entropy=True
     )
-    # The old policy's log-probs: the given ones (mu > 1 after the first update, or a stale rollout),
-    # else this forward's (the old policy is the current one: the ratio is 1). With tis_cap the tokens'
-    # pg terms are weighted by min(pi_old / pi_behav, tis_cap) (`loss.tis_weights`).
+    # The old policy's log-probs: the given ones (a stale rollout's, or the first update's for the
+    # updates after it), else this forward's (the old policy is the current one: the ratio is 1), as
+    # on the `first` (a traced bool) of a step's updates. With tis_cap the tokens' pg terms are
+    # weighted by min(pi_old / pi_behav, tis_cap) (`loss.tis_weights`).
     current_MC = jax.lax.stop_gradient(logp_MC)
-    old_MC = current_MC
-    if batch.old_logp_MC is not None:
-        old_MC = jnp.where(old_is_current, current_MC, batch.old_logp_MC)
+    old_MC = current_MC if batch.old_logp_MC is None else batch.old_logp_MC
+    if first is not None:
+        old_MC = jnp.where(first, current_MC, old_MC)
     loss, metrics = loss_lib.policy_loss(
         logp_MC,
         old_MC,
@@ -195,14 +197,14 @@ def _all_finite(tree, norm: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.isfinite(norm), lambda: jnp.bool_(True), each_element)
 
 
-def _grads(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
+def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None):
     """(loss, metrics, grads, logp_MC): the loss of `batch`, its gradient, and the completion
     log-probs of this forward (stop-gradient: the old policy's for the updates after this one)."""
     grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
     M = batch.tokens_MT.shape[0]
     m = spec.micro_batch
     if m <= 0 or m >= M:
-        (loss, (metrics, logp_MC)), grads = grad_fn(params, graphdef, batch, spec, old_is_current)
+        (loss, (metrics, logp_MC)), grads = grad_fn(params, graphdef, batch, spec, first)
         return loss, metrics, grads, logp_MC
     if M % m:
         raise ValueError(f"trainer.micro_batch={m} must divide the {M} kept sequences of a step")
@@ -214,7 +216,7 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
     tokens_total = jnp.maximum(batch.mask_MC.sum(), 1.0)
 
     def body(acc, mb: Batch):
-        (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, old_is_current)
+        (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, first)
         if spec.loss_type == "token_mean":
             w = mb.mask_MC.sum() / tokens_total
         else:
@@ -222,10 +224,10 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, old_is_current):
         acc = jax.tree.map(lambda a, g: a + w * g, acc, (loss, metrics, grads))
         return acc, logp_mC
 
-    first = Batch(*(x[0] if x is not None else None for x in micro))
+    first_mb = Batch(*(x[0] if x is not None else None for x in micro))
     (loss, (metrics, _)), grads = jax.tree.map(
         jnp.zeros_like,
-        jax.eval_shape(lambda: grad_fn(params, graphdef, first, spec, old_is_current)),
+        jax.eval_shape(lambda: grad_fn(params, graphdef, first_mb, spec, first)),
     )
     mesh = sharding_lib.active_mesh()
     if mesh is not None:  # the accumulator lives where the params do
@@ -273,22 +275,61 @@ def apply_update(params, opt_state, grads, loss, *, tx):
     return params, opt_state, grad_norm, finite
 
 
-def train_step(params, opt_state, batch: Batch, old_is_current, *, graphdef, tx, spec, mesh=None):
-    """One optimizer update; skipped (params and state unchanged) when loss or grads are not finite.
-
-    `old_is_current` (a bool scalar): the old policy is the one being updated, so its log-probs are
-    this forward's, whatever `batch.old_logp_MC` holds (the first of mu > 1 updates on a fresh
-    rollout: no separate old-policy forward). Returns (params, opt_state, metrics, logp_MC), logp_MC
-    the completion log-probs of the params before the update (the old ones of the next updates).
-    """
-    with sharding_lib.use_mesh(mesh):
-        loss, metrics, grads, logp_MC = _grads(params, graphdef, batch, spec, old_is_current)
+def one_update(params, opt_state, batch: Batch, first=None, *, graphdef, tx, spec):
+    """One optimizer update: (params, opt_state, metrics, logp_MC), logp_MC the completion log-probs
+    of the params before it; skipped (params and state unchanged) when loss or grads are not finite.
+    `first` (a traced bool, in a loop over a step's updates): the old policy is this forward's,
+    whatever `batch.old_logp_MC` holds."""
+    loss, metrics, grads, logp_MC = _grads(params, graphdef, batch, spec, first)
     params, opt_state, grad_norm, finite = apply_update(params, opt_state, grads, loss, tx=tx)
     metrics = dict(metrics)
     metrics["loss"] = loss
     metrics["grad_norm"] = grad_norm
     metrics["update_skipped"] = (~finite).astype(jnp.float32)
     return params, opt_state, metrics, logp_MC
+
+
+def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None):
+    """The step's `spec.mu` updates on `batch`, in one program: (params, opt_state, metrics).
+
+    Old policy (`logp_sources`): `batch.old_logp_MC` when given (a stale rollout's), else the current
+    policy's: the first update's own forward (ratio 1), whose log-probs (the params before it) are the
+    old ones of updates 2..mu. mu = 1 is the one update; mu > 1 a `lax.scan` over the updates (one
+    copy of the update in the program, its buffers reused by each), the first one's log-probs carried
+    to the others. An update whose loss or gradient is not finite is skipped (params and state
+    unchanged). `metrics` are the last update's, but `update_skipped` is 1 when any update was.
+    """
+    update = functools.partial(one_update, graphdef=graphdef, tx=tx, spec=spec)
+    with sharding_lib.use_mesh(mesh):
+        if spec.mu == 1:
+            params, opt_state, metrics, _ = update(params, opt_state, batch)
+            return params, opt_state, metrics
+        if batch.old_logp_MC is not None:  # given: the old policy of every update
+
+            def given(state, _):
+                params, opt_state, metrics, _ = update(*state, batch)
+                return (params, opt_state), metrics
+
+            (params, opt_state), metrics_U = jax.lax.scan(
+                given, (params, opt_state), None, length=spec.mu
+            )
+        else:  # the current policy: the first update's forward, carried to the others
+
+            def current(state, u):
+                params, opt_state, old_MC = state
+                first = u == 0
+                params, opt_state, metrics, logp_MC = update(
+                    params, opt_state, batch._replace(old_logp_MC=old_MC), first
+                )
+                return (params, opt_state, jnp.where(first, logp_MC, old_MC)), metrics
+
+            unset_MC = jnp.zeros(batch.mask_MC.shape, jnp.float32)  # read by no update
+            (params, opt_state, _), metrics_U = jax.lax.scan(
+                current, (params, opt_state, unset_MC), jnp.arange(spec.mu)
+            )
+    metrics = {k: v[-1] for k, v in metrics_U.items()}
+    metrics["update_skipped"] = jnp.max(metrics_U["update_skipped"])
+    return params, opt_state, metrics
 
 
 def logps_fn(params, tokens_MT, valid_MT, *, graphdef, spec: StepSpec, mesh=None):
@@ -301,7 +342,7 @@ def logps_fn(params, tokens_MT, valid_MT, *, graphdef, spec: StepSpec, mesh=None
 def compiled(graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | None = None):
     """(train_step, logps) jitted once per run, params and optimizer state donated.
 
-    `train_step(params, opt_state, batch, old_is_current) -> (params, opt_state, metrics, logp_MC)`
+    `train_step(params, opt_state, batch) -> (params, opt_state, metrics)`: all mu updates of a step
     (see `train_step`); `logps(params, tokens_MT, valid_MT) -> logp_MC`.
 
     With a `mesh`, both get declared shardings: `params` (the policy's params, or their abstract
@@ -345,8 +386,8 @@ def _compiled(graphdef, tx, spec, mesh, p_sh: _Frozen | None, o_sh: _Frozen | No
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step = jax.jit(
         step_fn,
-        in_shardings=(params, opt_state, b_sh, replicated),
-        out_shardings=(params, opt_state, replicated, b_sh),
+        in_shardings=(params, opt_state, b_sh),
+        out_shardings=(params, opt_state, replicated),
         donate_argnums=(0, 1),
     )
     logps = jax.jit(logps_fn_, in_shardings=(params, b_sh, b_sh), out_shardings=b_sh)

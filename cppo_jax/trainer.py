@@ -7,8 +7,9 @@ One step (`Trainer.step`):
   4. Group advantages.
   5. Keep k = floor(G (1 - p)) completions per question by |A| (a static-shape top-k).
   6. Reference (beta > 0) and sampler (tis_cap) log-probs of the kept completions.
-  7. mu policy updates on the kept completions; with mu > 1 the first one's forward gives the old
-     policy's log-probs for the others (a stale rollout's come from its own pass in 6).
+  7. mu policy updates on the kept completions, one compiled program; with mu > 1 the first one's
+     forward gives the old policy's log-probs for the others (a stale rollout's come from its own
+     pass in 6; where each comes from: `logp_sources`).
 Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
@@ -153,6 +154,7 @@ class Trainer:
         self.lr_fn = step_lib.lr_schedule(cfg.optim, self.num_steps * cfg.cppo.mu)
         self.opt_state = sharding_lib.init_opt_state(self.tx, self.params, self.mesh)
         self.spec = programs.step_spec(cfg, self.shapes)
+        self.sources = programs.logp_sources(cfg)  # where the old and behaviour log-probs come from
         self.train_step, self.logps = step_lib.compiled(
             self.graphdef,
             self.tx,
@@ -297,50 +299,38 @@ class Trainer:
             samples.tokens_NC,
             samples.valid_NC,
             samples.finished_N,
-            samples.logp_NC if cfg.cppo.tis_cap and not cfg.rollout.overlap else None,
+            samples.logp_NC if self.sources.behav == "sampler" else None,
             shapes=sh,
             algo=cfg.cppo,
             mesh=self.mesh,
         )
         tokens_MT, valid_MT = pruned.tokens_MT, pruned.valid_MT
 
-        # 6. Reference and old-policy log-probs, kept completions only. With cppo.tis_cap the old
-        # policy is the current one and the sampler's log-probs (with overlap: the snapshot's) weight it.
-        # When the old policy is the current one (mu > 1, no stale rollout) its log-probs come from
-        # the first update's forward, at no extra pass: `old` holds its shape until then.
-        ref = old = None
-        behav, tis = pruned.behav_logp_MC, cfg.cppo.tis_cap > 0
-        old_from_update = False
+        # 6. Reference log-probs, and the overlap snapshot's (the old policy's, or with cppo.tis_cap
+        # the behaviour policy's: `logp_sources`), kept completions only. When the old policy is the
+        # current one its log-probs come from the update's own forward, in the train step.
+        src, ref, old, behav = self.sources, None, None, pruned.behav_logp_MC
         with prof.phase("ref_logps", times):
             if cfg.cppo.beta > 0:
                 ref = _block(self.logps(self.ref_params, tokens_MT, valid_MT))
         with prof.phase("old_logps", times):
-            sampled_by = self.params if sample_params is None else sample_params
-            if cfg.rollout.overlap and tis:
-                behav = _block(self.logps(sampled_by, tokens_MT, valid_MT))
-            if cfg.rollout.overlap and not tis:  # the sampler's (one update behind after step 1)
-                old = _block(self.logps(sampled_by, tokens_MT, valid_MT))
-            elif cfg.cppo.mu > 1:  # the params before the first update: its forward's log-probs
-                old, old_from_update = jnp.zeros_like(pruned.mask_MC), True
+            if src.needs_snapshot:  # the params that sampled (one update behind after step 1)
+                sampled_by = self.params if sample_params is None else sample_params
+                snap = _block(self.logps(sampled_by, tokens_MT, valid_MT))
+                old = snap if src.old == "snapshot" else None
+                behav = snap if src.behav == "snapshot" else behav
         sample_params = sampled_by = None  # the snapshot that sampled: not kept through the update
 
-        # 7. mu updates.
+        # 7. mu updates, one program; its metrics (the last update's) fetched once.
         train_batch = step_lib.Batch(
             tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
         )
-        args = (self.params, self.opt_state, train_batch, old_from_update)  # before donating
+        args = (self.params, self.opt_state, train_batch)  # before donating
         self.tracer.dump_hlo_once(self.train_step, args, "train_step")
-        skipped = 0.0
         with prof.phase("update", times):
-            for u in range(cfg.cppo.mu):
-                first = old_from_update and u == 0
-                self.params, self.opt_state, m, logp_MC = self.train_step(
-                    self.params, self.opt_state, train_batch, first
-                )
-                if first:  # the old policy's log-probs for the updates after this one
-                    train_batch = train_batch._replace(old_logp_MC=logp_MC)
-                m = distributed.to_host(m)
-                skipped = max(skipped, float(m["update_skipped"]))
+            self.params, self.opt_state, m = self.train_step(*args)
+            # Replicated (the program's out_shardings): each process's first shard is the whole value.
+            m = jax.device_get(jax.tree.map(lambda x: x.addressable_data(0), m))
         self.params_step = step + 1
         if self.overlap is not None:  # the server must be idle before new weights go in
             times["rollout"] += self.overlap.wait()
@@ -350,7 +340,7 @@ class Trainer:
         metrics.update({k: float(v) for k, v in m.items()})
         metrics["learning_rate"] = self._learning_rate()
         metrics.update(self._step_counts(pruned.mask_MC))
-        if skipped:
+        if m["update_skipped"]:  # any of the mu updates
             self.log.event("nonfinite_update", step=step, loss=metrics.get("loss"))
             return self._skip(step, metrics, times, t0, reason="non-finite loss or gradient")
         self.nan_streak = 0

@@ -76,7 +76,7 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layer
             None,  # mu = 1: no old-policy log-probs
             S((sh.M, sh.C), f32),
         )
-        compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, batch, False)
+        compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, batch)
         compiled = compiled.compile()
         mem = compiled.memory_analysis()
         step_peak = (

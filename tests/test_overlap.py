@@ -98,9 +98,9 @@ def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_
     seen = []
     inner = trainer.train_step
 
-    def spy(params, opt_state, batch, *flag):
+    def spy(params, opt_state, batch):
         seen.append(jax.tree.map(np.asarray, batch))
-        return inner(params, opt_state, batch, *flag)
+        return inner(params, opt_state, batch)
 
     trainer.train_step = spy
     before_step = []  # host copies of the params at the start of each step
@@ -242,9 +242,9 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
     seen = []
     inner = trainer.train_step
 
-    def spy(params, opt_state, batch, *flag):
+    def spy(params, opt_state, batch):
         seen.append(batch.old_logp_MC)
-        return inner(params, opt_state, batch, *flag)
+        return inner(params, opt_state, batch)
 
     trainer.train_step = spy
     before_step, history = [], []

@@ -110,7 +110,7 @@ def _worker() -> dict:
     finished_N = ~cvalid_NC[:, -1]
     rewards_QG = rng.integers(0, 3, (Q, G)).astype(np.float32)
     key = jax.random.PRNGKey(0)
-    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, logp_chunk=C)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=C)
     ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
     tx = step_lib.make_optimizer(ocfg, 10)
 
@@ -144,7 +144,7 @@ def _worker() -> dict:
         (tokens_MT, valid_MT, mask_MC, adv_M), hlo = prune(mesh)
         lp = logps(params, tokens_MT, valid_MT)
         batch = step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, lp - 0.01, lp + 0.02)
-        new_params, new_opt, metrics, _ = train_step(params, opt, batch, False)
+        new_params, new_opt, metrics = train_step(params, opt, batch)
         # After one AdamW step (no clipping) mu = (1 - b1) * the gradient.
         grads = jax.tree.map(lambda mu: mu / (1 - ocfg.b1), new_opt[-1][0].mu)
         values = {
@@ -211,7 +211,7 @@ def _worker() -> dict:
 
     _, (params_a, opt_a, batch_a, step_a) = states[(2, 2, 2)]  # after step 1
     _, (params_b, opt_b, batch_b, step_b) = states[(8, 1, 1)]
-    params_a, opt_a, _, _ = step_a(params_a, opt_a, batch_a, False)  # step 2
+    params_a, opt_a, _ = step_a(params_a, opt_a, batch_a)  # step 2
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Checkpointer(Path(tmp) / "ckpt")
         ckpt.save(2, {"params": params_a, "opt_state": opt_a}, {"step": 2})
@@ -223,8 +223,8 @@ def _worker() -> dict:
     )
     saved = {"params": params_a, "opt_state": opt_a}
     err_restored = max_err(jax.device_get(restored), jax.device_get(saved))
-    got = step_b(restored["params"], restored["opt_state"], batch_b, False)  # step 3, (8, 1, 1)
-    want = step_a(*jax.tree.map(jnp.copy, (params_a, opt_a)), batch_a, False)  # uninterrupted
+    got = step_b(restored["params"], restored["opt_state"], batch_b)  # step 3, (8, 1, 1)
+    want = step_a(*jax.tree.map(jnp.copy, (params_a, opt_a)), batch_a)  # uninterrupted
     out["restore"] = {
         "layout": same_layout,
         "meta_step": meta["step"],
@@ -232,6 +232,30 @@ def _worker() -> dict:
         "err_next_step": max_err(got, want),
         "step_3_moved": max_err(got[0], params_a),
         "global_norm": float(optax.global_norm(got[0])),
+    }
+
+    # mu = 2 in one program (a scan, the first update's log-probs carried) on a sharded mesh, with
+    # micro-batches, against one device: the old policy the current one (no old log-probs given).
+    def mu2(mesh, micro):
+        sp = step_lib.StepSpec(**{**spec.__dict__, "mu": 2, "micro_batch": micro})
+        if mesh is None:
+            params = jax.tree.map(jnp.asarray, host_params)
+        else:
+            params = sharding_lib.shard_params(host_params, mesh)
+        opt = sharding_lib.init_opt_state(tx, params, mesh)
+        step, _ = step_lib.compiled(graphdef, tx, sp, mesh=mesh, params=params, rows=M)
+        batch = states[(2, 2, 2)][1][2]._replace(old_logp_MC=None)
+        if mesh is None:
+            batch = jax.tree.map(lambda x: jnp.asarray(jax.device_get(x)), batch)
+        new_params, _, metrics = step(params, opt, batch)
+        return jax.device_get((new_params, metrics))
+
+    want = mu2(None, 0)
+    got = mu2(states[(2, 2, 2)][0], 8)
+    out["mu2"] = {
+        "err_params": max_err(got[0], want[0]),
+        "err_metrics": max_err(got[1], want[1]),
+        "ratio_moved": float(want[1]["ratio/abs_dev_mean"]),
     }
     return out
 
@@ -259,6 +283,13 @@ def test_sharded_step_equals_single_device(mesh_results, shape):
         assert err < TOL, (name, err)
     assert r["err_batch"] < 1e-7
     assert abs(r["grad_norm"] - mesh_results["base_grad_norm"]) < TOL
+
+
+def test_mu2_in_one_program_sharded_equals_single_device(mesh_results):
+    r = mesh_results["mu2"]
+    print(r)
+    assert r["err_params"] < TOL and r["err_metrics"] < TOL, r
+    assert r["ratio_moved"] > 0.0  # the second update ran on the first's old log-probs
 
 
 def test_rules_place_params_with_fallback(mesh_results):
@@ -392,7 +423,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
         head_dim=16,
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0))))
-    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, logp_chunk=16)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=16)
     tx = step_lib.make_optimizer(OptimConfig(), 10)
     S = jax.ShapeDtypeStruct
     f32 = jnp.float32
@@ -405,7 +436,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
         S((N, C), f32),
     )
     train_step, _ = step_lib.compiled(graphdef, tx, spec)
-    compiled = train_step.lower(params, jax.eval_shape(tx.init, params), batch, False).compile()
+    compiled = train_step.lower(params, jax.eval_shape(tx.init, params), batch).compile()
     mem = compiled.memory_analysis()
     measured = (
         mem.argument_size_in_bytes

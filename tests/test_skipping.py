@@ -278,10 +278,10 @@ def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
     cut = make("cut", 4, "trainer.max_nan_streak=1")
     inner = cut.train_step
 
-    def poisoned(params, opt_state, batch, *flag):  # step 2's update only (params_step: done)
+    def poisoned(params, opt_state, batch):  # step 2's update only (params_step: done)
         if cut.params_step == 2:
             batch = batch._replace(adv_M=batch.adv_M * jnp.nan)
-        return inner(params, opt_state, batch, *flag)
+        return inner(params, opt_state, batch)
 
     cut.train_step = poisoned
     with pytest.raises(NonFiniteError, match="at step 3"):

@@ -1,8 +1,9 @@
-"""cppo_jax.step's train step: the completion log-probs it returns, and `old_is_current`.
+"""cppo_jax.step's train step: all mu updates of a step in one program.
 
-With mu > 1 the trainer takes the old policy's log-probs from the first update's forward instead of a
-separate pass: the train step returns them (in the batch's row order, micro-batched or not), and with
-`old_is_current` it uses them as the old ones whatever the batch holds.
+With mu > 1 the old policy's log-probs come from the first update's forward instead of a separate
+pass: `one_update` returns them (in the batch's row order, micro-batched or not) and the train step
+uses them as the old ones of updates 2..mu, in a `lax.scan`; the result is that of mu separate
+updates. Log-probs given in the batch (a stale rollout's) are the old ones of every update.
 
 The jitted programs are kept for reuse, but only the `profile.KEPT_PROGRAMS` most recent: a process
 that builds many runs releases the compiled programs of the older ones.
@@ -10,6 +11,7 @@ that builds many runs releases the compiled programs of the older ones.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -27,7 +29,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 M, P, C, V = 8, 6, 5, 61
 
 
-def _parts(micro_batch: int = 0):
+def _parts(micro_batch: int = 0, mu: int = 2):
     """(graphdef, params, spec, tx) of a tiny model; a new optimizer object each call, as each run's."""
     cfg = TransformerConfig(
         arch="qwen2",
@@ -42,7 +44,7 @@ def _parts(micro_batch: int = 0):
         max_position_embeddings=64,
     )
     graphdef, params = nnx.split(init_model(cfg, seed=3))
-    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0, micro_batch=micro_batch)
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=mu), P, C, 1.0, micro_batch=micro_batch)
     tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
     return graphdef, params, spec, tx
 
@@ -60,10 +62,16 @@ def _batch() -> step_lib.Batch:
     return step_lib.Batch(tokens, valid, mask, adv, None, ref)
 
 
-def _setup(micro_batch: int = 0):
-    graphdef, params, spec, tx = _parts(micro_batch)
+def _setup(micro_batch: int = 0, mu: int = 2):
+    graphdef, params, spec, tx = _parts(micro_batch, mu)
     train_step, logps = step_lib.compiled(graphdef, tx, spec)
     return params, tx, _batch(), train_step, logps
+
+
+def _one_update(micro_batch: int = 0):
+    """`step.one_update` jitted alone: (params, opt_state, metrics, logp_MC) of one update."""
+    graphdef, _, spec, tx = _parts(micro_batch)
+    return jax.jit(functools.partial(step_lib.one_update, graphdef=graphdef, tx=tx, spec=spec))
 
 
 def _copy(tree):
@@ -72,9 +80,9 @@ def _copy(tree):
 
 @pytest.mark.parametrize("micro_batch", [0, 2])
 def test_returned_logps_are_the_pre_update_policy_in_row_order(micro_batch):
-    params, tx, batch, train_step, logps = _setup(micro_batch)
+    params, tx, batch, _, logps = _setup(micro_batch)
     want = np.asarray(logps(params, batch.tokens_MT, batch.valid_MT))
-    _, _, _, got = train_step(_copy(params), tx.init(params), batch, False)
+    _, _, _, got = _one_update(micro_batch)(_copy(params), tx.init(params), batch)
     got = np.asarray(got)
     mask = np.asarray(batch.mask_MC) > 0
     # Two programs (the gradient's forward, the log-prob one) of the same float32 math.
@@ -84,25 +92,60 @@ def test_returned_logps_are_the_pre_update_policy_in_row_order(micro_batch):
     assert np.abs(np.roll(got, 1, axis=0)[mask] - want[mask]).max() > 1e3 * 64 * EPS32 * scale
 
 
-def test_old_is_current_ignores_the_given_old_logps():
-    params, tx, batch, train_step, _ = _setup()
+def _assert_params_close(got, want, tol):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("micro_batch", [0, 2])
+@pytest.mark.parametrize("given_old", [False, True])
+def test_mu2_in_one_program_is_two_updates(micro_batch, given_old):
+    """mu = 2 in one program = two separate updates: the second with the first's log-probs as the old
+    ones (given_old: both with the batch's). Metrics: the last update's."""
+    params, tx, batch, train_step, _ = _setup(micro_batch, mu=2)
+    if given_old:  # a stale rollout's (here another policy's: ratios far from 1)
+        batch = batch._replace(old_logp_MC=batch.ref_logp_MC)
+    one = _one_update(micro_batch)
+    p1, o1, _, logp_MC = one(_copy(params), tx.init(params), batch)
+    second = batch if given_old else batch._replace(old_logp_MC=logp_MC)
+    want_p, _, want_m, _ = one(p1, o1, second)
+    got_p, _, got_m = train_step(_copy(params), tx.init(params), batch)
+    # The same float32 math in two programs (XLA may fuse, so round, differently): a few float32
+    # ulps per operation, relative to each leaf's size.
+    tol = 64 * EPS32
+    _assert_params_close(got_p, want_p, tol)
+    assert set(got_m) == set(want_m)
+    for k in want_m:
+        np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=tol, atol=tol, err_msg=k)
+    assert float(got_m["update_skipped"]) == 0.0
+    # The second update is off-policy: its ratio moved from 1 (the first's is exactly 1 unless given).
+    assert float(got_m["ratio/abs_dev_mean"]) > 1e3 * EPS32
+
+
+def test_given_old_logps_are_the_old_policy_and_none_is_the_current_one():
+    params, tx, batch, train_step, _ = _setup(mu=1)
     stale = batch._replace(old_logp_MC=batch.ref_logp_MC)  # not this policy's: ratios far from 1
-    none_p, _, none_m, _ = train_step(_copy(params), tx.init(params), batch, False)
-    cur_p, _, cur_m, _ = train_step(_copy(params), tx.init(params), stale, True)
-    old_p, _, old_m, _ = train_step(_copy(params), tx.init(params), stale, False)
-    # old_is_current: the old policy is this forward's, as with no old log-probs given (ratio 1).
-    assert float(cur_m["clip_ratio/region_mean"]) == 0.0 == float(none_m["clip_ratio/region_mean"])
-    np.testing.assert_allclose(
-        float(cur_m["loss"]), float(none_m["loss"]), rtol=16 * EPS32, atol=16 * EPS32
-    )
-    for a, b in zip(jax.tree.leaves(cur_p), jax.tree.leaves(none_p)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=16 * EPS32, atol=16 * EPS32)
-    # Without the flag the given (stale) log-probs are the old policy: tokens are clipped.
+    cur_p, _, cur_m = train_step(_copy(params), tx.init(params), batch)
+    old_p, _, old_m = train_step(_copy(params), tx.init(params), stale)
+    # None: the old policy is this forward's (ratio exactly 1, nothing clipped).
+    assert float(cur_m["clip_ratio/region_mean"]) == 0.0 == float(cur_m["ratio/abs_dev_mean"])
+    # Given (stale) log-probs are the old policy: tokens are clipped, the update differs.
     assert float(old_m["clip_ratio/region_mean"]) > 0.0
     moved = max(
         float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(old_p), jax.tree.leaves(cur_p))
     )
     assert moved > 0.0
+
+
+def test_a_skipped_update_is_reported_whichever_of_mu():
+    """A non-finite loss skips every update (params unchanged) and the step reports it."""
+    params, tx, batch, train_step, _ = _setup(mu=3)
+    poisoned = batch._replace(adv_M=batch.adv_M * jnp.nan)
+    got_p, _, m = train_step(_copy(params), tx.init(params), poisoned)
+    assert float(m["update_skipped"]) == 1.0
+    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_process_keeps_only_the_latest_programs():
@@ -114,9 +157,7 @@ def test_a_process_keeps_only_the_latest_programs():
     graphdef, params, spec, tx = _parts()
     first, _ = step_lib.compiled(graphdef, tx, spec)
     assert step_lib.compiled(graphdef, tx, spec)[0] is first
-    first(
-        _copy(params), tx.init(params), _batch(), jnp.bool_(True)
-    )  # compiled: holds an executable
+    first(_copy(params), tx.init(params), _batch())  # compiled: holds an executable
     released = weakref.ref(first)
     del first
     for _ in range(KEPT_PROGRAMS):

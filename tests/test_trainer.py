@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer
 from cppo_jax.config import (
     Config,
@@ -161,9 +163,9 @@ def test_grpo_and_cppo_share_the_path_and_the_trained_shape(tmp_path, arith_mode
         seen = []
         inner = trainer.train_step
 
-        def spy(params, opt_state, batch, *flag, inner=inner, seen=seen):
+        def spy(params, opt_state, batch, inner=inner, seen=seen):
             seen.append(jax.tree.map(lambda x: x.shape, batch))
-            return inner(params, opt_state, batch, *flag)
+            return inner(params, opt_state, batch)
 
         trainer.train_step = spy
         metrics = trainer.step(0)
@@ -208,8 +210,8 @@ def test_nonfinite_loss_skips_updates_then_stops_with_state_saved(tmp_path, arit
     before = jax.tree.map(np.asarray, trainer.params)
     inner = trainer.train_step
 
-    def poisoned(params, opt_state, batch, *flag):
-        return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan), *flag)
+    def poisoned(params, opt_state, batch):
+        return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan))
 
     trainer.train_step = poisoned
     frozen_before = gc.get_freeze_count()
@@ -450,44 +452,68 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
             train_NC[valid_NC], sampled_NC[valid_NC], rtol=0, atol=tol * scale
         )
 
-        # The step: spy on the updates and the log-prob program.
-        start_logps, calls, returned, policy_logps = [], [], [], []
+        # The step: spy on the train program and the log-prob program.
+        calls, policy_logps = [], []
         inner_step, inner_logps = trainer.train_step, trainer.logps
 
-        def spy(params, opt_state, batch, first):
-            # The log-probs of the params this update starts from (before they are donated).
-            start_logps.append(np.asarray(inner_logps(params, batch.tokens_MT, batch.valid_MT)))
-            calls.append((batch, first))
-            out = inner_step(params, opt_state, batch, first)
-            returned.append(np.asarray(out[3]))
-            return out
+        def spy(params, opt_state, batch):
+            # Host copies of the state the updates start from (before it is donated).
+            calls.append(jax.tree.map(np.asarray, (params, opt_state, batch)))
+            return inner_step(params, opt_state, batch)
 
         def logps_spy(params, *args):
             policy_logps.append(params is trainer.params)
             return inner_logps(params, *args)
 
         trainer.train_step, trainer.logps = spy, logps_spy
-        trainer.step(0)
-        assert [first for _, first in calls] == [True, False]
+        row = trainer.step(0)
+        assert len(calls) == 1  # both updates in one program
         assert not any(policy_logps)  # no separate old-policy forward: only the reference's
-        (first_batch, _), (second_batch, _) = calls
-        for field in ("tokens_MT", "valid_MT", "mask_MC", "adv_M", "ref_logp_MC"):
-            assert getattr(first_batch, field) is getattr(second_batch, field)  # the same batch
-        mask_NC = np.asarray(first_batch.mask_MC) > 0
-        old_NC = np.asarray(second_batch.old_logp_MC)
-        # The second update's old log-probs are the first update's forward, at the pre-update params.
-        np.testing.assert_array_equal(old_NC, returned[0])
-        scale = max(1.0, float(np.abs(start_logps[0][mask_NC]).max()))
-        np.testing.assert_allclose(
-            old_NC[mask_NC], start_logps[0][mask_NC], rtol=0, atol=tol * scale
+        params, opt_state, batch = calls[0]
+        assert batch.old_logp_MC is None  # the old policy: the current one, in the program
+        # The program's result is two updates on the same batch, the second with the first's forward
+        # (the pre-update params' log-probs) as the old policy.
+        one = jax.jit(
+            functools.partial(
+                step_lib.one_update, graphdef=trainer.graphdef, tx=trainer.tx, spec=trainer.spec
+            )
         )
-        ratio_NC = np.exp(start_logps[1] - old_NC)
-        moved = np.abs(ratio_NC[mask_NC] - 1.0)
-        assert moved.max() > 1000 * np.finfo(np.float32).eps, (
-            moved.max()
-        )  # the second update's ratio
+        p1, o1, _, first_NC = one(params, opt_state, batch)
+        start_NC = np.asarray(inner_logps(jax.tree.map(jnp.asarray, params), *batch[:2]))
+        mask_NC = np.asarray(batch.mask_MC) > 0
+        scale = max(1.0, float(np.abs(start_NC[mask_NC]).max()))
+        np.testing.assert_allclose(
+            np.asarray(first_NC)[mask_NC], start_NC[mask_NC], rtol=0, atol=tol * scale
+        )
+        want, _, _, _ = one(p1, o1, batch._replace(old_logp_MC=first_NC))
+        for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(want)):
+            a, b = np.asarray(a), np.asarray(b)  # float32 math in two programs
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.abs(b).max()))
+        # The logged metrics are the second update's: the policy has moved (ratio != 1).
+        moved = row["ratio/abs_dev_mean"]
+        assert moved > 1000 * np.finfo(np.float32).eps, moved
     finally:
         trainer.close()
+
+
+def test_one_train_program_a_step_whatever_mu(tmp_path, arith_model_dir):
+    """mu = 3: each step calls the train program once, and it compiles once for the run."""
+    cfg = small_config(tmp_path, arith_model_dir, "cppo.mu=3", "trainer.steps=2")
+    trainer = Trainer(cfg)
+    calls, inner = [], trainer.train_step
+
+    def spy(*args):
+        calls.append(len(args))
+        return inner(*args)
+
+    trainer.train_step = spy
+    try:
+        rows = [trainer.step(s) for s in range(2)]
+    finally:
+        trainer.close()
+    assert calls == [3, 3]  # (params, opt_state, batch), once a step
+    assert inner._cache_size() == 1  # one compiled program for both steps
+    assert all(np.isfinite(r["loss"]) and r["update_skipped"] == 0.0 for r in rows)
 
 
 def test_process_scope_in_the_trainer_and_both_eval_rules(tmp_path, arith_model_dir):

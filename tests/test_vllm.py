@@ -414,9 +414,9 @@ class TestTiedServer:
         trainer = Trainer(apply_overrides(cfg, ["cppo.tis_cap=2"]))
         seen, inner = [], trainer.train_step
 
-        def spy(params, opt_state, batch, *flag):
+        def spy(params, opt_state, batch):
             seen.append((jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, batch)))
-            return inner(params, opt_state, batch, *flag)
+            return inner(params, opt_state, batch)
 
         trainer.train_step = spy
         try:

@@ -73,7 +73,7 @@ def _worker(target: str) -> dict:
 
         def grads(params, batch, mesh=None, graphdef=graphdef):
             with sharding_lib.use_mesh(mesh):
-                _, _, g, logp = step_lib._grads(params, graphdef, batch, spec, False)
+                _, _, g, logp = step_lib._grads(params, graphdef, batch, spec)
             return g, logp
 
         if target != "cpu":
