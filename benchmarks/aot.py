@@ -116,7 +116,13 @@ def render(
         "- Written by `python benchmarks/aot.py`; compiled with libtpu, nothing run on a TPU. "
         "Figures per device, GiB. `peak` = the program's total plus the run's state alive beside it "
         "(the optimizer state while sampling, the reference during the update). `plan` is "
-        "`cppo_jax.program_memory`'s estimate of the program's total, at the row's commit.",
+        "`cppo_jax.program_memory`'s estimate of the program's total, "
+        + (
+            f"of the current code ({_commit()}: `--render --replan`), beside programs compiled at "
+            "the row's commit."
+            if replan
+            else "at the row's commit."
+        ),
         "",
         "| config | p | topology | mesh | micro-batch | program | args | temps | total | peak | "
         "plan | plan/compiled | compile s | fits | commit |",

@@ -77,7 +77,7 @@ def render(rows: list[dict], out: Path, info: dict) -> None:
     lines = [
         "# Attention's memory at the paper's shapes: einsum vs splash (TPU, compiled deviceless)",
         "",
-        f"- Machine: {_common.machine_line(info)}",
+        _common.machine_line(info),
         "- Written by `python benchmarks/aot_attention.py`; compiled by libtpu, nothing run on a TPU. "
         "p = 0.875 with dynamic allocation, P = 512, C = 1024, G = 16. Per device, GiB.",
         "",

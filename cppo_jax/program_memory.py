@@ -15,7 +15,8 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   (`save_all`: the plan's activations);
   with fsdp > 1, the unembedding gathered whole in the compute dtype, its whole gradient and that
   gradient summed over devices, both in the compute dtype (a float32 embedding is looked up in
-  its shard: `transformer.gather_cast`, `Transformer.hidden`);
+  its shard: `transformer.gather_cast`, `Transformer.hidden`); two float32 vocabulary-sized
+  gradient buffers (the lookup's and the unembedding's, before they are summed);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
   rows, one layer's float32 score buffer and MLP products, the logits of one chunk, and with
   fsdp > 1 each vocabulary matrix gathered whole (a compute-dtype table is looked up gathered);
@@ -59,6 +60,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     # The unembedding gathered in the compute dtype, its gradient whole and that gradient's sum
     # over devices (the embedding is looked up in its shard); without fsdp the cast and gradient.
     vocab_train = 3 * vocab_c if fsdp > 1 else 2 * vocab_c
+    # Two float32 vocabulary matrices beyond the parameter's own gradient: the lookup's gradient
+    # scattered in float32 and the unembedding's cast to float32 before they are summed (read from
+    # the buffer assignment of the 1.5B step on v5p-8; 7B's rows agree within 7%).
+    vocab_train += 2 * V * D * 4
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
     # Per token and layer, what the remat policy keeps for the backward (read from the compiler's
