@@ -41,10 +41,12 @@ from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT
 
 def get_config() -> Config:
     return Config(
-        # remat "minimal": each layer keeps its projections' outputs, recomputes attention. The
-        # train step compiled for v5e-8 (fsdp = 8, 16 rows): 8.37 GiB per device (full: 5.33,
-        # recomputing every projection; dots_saveable: 14.57, over 90% of 16 GiB).
-        model=ModelConfig(path="", dtype="bfloat16", param_dtype="float32", remat="minimal"),
+        # remat "full": each layer keeps its input and recomputes the rest in the backward. At
+        # p = 0.875 the update is about 5% of a step's least time (benchmarks/results/aot_tpu.md:
+        # 0.30 of 6.7 s on v5e-8), so the recompute costs little, and the memory it frees is the
+        # most of any choice: "minimal" (projections kept) took the mu = 2 train step on v5e-8
+        # (mesh 2/4/1) to 13.08 GiB of 16 and on v5p-8 (4/1/1) to 39.93 GiB.
+        model=ModelConfig(path="", dtype="bfloat16", param_dtype="float32", remat="full"),
         data=DataConfig(
             task="gsm8k",
             train="gsm8k",
