@@ -60,10 +60,11 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     # The unembedding gathered in the compute dtype, its gradient whole and that gradient's sum
     # over devices (the embedding is looked up in its shard); without fsdp the cast and gradient.
     vocab_train = 3 * vocab_c if fsdp > 1 else 2 * vocab_c
-    # Two float32 vocabulary matrices beyond the parameter's own gradient: the lookup's gradient
-    # scattered in float32 and the unembedding's cast to float32 before they are summed (read from
-    # the buffer assignment of the 1.5B step on v5p-8; 7B's rows agree within 7%).
-    vocab_train += 2 * V * D * 4
+    # Two float32 vocabulary matrices (of the shard) beyond the parameter's own gradient: the
+    # lookup's gradient scattered in float32 and the unembedding's cast to float32 before they are
+    # summed (read from the buffer assignment of the 1.5B step on v5p-8, and within 5% of the
+    # compiler for the 1.5B on fsdp = 2 and 4; the untied 7B on fsdp = 8 holds more: 0.82).
+    vocab_train += 2 * V * D * 4 // fsdp
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
     # Per token and layer, what the remat policy keeps for the backward (read from the compiler's
