@@ -29,6 +29,14 @@ from cppo_jax.rollout.vllm_client import (
 EOS = 2
 
 
+class _Server(ThreadingHTTPServer):
+    """A listen backlog like a real server's (uvicorn: 2048), not socketserver's 5: the client sends a
+    step's requests at once, and on a loaded machine a full backlog drops connection attempts, whose
+    retry a second later outlasts the tests' 1 s timeouts (a flaky connect timeout, not a fault)."""
+
+    request_queue_size = 128
+
+
 class FakeVLLM:
     """A loopback HTTP server that answers like vLLM, or misbehaves as `mode` says.
 
@@ -71,7 +79,7 @@ class FakeVLLM:
             def do_POST(self):
                 self._handle("POST")
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
