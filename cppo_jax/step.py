@@ -252,14 +252,17 @@ def _strided_join(x_XmM: jax.Array) -> jax.Array:
     return sharding_lib.constrain(x_M, ("batch",) + (None,) * (x_M.ndim - 1))
 
 
-def apply_update(params, opt_state, grads, loss, *, tx):
+def apply_update(params, opt_state, grads, loss, *, tx, in_loop: bool = False):
     """(params, opt_state, grad_norm, finite): one update of `tx` with `grads`, or none (params and
     state returned untouched) when the loss or a gradient is not finite. `grad_norm` is the global
     norm before the clip.
 
-    The norm is computed once (clip, metric and finiteness check), and the update runs under
+    The norm is computed once (clip, metric and finiteness check). A lone update runs under
     `lax.cond`, so XLA updates the (donated) params and Adam moments in place: selecting between new
-    and old values afterwards kept both alive, and XLA copied the moments on every update.
+    and old values afterwards kept both alive, and XLA copied the moments on every update. Inside
+    the loop over a step's updates (`in_loop`) it is the other way round: the cond held param-sized
+    float32 copies (7B on v6e-8, mu = 2: 32.39 GiB per device with the cond, 29.62 with the select,
+    compiled by libtpu), so there the new values are selected.
     A `tx` from `make_optimizer` clips with that norm; any other optax transform gets it and ignores it.
     """
     grad_norm = optax.global_norm(grads)
@@ -271,7 +274,13 @@ def apply_update(params, opt_state, grads, loss, *, tx):
         updates, opt_state = update_fn(grads, opt_state, params, grad_norm=grad_norm)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
+    if in_loop:
+        new = update((params, opt_state))
+        params, opt_state = jax.tree.map(
+            lambda a, b: jnp.where(finite, a, b), new, (params, opt_state)
+        )
+    else:
+        params, opt_state = jax.lax.cond(finite, update, lambda state: state, (params, opt_state))
     return params, opt_state, grad_norm, finite
 
 
@@ -281,7 +290,9 @@ def one_update(params, opt_state, batch: Batch, first=None, *, graphdef, tx, spe
     `first` (a traced bool, in a loop over a step's updates): the old policy is this forward's,
     whatever `batch.old_logp_MC` holds."""
     loss, metrics, grads, logp_MC = _grads(params, graphdef, batch, spec, first)
-    params, opt_state, grad_norm, finite = apply_update(params, opt_state, grads, loss, tx=tx)
+    params, opt_state, grad_norm, finite = apply_update(
+        params, opt_state, grads, loss, tx=tx, in_loop=spec.mu > 1
+    )
     metrics = dict(metrics)
     metrics["loss"] = loss
     metrics["grad_norm"] = grad_norm
