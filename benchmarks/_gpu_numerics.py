@@ -98,7 +98,7 @@ def precision_row(graphdef, params, tcfg, sh, prompts_QP, valid_QP, samples) -> 
     )
     valid_NC = np.asarray(samples.valid_NC)
     valid = np.concatenate([np.repeat(np.asarray(valid_QP), sh.G, axis=0), valid_NC], axis=1)
-    train = np.asarray(jax.jit(_logps_fn(graphdef, sh))(params, tokens, valid), np.float32)
+    train = np.asarray(_logps_fn(graphdef, sh)(params, tokens, valid), np.float32)
     sampled = np.asarray(samples.logp_NC, np.float32)
     on = valid_NC.astype(bool)
     diff, worst_tol = worst(train[on], sampled[on], tcfg.dtype)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -59,15 +57,11 @@ def measure(case: dict) -> dict:
 
 
 def run_case(case: dict) -> dict:
-    """`measure(case)` in a fresh process; a compile process that dies is recorded."""
-    cmd = [sys.executable, __file__, "--one", json.dumps(case)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith(_common.RESULT_TAG):
-            return json.loads(line[len(_common.RESULT_TAG) :])
-    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-    return {**case, "failed": f"exit code {proc.returncode}: {tail}"}
+    """`measure(case)` in a fresh process (`_common.run_child`); a process that dies is recorded."""
+    try:
+        return _common.run_child(Path(__file__), case, f"{case['config']} {case['attention']}")
+    except RuntimeError as e:
+        return {**case, "failed": str(e).strip().splitlines()[-1][:300]}
 
 
 def render(rows: list[dict], out: Path, info: dict) -> None:
