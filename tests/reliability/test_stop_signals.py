@@ -25,7 +25,10 @@ from tests.test_trainer import small_config
 
 
 def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, arith_model_dir):
-    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=8", "trainer.checkpoint_every=0")
+    # Steps enough that, under load, the signal sent once step 2 is logged still lands mid-run (with 8,
+    # a starved test process once saw the run finish first).
+    steps = 24
+    cfg = small_config(tmp_path, arith_model_dir, f"trainer.steps={steps}", "trainer.checkpoint_every=0")
     config_file = write_config_file(tmp_path / "cfg.py", cfg)
     run_dir = tmp_path / "run"
     proc = launch(config_file)
@@ -42,7 +45,7 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     assert "stopped by SIGTERM" in text
     done = metrics_steps(run_dir)
     s = done[-1]
-    assert done == list(range(1, s + 1)) and 2 <= s < 8  # the step in flight was finished
+    assert done == list(range(1, s + 1)) and 2 <= s < steps  # the step in flight was finished
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {"event": "stopped", "step": s, "signal": "SIGTERM"} in events
     assert Checkpointer(run_dir / "checkpoints").all_steps() == [s]  # checkpoint_every=0: only this
@@ -52,8 +55,8 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     resumed = launch(config_file, "trainer.resume=true")
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out.decode()[-3000:]
-    assert metrics_steps(run_dir) == list(range(1, 9))  # steps s+1..8 appended, none repeated
-    assert Checkpointer(run_dir / "checkpoints").latest_step() == 8
+    assert metrics_steps(run_dir) == list(range(1, steps + 1))  # steps s+1.. appended, none repeated
+    assert Checkpointer(run_dir / "checkpoints").latest_step() == steps
 
 
 def test_sigint_in_process_saves_the_finished_step(shared_trainer, tmp_path):
