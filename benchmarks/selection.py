@@ -48,7 +48,7 @@ P = 0.875
 METHODS = {
     "GRPO": (0.0, []),
     "CPPO (question)": (P, []),
-    "CPPO (process)": (P, ["cppo.scope=process", "cppo.processes=4"]),
+    "CPPO (slice)": (P, ["cppo.scope=slice", "cppo.slices=4"]),
     "CPPO (batch)": (P, ["cppo.scope=batch"]),
     "PODS (max variance)": (P, ["cppo.metric=max_variance"]),
     "proportional (unbiased)": (P, ["cppo.metric=proportional"]),

@@ -66,8 +66,8 @@ def get_config() -> Config:
             pruning_rate=0.875,
             allocation=True,
             metric="smallest",
-            scope="process",  # the released TRL fork's pruning, which produced the paper's tables
-            processes=1,  # its training processes (GPUs)
+            scope="slice",  # the released TRL fork's pruning, which produced the paper's tables
+            slices=1,  # one per training process (GPU) of the released run
             mu=2,
             beta=0.04,
             eps_low=0.2,

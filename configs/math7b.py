@@ -66,7 +66,7 @@ def get_config() -> Config:
         cppo=dataclasses.replace(
             base.cppo,
             questions_per_step=3,
-            processes=3,  # the released run's training processes (GPUs)
+            slices=3,  # one per training process (GPU) of the released run
         ),
         reward=dataclasses.replace(
             base.reward,

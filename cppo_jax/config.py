@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any
 
 REQUIRED_PREFIX = "<required"  # a config value starting with this must be overridden before a run
@@ -32,7 +33,10 @@ BACKENDS = ("embedded", "vllm")
 # cppo.metric: what is pruned
 METRICS = ("smallest", "largest", "random", "max_variance", "proportional")
 GROUP_METRICS = ("max_variance", "proportional")  # rules within each question's group only
-SCOPES = ("question", "process", "batch")  # cppo.scope: over what the top-k runs
+SCOPES = ("question", "slice", "batch")  # cppo.scope: over what the top-k runs
+# Names that changed, still read (with a FutureWarning): a saved config.json or an old override keeps working.
+RENAMED_KEYS = {"cppo.processes": "cppo.slices"}  # key -> its name now
+RENAMED_SCOPES = {"process": "slice"}  # cppo.scope value -> its name now
 ADV_SCALES = ("group", "batch", "none")
 LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo")
 # With model.param_dtype=bfloat16, the smallest optim.lr an update survives: bf16 keeps 8 significant
@@ -57,6 +61,15 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
 
 def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
     _check(value in options, key, value, "one of " + ", ".join(repr(o) for o in options))
+
+
+def renamed(old: str, new: str) -> None:
+    """Say (a FutureWarning, shown by default) that `old` is read as `new`, the name it has now."""
+    warnings.warn(
+        f"config: {old!r} is an old name, read as {new!r}; write {new!r}",
+        FutureWarning,
+        stacklevel=3,
+    )
 
 
 def remat_policy(value: str | bool) -> str | bool:
@@ -225,8 +238,8 @@ class CPPOConfig:
     metric: str = (
         "smallest"  # drop the smallest |A|; "max_variance": PODS; "largest", "random": ablations
     )
-    scope: str = "question"  # "question" (the paper), "process" (the TRL fork), "batch" (verl)
-    processes: int = 1  # scope="process": slices of the step ranked separately
+    scope: str = "question"  # "question" (the paper), "slice" (the TRL fork), "batch" (verl)
+    slices: int = 1  # scope="slice": contiguous slices of the step, each ranked separately
     adv_scale: str = "group"  # "batch" or "none" (Dr. GRPO)
     adv_eps: float = 1e-4
     mu: int = 1  # policy updates per generation
@@ -246,6 +259,9 @@ class CPPOConfig:
         )
         _check(0 <= self.pruning_rate < 1, "cppo.pruning_rate", self.pruning_rate, "in [0, 1)")
         _choice("cppo.metric", self.metric, METRICS)
+        if self.scope in RENAMED_SCOPES:
+            renamed(f"cppo.scope={self.scope}", f"cppo.scope={RENAMED_SCOPES[self.scope]}")
+            object.__setattr__(self, "scope", RENAMED_SCOPES[self.scope])
         _choice("cppo.scope", self.scope, SCOPES)
         if self.metric in GROUP_METRICS and self.scope != "question":
             raise ConfigError(
@@ -255,7 +271,7 @@ class CPPOConfig:
         _check(
             self.filter_oversample >= 1, "cppo.filter_oversample", self.filter_oversample, ">= 1"
         )
-        _check(self.processes >= 1, "cppo.processes", self.processes, ">= 1")
+        _check(self.slices >= 1, "cppo.slices", self.slices, ">= 1")
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
         if self.loss_type == "dapo":
             raise ConfigError(

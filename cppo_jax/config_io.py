@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from cppo_jax.config import Config, ConfigError, _choice
+from cppo_jax.config import RENAMED_KEYS, Config, ConfigError, _choice, renamed
 
 
 def _hints(cls) -> dict[str, Any]:
@@ -114,11 +114,21 @@ def _unknown_key(key: str, name: str, known: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key '{key}': known keys here are {', '.join(known)}{hint}")
 
 
+def _current_name(prefix: str, name: str) -> str:
+    """A field's name now, for `name` in the section `prefix` (an old name is read, with a warning)."""
+    new = RENAMED_KEYS.get(prefix + name)
+    if new is None:
+        return name
+    renamed(prefix + name, new)
+    return new.rpartition(".")[2]
+
+
 def _from_dict(cls, data: dict, prefix: str = ""):
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for name, value in data.items():
+        name = _current_name(prefix, name)
         if name not in names:
             raise _unknown_key(prefix + name, name, names)
         kwargs[name] = _coerce(prefix + name, value, hints[name])
@@ -137,6 +147,7 @@ def to_dict(cfg: Config) -> dict:
 def _set_override(cls, data: dict, key: str, text: str, prefix: str = "") -> None:
     """Set the dotted `key` in `data` (the raw fields of a `cls` section), parsed by the field's type."""
     head, _, rest = key.partition(".")
+    head = _current_name(prefix, head)
     names = [f.name for f in dataclasses.fields(cls)]
     if head not in names:
         raise _unknown_key(prefix + key, head, names)

@@ -8,7 +8,8 @@ One CPPO step, in order (the paper, arXiv 2503.22342):
 4. Group advantages A = (r - group mean) / (std + eps), std with ddof=1 (`group_advantages`).
 5. Prune: keep per question the k = max(1, floor(G (1 - p))) completions with the largest |A|
    (`num_kept`, `keep_indices`; `prune` runs steps 4-5 as one program). The released code ranks wider: the TRL fork one top-k
-   over each process's slice of the step (`keep_indices_process`, `cppo.scope = "process"`), the verl
+   over each contiguous slice of the step, one slice per training process there (`keep_indices_slice`,
+   `cppo.scope = "slice"`), the verl
    recipe one over the whole flattened batch (`keep_indices_batch`, `cppo.scope = "batch"`).
 6. Reference (and, for a stale rollout, old-policy) forward passes on the kept Q * k completions only.
 7. mu policy updates on the kept completions (the loss lives in `cppo_jax.loss`); with mu > 1 the
@@ -16,7 +17,7 @@ One CPPO step, in order (the paper, arXiv 2503.22342):
 
 Letters (docs/conventions.md): Q questions, G completions per question, K (the paper's k) kept per
 question, N = Q * G rolled-out completions, M kept (trained) sequences (Q * K in question scope), P
-prompt and C completion tokens, W process slices (`scope="process"`); b questions per step of plain
+prompt and C completion tokens, W slices of the step (`scope="slice"`); b questions per step of plain
 GRPO, p pruning rate in [0, 1).
 
 Selection is exact and reproducible: candidates are ranked by a stable sort, so among equal |A|
@@ -190,43 +191,44 @@ def keep_indices_batch(
     return jnp.sort(_rank(adv_N, metric, rng)[:n_keep])
 
 
-def num_kept_process(Q: int, G: int, processes: int, p) -> int:
-    """Kept completions per process slice (`scope="process"`): the TRL fork drops int(N_s p) of the
-    N_s = (Q / processes) G completions of each slice, so n = N_s - floor(N_s p) (exact arithmetic)."""
+def num_kept_slice(Q: int, G: int, slices: int, p) -> int:
+    """Kept completions per slice of the step (`scope="slice"`): the TRL fork drops int(N_s p) of the
+    N_s = (Q / slices) G completions of each slice, so n = N_s - floor(N_s p) (exact arithmetic)."""
     _check_group_size(G)
-    if processes < 1 or Q % processes:
-        raise ValueError(
-            f"processes must divide the Q={Q} questions of a step into equal slices, got {processes}"
-        )
-    n_s = Q // processes * G
+    _check_slices(Q, slices)
+    n_s = Q // slices * G
     return max(1, n_s - math.floor(n_s * _check_p(p)))
 
 
-def keep_indices_process(
+def _check_slices(Q: int, slices: int) -> None:
+    if slices < 1 or Q % slices:
+        raise ValueError(
+            f"slices must divide the Q={Q} questions of a step into equal parts, got {slices}"
+        )
+
+
+def keep_indices_slice(
     adv_QG: jax.Array,
-    processes: int,
+    slices: int,
     n_keep: int,
     metric: str = "smallest",
     rng: jax.Array | None = None,
 ) -> jax.Array:
-    """idx_M (int32, M = processes * n_keep): `scope="process"`, the released TRL fork's pruning.
+    """idx_M (int32, M = slices * n_keep): `scope="slice"`, the released TRL fork's pruning.
 
-    The Q questions are cut into `processes` contiguous slices (as the fork's per-process batches);
-    each slice ranks its (Q / processes) G completions together and keeps `n_keep` of them (pass
-    `num_kept_process`). Flat indices into Q * G, ascending. A group whose rewards are all equal has
+    The Q questions are cut into `slices` contiguous slices (the fork's per-process batches, one per
+    training GPU); each slice ranks its (Q / slices) G completions together and keeps `n_keep` of
+    them (pass `num_kept_slice`). Flat indices into Q * G, ascending. A group whose rewards are all equal has
     |A| = 0 and so loses its completions first; an informative group may keep more than G (1 - p).
     Same metrics and tie rule (lower index first) as `keep_indices`.
     """
     if adv_QG.ndim != 2:
         raise ValueError(f"adv_QG must be [Q, G], got shape {adv_QG.shape}")
     Q, G = adv_QG.shape
-    if processes < 1 or Q % processes:
-        raise ValueError(
-            f"processes must divide the Q={Q} questions of a step into equal slices, got {processes}"
-        )
-    adv_WX = adv_QG.reshape(processes, Q // processes * G)  # W slices of X completions each
+    _check_slices(Q, slices)
+    adv_WX = adv_QG.reshape(slices, Q // slices * G)  # W slices of X completions each
     idx_Wn = keep_indices(adv_WX, n_keep, metric=metric, rng=rng)  # n = n_keep per slice
-    return (idx_Wn + jnp.arange(processes, dtype=jnp.int32)[:, None] * adv_WX.shape[1]).reshape(-1)
+    return (idx_Wn + jnp.arange(slices, dtype=jnp.int32)[:, None] * adv_WX.shape[1]).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,13 +252,13 @@ def step_shapes(algo: CPPOConfig, prompt_len: int, completion_len: int) -> Shape
     k = num_kept(G, algo.pruning_rate)
     if algo.scope == "question":
         M = U * k
-    elif algo.scope == "process":
-        if U % algo.processes:
+    elif algo.scope == "slice":
+        if U % algo.slices:
             raise ConfigError(
-                f"config key 'cppo.processes' = {algo.processes} is invalid: allowed a divisor of "
-                f"the {U} questions trained per step (scope='process' cuts them into equal slices)"
+                f"config key 'cppo.slices' = {algo.slices} is invalid: allowed a divisor of "
+                f"the {U} questions trained per step (scope='slice' cuts them into equal parts)"
             )
-        M = algo.processes * num_kept_process(U, G, algo.processes, algo.pruning_rate)
+        M = algo.slices * num_kept_slice(U, G, algo.slices, algo.pruning_rate)
     else:
         M = num_kept(U * G, algo.pruning_rate)
     return Shapes(Q, G, k, M, prompt_len, completion_len, U)
@@ -300,8 +302,8 @@ def prune(
     With `cppo.filter_groups` the U of the Q groups whose rewards vary are taken first
     (`selection.informative_groups`, a gather across the mesh); otherwise U = Q, every group.
     Question scope keeps k per question inside its own group: with the questions split over the
-    mesh's data axes every device prunes its own questions and nothing crosses devices. Process
-    scope ranks each of `algo.processes` slices of the step together, batch scope the whole step
+    mesh's data axes every device prunes its own questions and nothing crosses devices. Slice
+    scope ranks each of `algo.slices` slices of the step together, batch scope the whole step
     (a global gather). `key` drives `metric="random"` and `"proportional"`. Shapes are static: new
     data never compiles. Below, n = U * G: the completions of the trained groups. `logp_NC` (the
     sampler's log-probs, for `cppo.tis_cap`) is gathered like the tokens when given.
@@ -341,9 +343,9 @@ def prune(
 
             rows = lambda x_UP: jnp.repeat(x_UP, shapes.k, axis=0)  # noqa: E731
         else:
-            if algo.scope == "process":
-                per = M // algo.processes
-                kept_n = keep_indices_process(adv_UG, algo.processes, per, algo.metric, key)
+            if algo.scope == "slice":
+                per = M // algo.slices
+                kept_n = keep_indices_slice(adv_UG, algo.slices, per, algo.metric, key)
             else:
                 kept_n = keep_indices_batch(adv_UG.reshape(-1), M, metric=algo.metric, rng=key)
             pick = lambda x_n: x_n[kept_n]  # noqa: E731

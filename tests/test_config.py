@@ -210,3 +210,29 @@ def test_dapo_loss_type_is_refused_with_what_to_use():
     assert "dapo" not in C.LOSS_TYPES
     cfg = CI.apply_overrides(C.Config(), ["cppo.loss_type=token_mean", "cppo.eps_high=0.28"])
     assert cfg.cppo.eps_high == 0.28
+
+
+def test_renamed_keys_and_values_are_read_with_a_warning():
+    """`cppo.processes` / `cppo.scope=process` (old names): an override, a saved config.json and a
+    config file's constructor still load, each with a FutureWarning naming the new name."""
+    with pytest.warns(
+        FutureWarning, match="'cppo.processes' is an old name, read as 'cppo.slices'"
+    ):
+        cfg = CI.apply_overrides(C.Config(), ["cppo.scope=slice", "cppo.processes=2"])
+    assert (cfg.cppo.scope, cfg.cppo.slices) == ("slice", 2)
+    with pytest.warns(
+        FutureWarning, match="'cppo.scope=process' is an old name, read as 'cppo.scope=slice'"
+    ):
+        cfg = CI.apply_overrides(C.Config(), ["cppo.scope=process"])
+    assert cfg.cppo.scope == "slice"
+    saved = CI.to_dict(C.Config())
+    saved["cppo"]["processes"] = saved["cppo"].pop("slices") + 2
+    saved["cppo"]["scope"] = "process"
+    with pytest.warns(FutureWarning, match="cppo.processes"):
+        cfg = CI.from_dict(saved)
+    assert (cfg.cppo.scope, cfg.cppo.slices) == ("slice", 3)
+    with pytest.warns(FutureWarning, match="cppo.scope=process"):
+        assert C.CPPOConfig(scope="process").scope == "slice"
+    # The old key is not a second way to set the field: it reads as the new one, with its checks.
+    with pytest.raises(C.ConfigError, match="cppo.slices"), pytest.warns(FutureWarning):
+        CI.apply_overrides(C.Config(), ["cppo.processes=0"])

@@ -146,36 +146,36 @@ def test_batch_scope_keeps_floor_n_times_one_minus_p():
 
 
 @jax.jit
-def _all_kept_process(adv_QG):
-    """keep_indices_process for every divisor of Q as the process count, a few counts, both metrics."""
+def _all_kept_slice(adv_QG):
+    """keep_indices_slice for every divisor of Q as the slice count, a few counts, both metrics."""
     Q, G = adv_QG.shape
     out = {}
-    for procs in (d for d in range(1, Q + 1) if Q % d == 0):
-        X = Q // procs * G
+    for slices in (d for d in range(1, Q + 1) if Q % d == 0):
+        X = Q // slices * G
         for n in sorted({1, 2, X // 2, X}):
             for m in PAIRWISE:
-                out[(procs, n, m)] = cppo.keep_indices_process(adv_QG, procs, n, m)
+                out[(slices, n, m)] = cppo.keep_indices_slice(adv_QG, slices, n, m)
     return out
 
 
 @SETTINGS
 @given(r=rewards_QG(gsm8k=True))
-def test_keep_indices_process_matches_reference(r):
-    """scope="process": one top-k within each contiguous slice of the questions (the TRL fork)."""
+def test_keep_indices_slice_matches_reference(r):
+    """scope="slice": one top-k within each contiguous slice of the questions (the TRL fork)."""
     Q, G = r.shape
     adv_QG = ref.group_advantages(r)
-    for (procs, n, metric), got in _all_kept_process(adv_QG).items():
-        X = Q // procs * G
+    for (slices, n, metric), got in _all_kept_slice(adv_QG).items():
+        X = Q // slices * G
         want = np.concatenate(
             [
                 ref.prune_batch(adv_QG.ravel()[s * X : (s + 1) * X], n, metric) + s * X
-                for s in range(procs)
+                for s in range(slices)
             ]
         )
-        np.testing.assert_array_equal(got, want, err_msg=f"processes={procs} n={n} {metric}")
+        np.testing.assert_array_equal(got, want, err_msg=f"slices={slices} n={n} {metric}")
 
 
-def test_process_scope_worked_example_drops_zero_variance_groups_first():
+def test_slice_scope_worked_example_drops_zero_variance_groups_first():
     """docs/concepts.md's example: Q = 4 questions, G = 4, p = 0.5, GSM8K rewards."""
     r_QG = jnp.array(
         [
@@ -189,35 +189,35 @@ def test_process_scope_worked_example_drops_zero_variance_groups_first():
     # Per question (the paper's text): 2 of every group, the zero-variance ones included.
     per_question = np.asarray(cppo.keep_indices(adv_QG, cppo.num_kept(4, 0.5)))
     np.testing.assert_array_equal(per_question, [[0, 1], [0, 1], [0, 1], [0, 1]])
-    # One process (the released GSM8K run): 8 of the 16 by |A|; both zero-variance groups go.
-    n = cppo.num_kept_process(4, 4, 1, 0.5)
+    # One slice (the released GSM8K run, one training process): 8 of the 16 by |A|; both zero-variance groups go.
+    n = cppo.num_kept_slice(4, 4, 1, 0.5)
     assert n == 8
-    kept = np.asarray(cppo.keep_indices_process(adv_QG, 1, n))
+    kept = np.asarray(cppo.keep_indices_slice(adv_QG, 1, n))
     np.testing.assert_array_equal(kept, [4, 5, 6, 7, 12, 13, 14, 15])
-    # Two processes: each keeps 4 of its 8, so each zero-variance group's slice keeps only the other.
-    kept = np.asarray(cppo.keep_indices_process(adv_QG, 2, cppo.num_kept_process(4, 4, 2, 0.5)))
+    # Two slices: each keeps 4 of its 8, so each zero-variance group's slice keeps only the other.
+    kept = np.asarray(cppo.keep_indices_slice(adv_QG, 2, cppo.num_kept_slice(4, 4, 2, 0.5)))
     np.testing.assert_array_equal(kept, [4, 5, 6, 7, 12, 13, 14, 15])
     # The verl recipe's global batch gives the same here: keep floor(16 (1 - p)) = 8.
     np.testing.assert_array_equal(cppo.keep_indices_batch(adv_QG.ravel(), 8), kept)
 
 
-def test_process_scope_counts_and_limits():
+def test_slice_scope_counts_and_limits():
     # The TRL fork drops int(N p) of a slice: N = 8 x 16 = 128 at p = 0.875 keeps 16 (the GSM8K run).
-    assert cppo.num_kept_process(8, 16, 1, 0.875) == 16
-    assert cppo.num_kept_process(24, 16, 3, 0.875) == 16  # MATH: 3 slices of 8 questions
+    assert cppo.num_kept_slice(8, 16, 1, 0.875) == 16
+    assert cppo.num_kept_slice(24, 16, 3, 0.875) == 16  # MATH: 3 slices of 8 questions
     # Not dyadic: N = 48, p = 0.9 drops floor(43.2) = 43 and keeps 5, where "batch" keeps floor(4.8) = 4.
-    assert cppo.num_kept_process(3, 16, 1, 0.9) == 5
+    assert cppo.num_kept_slice(3, 16, 1, 0.9) == 5
     assert cppo.num_kept(48, 0.9) == 4
     # One question per slice at a dyadic p is the paper's per-question rule.
     adv_QG = cppo.group_advantages(jnp.asarray(np.random.default_rng(0).normal(size=(6, 16))))
-    per_slice = cppo.keep_indices_process(adv_QG, 6, cppo.num_kept_process(6, 16, 6, 0.875))
+    per_slice = cppo.keep_indices_slice(adv_QG, 6, cppo.num_kept_slice(6, 16, 6, 0.875))
     per_question = cppo.keep_indices(adv_QG, 2) + jnp.arange(6)[:, None] * 16
     np.testing.assert_array_equal(per_slice, per_question.reshape(-1))
     for bad in (0, 4):
-        with pytest.raises(ValueError, match="processes must divide the Q=6"):
-            cppo.keep_indices_process(adv_QG, bad, 1)
-        with pytest.raises(ValueError, match="processes must divide the Q=6"):
-            cppo.num_kept_process(6, 16, bad, 0.5)
+        with pytest.raises(ValueError, match="slices must divide the Q=6"):
+            cppo.keep_indices_slice(adv_QG, bad, 1)
+        with pytest.raises(ValueError, match="slices must divide the Q=6"):
+            cppo.num_kept_slice(6, 16, bad, 0.5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -300,7 +300,7 @@ def test_random_metric_needs_rng():
         cppo.keep_indices_batch(jnp.zeros(8), 2, metric="random")
 
 
-@pytest.mark.parametrize("scope", ["question", "process", "batch"])
+@pytest.mark.parametrize("scope", ["question", "slice", "batch"])
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_truncated):
     """The trainer's prune step: each kept row is its completion behind its own question's prompt."""
@@ -312,7 +312,7 @@ def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_trunca
         questions_per_step=Q,
         pruning_rate=0.5,
         scope=scope,
-        processes=3,
+        slices=3,
         mask_truncated=mask_truncated,
     )
     shapes = cppo.step_shapes(algo, P, C)
@@ -332,8 +332,8 @@ def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_trunca
     adv_QG = cppo.group_advantages(jnp.asarray(rewards_QG))
     if scope == "question":
         want = np.asarray(cppo.keep_indices(adv_QG, shapes.k)) + np.arange(Q)[:, None] * G
-    elif scope == "process":
-        want = cppo.keep_indices_process(adv_QG, 3, shapes.M // 3)
+    elif scope == "slice":
+        want = cppo.keep_indices_slice(adv_QG, 3, shapes.M // 3)
     else:
         want = cppo.keep_indices_batch(adv_QG.reshape(-1), shapes.M)
     kept = np.asarray(want).reshape(-1)
@@ -349,15 +349,15 @@ def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_trunca
 
 
 def test_step_shapes_count_exactly():
-    """Q and M in every scope; a process count that does not divide Q is refused naming the key."""
+    """Q and M in every scope; a slice count that does not divide Q is refused naming the key."""
     from cppo_jax.config import ConfigError, CPPOConfig
 
     batch = CPPOConfig(num_generations=16, questions_per_step=3, pruning_rate=0.9, scope="batch")
     assert cppo.step_shapes(batch, 4, 4).M == 4  # floor(48 * (1 - 0.9))
     q = CPPOConfig(num_generations=16, questions_per_step=2, pruning_rate=0.875, allocation=True)
     assert (cppo.step_shapes(q, 4, 4).Q, cppo.step_shapes(q, 4, 4).M) == (16, 32)
-    with pytest.raises(ConfigError, match="cppo.processes"):
-        cppo.step_shapes(CPPOConfig(questions_per_step=4, scope="process", processes=3), 4, 4)
+    with pytest.raises(ConfigError, match="cppo.slices"):
+        cppo.step_shapes(CPPOConfig(questions_per_step=4, scope="slice", slices=3), 4, 4)
 
 
 def test_keep_indices_does_not_recompile_for_new_data():
@@ -478,11 +478,11 @@ def test_nonfinite_questions_in_graph():
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 0.75, 0.875, 0.9375])
-@pytest.mark.parametrize(("name", "processes"), [("gsm8k_1p5b.py", 1), ("math7b.py", 3)])
-def test_paper_configs_match_the_released_settings(name, processes, p):
+@pytest.mark.parametrize(("name", "slices"), [("gsm8k_1p5b.py", 1), ("math7b.py", 3)])
+def test_paper_configs_match_the_released_settings(name, slices, p):
     """The paper configs at each of the paper's rates train what the released TRL fork trained.
 
-    The fork (scripts/CPPO*.sh): `processes` GPUs of 16 completions each; with allocation each draws
+    The fork (scripts/CPPO*.sh): `slices` GPUs (one training process each) of 16 completions each; with allocation each draws
     16 / int(G (1 - p)) questions of G = 16 and keeps 16 completions of its slice (drops int(N p)).
     """
     from cppo_jax.config_io import load_config
@@ -490,9 +490,9 @@ def test_paper_configs_match_the_released_settings(name, processes, p):
 
     cfg = load_config(name, [f"cppo.pruning_rate={p}"])
     a = cfg.cppo
-    assert (a.scope, a.processes, a.metric, a.allocation) == (
-        "process",
-        processes,
+    assert (a.scope, a.slices, a.metric, a.allocation) == (
+        "slice",
+        slices,
         "smallest",
         True,
     )
@@ -501,8 +501,8 @@ def test_paper_configs_match_the_released_settings(name, processes, p):
     assert cfg.reward.weights == (1.0, 1.0) and cfg.eval.rule == "released"
     sh = shapes_of(cfg)
     k_fork = int(16 * (1 - p))  # the fork's num_generations with allocation
-    assert processes * (16 // k_fork) == sh.Q
-    assert processes * 16 == sh.M  # each process trains its 16 completions
+    assert slices * (16 // k_fork) == sh.Q
+    assert slices * 16 == sh.M  # each slice (process) trains its 16 completions
 
 
 def test_max_variance_keeps_the_subset_of_largest_variance():

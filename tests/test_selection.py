@@ -89,7 +89,7 @@ def test_proportional_draws_follow_q_with_replacement():
     with pytest.raises(ValueError, match="within each question"):
         cppo.keep_indices_batch(jnp.zeros(8), 4, metric="proportional")
     with pytest.raises(ConfigError, match="needs cppo.scope='question'"):
-        CPPOConfig(metric="proportional", scope="process", pruning_rate=0.5)
+        CPPOConfig(metric="proportional", scope="slice", pruning_rate=0.5)
 
 
 def test_max_variance_ties_and_all_equal_groups():

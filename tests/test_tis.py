@@ -183,11 +183,11 @@ def test_policy_loss_refuses_tis_without_behaviour_logps():
 # --------------------------------------------------------------------------- the kept rows
 
 
-@pytest.mark.parametrize("scope", ["question", "process", "batch"])
+@pytest.mark.parametrize("scope", ["question", "slice", "batch"])
 def test_prune_gathers_the_samplers_logps_of_the_kept_rows(scope):
     Q, G, P, C = 6, 4, 3, 5
     algo = CPPOConfig(
-        num_generations=G, questions_per_step=Q, pruning_rate=0.5, scope=scope, processes=3
+        num_generations=G, questions_per_step=Q, pruning_rate=0.5, scope=scope, slices=3
     )
     shapes = cppo.step_shapes(algo, P, C)
     rewards_QG, *rest = prune_inputs(Q, G, P, C, seed=2)

@@ -516,18 +516,18 @@ def test_one_train_program_a_step_whatever_mu(tmp_path, arith_model_dir):
     assert all(np.isfinite(r["loss"]) and r["update_skipped"] == 0.0 for r in rows)
 
 
-def test_process_scope_in_the_trainer_and_both_eval_rules(tmp_path, arith_model_dir):
-    """cppo.scope=process trains processes x n kept rows; evaluation reports both rules."""
+def test_slice_scope_in_the_trainer_and_both_eval_rules(tmp_path, arith_model_dir):
+    """cppo.scope=slice trains slices x n kept rows; evaluation reports both rules."""
     cfg = small_config(
-        tmp_path, arith_model_dir, "cppo.scope=process", "cppo.processes=2", "trainer.steps=1"
+        tmp_path, arith_model_dir, "cppo.scope=slice", "cppo.slices=2", "trainer.steps=1"
     )
     sh = shapes_of(cfg)
     # Q = 4 questions of G = 4 in 2 slices of 8 completions; each drops int(8 x 0.5) = 4.
     assert (sh.Q, sh.M) == (4, 8)
     with pytest.raises(
-        Exception, match="cppo.processes' = 3 .*divisor of the 4 questions trained per step"
+        Exception, match="cppo.slices' = 3 .*divisor of the 4 questions trained per step"
     ):
-        shapes_of(apply_overrides(cfg, ["cppo.processes=3"]))
+        shapes_of(apply_overrides(cfg, ["cppo.slices=3"]))
     trainer = Trainer(cfg)
     try:
         metrics = trainer.step(0)

@@ -116,12 +116,14 @@ MEANINGS: dict[str, str] = {
     "per group with replacement, with probability |A| / sum |A|, and trains each with advantage "
     "sign(A) mean |A|: an unbiased estimate of the unpruned gradient (question scope only); `largest` "
     "and `random` are ablations.",
-    "cppo.scope": "`question`: keep k per question (the paper's text); `process`: one top-|A| over each "
-    "of `cppo.processes` slices of the step, dropping int(N p) of its N (the released TRL fork, which "
-    "produced the paper's tables); `batch`: one top-|A| over the whole batch, keeping floor(Q G (1 - p)) "
-    "(the released verl recipe). See docs/concepts.md.",
-    "cppo.processes": "`scope=process`: how many slices (the TRL fork's training processes, one per GPU) "
-    "the step's questions are cut into; must divide Q.",
+    "cppo.scope": "`question`: keep k per question (the paper's text); `slice`: one top-|A| over each "
+    "of `cppo.slices` contiguous slices of the step, dropping int(N p) of its N (the released TRL "
+    "fork's per-process pruning, which produced the paper's tables); `batch`: one top-|A| over the "
+    "whole batch, keeping floor(Q G (1 - p)) (the released verl recipe). See docs/concepts.md. "
+    "`process` is the old name of `slice` (read, with a warning).",
+    "cppo.slices": "`scope=slice`: how many contiguous slices the step's questions are cut into, each "
+    "ranked on its own (the TRL fork's training processes, one per GPU; unrelated to this run's "
+    "`jax.process_count()`); must divide Q. `cppo.processes` is its old name (read, with a warning).",
     "cppo.adv_scale": "Advantage scale: `group` (r - mean) / (group std + eps); `batch` divides by the "
     "std of the whole batch; `none` is r - mean (Dr. GRPO: `loss_type=dr_grpo` needs it).",
     "cppo.adv_eps": "Added to the std in the advantage's denominator.",
