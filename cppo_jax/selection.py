@@ -41,8 +41,8 @@ def max_variance_indices(x_QG: jax.Array, k: int) -> jax.Array:
     i = jnp.arange(k + 1)  # i lowest + (k - i) highest
     sum1 = c1[:, i] + c1[:, G:] - c1[:, G - k + i]
     sum2 = c2[:, i] + c2[:, G:] - c2[:, G - k + i]
-    var_QI = sum2 / k - (sum1 / k) ** 2
-    best_Q = jnp.argmax(var_QI, axis=1)  # first maximum: the smallest i
+    var_Qi = sum2 / k - (sum1 / k) ** 2  # i: the k + 1 splits
+    best_Q = jnp.argmax(var_Qi, axis=1)  # first maximum: the smallest i
     pos = jnp.arange(G)
     keep_QG = (pos < best_Q[:, None]) | (pos >= G - k + best_Q[:, None])
     picked_QK = jnp.argsort(~keep_QG, axis=1, stable=True)[:, :k]  # sorted positions kept

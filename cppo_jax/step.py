@@ -321,7 +321,7 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None
                 params, opt_state, metrics, _ = update(*state, batch)
                 return (params, opt_state), metrics
 
-            (params, opt_state), metrics_U = jax.lax.scan(
+            (params, opt_state), per_update = jax.lax.scan(
                 given, (params, opt_state), None, length=spec.mu
             )
         else:  # the current policy: the first update's forward, carried to the others
@@ -335,11 +335,11 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None
                 return (params, opt_state, jnp.where(first, logp_MC, old_MC)), metrics
 
             unset_MC = jnp.zeros(batch.mask_MC.shape, jnp.float32)  # read by no update
-            (params, opt_state, _), metrics_U = jax.lax.scan(
+            (params, opt_state, _), per_update = jax.lax.scan(
                 current, (params, opt_state, unset_MC), jnp.arange(spec.mu)
             )
-    metrics = {k: v[-1] for k, v in metrics_U.items()}
-    metrics["update_skipped"] = jnp.max(metrics_U["update_skipped"])
+    metrics = {k: v[-1] for k, v in per_update.items()}
+    metrics["update_skipped"] = jnp.max(per_update["update_skipped"])
     return params, opt_state, metrics
 
 
