@@ -110,6 +110,77 @@ def test_tpu_compile_of_a_tiny_run_reports_the_compilers_figures(tmp_path):
     assert all(p["flops"] > 0 and p["bound_s"] > 0 for p in phases.values())
 
 
+# Which collectives run inside the compiled programs' loops, and on what shapes: HLO text parsed in the
+# subprocess (the loop bodies are the computations reachable from a while's body=).
+_LOOPS = textwrap.dedent(
+    """
+    import dataclasses, json, os, re, sys
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+    from jax.experimental import topologies
+    from cppo_jax import aot, programs
+    from cppo_jax.config import MeshConfig
+    from cppo_jax.config_io import load_config
+    os.environ["TPU_LIBRARY_PATH"] = aot.libtpu_path()
+    devices = topologies.get_topology_desc("v5e:2x2", platform="tpu").devices
+    cfg = dataclasses.replace(load_config(sys.argv[1], []), mesh=MeshConfig(data=1, fsdp=4, tensor=1))
+    built = programs.build(cfg, devices)
+
+    def loop_gathers(text):
+        calls, gathers, cur = {}, {}, None
+        for line in text.splitlines():
+            if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+                cur = line.split("(")[0].split()[-1].lstrip("%")
+                continue
+            calls.setdefault(cur, set()).update(re.findall(r"(?:body|condition|to_apply|calls)=%?([\\w.-]+)", line))
+            m = re.search(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather(?:-start)?\\(", line)
+            if m:
+                gathers.setdefault(cur, []).append([int(d) for d in m.group(1).split(",") if d])
+        inside, todo = set(), [b for b in re.findall(r"body=%?([\\w.-]+)", text)]
+        while todo:
+            c = todo.pop()
+            if c not in inside:
+                inside.add(c)
+                todo.extend(calls.get(c, ()))
+        return [g for c in inside for g in gathers.get(c, [])]
+
+    out = {"params": [list(x.shape) for x in jax.tree.leaves(built.programs["sampler"][1][0])]}
+    for name in ("sampler", "train_step"):
+        fn, args = built.programs[name]
+        compiled = fn.lower(*args).compile()
+        out[name] = loop_gathers(compiled.as_text())
+        if name == "sampler":
+            out["rows"] = [str(s.spec) for s in jax.tree.leaves(compiled.output_shardings)]
+    print("LOOPS " + json.dumps(out))
+    """
+)
+
+
+def test_sampler_keeps_weights_in_place_while_the_train_step_gathers_them():
+    """The embedded sampler on an fsdp mesh (tiny config, v5e:2x2, fsdp = 4) decodes with its
+    weights where they lie: its loops all-gather activations ([Q, G, D] rows), never a parameter,
+    so no device reads the whole model per token (what gathering the weights once per rollout would
+    cost). The train step's layer loop does gather parameters (FSDP), which shows the check can see
+    one. The samples come back split by rows over the mesh."""
+    res = subprocess.run(
+        [sys.executable, "-c", _LOOPS, TINY],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=900,
+    )
+    line = next((x for x in res.stdout.splitlines() if x.startswith("LOOPS ")), None)
+    assert line is not None, res.stderr[-3000:]
+    out = json.loads(line[6:])
+    shapes = {tuple(s) for s in out["params"]} | {tuple(s[1:]) for s in out["params"] if s}
+    sampler = [tuple(g) for g in out["sampler"]]
+    assert sampler, "the sampler's decode loops moved nothing: not an fsdp layout"
+    assert not shapes & set(sampler), f"a parameter gathered per decode step: {sampler}"
+    assert shapes & {tuple(g) for g in out["train_step"]}, out["train_step"]
+    assert out["rows"] == ["P('fsdp',)"] * 4 + ["P()"]  # tokens, logps, valid, finished; steps
+
+
 def _raw_cpu(*overrides: str, only: tuple[str, ...] = ()) -> dict:
     cfg = load_config(TINY, list(overrides))
     raw = {}
