@@ -71,6 +71,32 @@ def run_child(script: Path, spec: dict, name: str) -> dict:
     return json.loads(lines[-1].removeprefix(RESULT_TAG))
 
 
+def run_case(script: Path, case: dict, name: str) -> dict:
+    """`run_child`, with a child that fails recorded as the case with its error's last line."""
+    try:
+        return run_child(script, case, name)
+    except RuntimeError as e:
+        return {**case, "failed": str(e).strip().splitlines()[-1][:300]}
+
+
+def compile_cases_cli(doc: str, measure, argv: list[str] | None):
+    """The command line of a benchmark that compiles each case in a child process: in the child
+    (`--one SPEC`) run `measure(SPEC)` and answer; returns None there, else (the --out folder, made,
+    and the machine's description with the load before)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        emit(measure(json.loads(args.one)))
+        return None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, {**machine(), "load_before": load_average()}
+
+
 def quick_config(vocab_size: int):
     """The --quick smoke runs' model: a 1-layer Qwen2, hidden 32."""
     from cppo_jax.models import TransformerConfig

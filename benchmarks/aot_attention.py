@@ -11,7 +11,6 @@ fresh process. Results: aot_attention.md and .json under --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -54,14 +53,6 @@ def measure(case: dict) -> dict:
         out[name] = {"arguments": m.arguments, "temporaries": m.temporaries, "total": m.total}
         out[name]["error"] = m.error
     return {**case, "programs": out, "remat": cfg.model.remat}
-
-
-def run_case(case: dict) -> dict:
-    """`measure(case)` in a fresh process (`_common.run_child`); a process that dies is recorded."""
-    try:
-        return _common.run_child(Path(__file__), case, f"{case['config']} {case['attention']}")
-    except RuntimeError as e:
-        return {**case, "failed": str(e).strip().splitlines()[-1][:300]}
 
 
 def render(rows: list[dict], out: Path, info: dict) -> None:
@@ -110,21 +101,15 @@ def render(rows: list[dict], out: Path, info: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.one:
-        _common.emit(measure(json.loads(args.one)))
+    parent = _common.compile_cases_cli(__doc__, measure, argv)
+    if parent is None:
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = {**_common.machine(), "load_before": _common.load_average()}
+    out, info = parent
     rows = []
     for config, target, mesh in CASES:
         for kind in KINDS:
             case = {"config": config, "target": target, "mesh": mesh, "attention": kind}
-            rows.append(run_case(case))
+            rows.append(_common.run_case(Path(__file__), case, f"{config} {kind}"))
             print(f"{config} {target} {kind}: done", flush=True)
             (out / "aot_attention.json").write_text(json.dumps({"rows": rows}, indent=1))
     info["load_after"] = _common.load_average()

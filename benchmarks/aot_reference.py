@@ -13,7 +13,6 @@ aot_reference.md and .json under --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -101,25 +100,16 @@ def render(rows: list[dict], out: Path, info: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.one:
-        _common.emit(measure(json.loads(args.one)))
+    parent = _common.compile_cases_cli(__doc__, measure, argv)
+    if parent is None:
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = {**_common.machine(), "load_before": _common.load_average()}
+    out, info = parent
     rows = []
     for config, target, mesh in CASES:
         for label, copy, attention in VARIANTS:
             case = {"config": config, "target": target, "mesh": mesh, "label": label}
             case.update(copy=copy, attention=attention)
-            try:
-                rows.append(_common.run_child(Path(__file__), case, f"{config} {label}"))
-            except RuntimeError as e:
-                rows.append({**case, "failed": str(e).strip().splitlines()[-1][:300]})
+            rows.append(_common.run_case(Path(__file__), case, f"{config} {label}"))
             print(f"{config} {target} {label}: done", flush=True)
             (out / "aot_reference.json").write_text(json.dumps({"rows": rows}, indent=1))
     info["load_after"] = _common.load_average()
