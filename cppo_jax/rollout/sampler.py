@@ -18,6 +18,12 @@ so a question's samples depend only on its seed and prompt, never on the other q
 batch. All numbers are drawn before the loop: no per-step key derivation, no V random numbers per
 token.
 
+On a mesh the program takes the params as they lie (split by `sharding.RULES`) and the prompts split
+by rows, and returns the samples split by rows. It is traced without the training step's activation
+rules (`sharding.use_mesh`), which would split the decode's rows over fsdp and so gather weights per
+token: left to itself the compiler keeps the weights in place and moves the (small) activations
+(docs/aot.md, "The embedded sampler on a sharded mesh"; checked in tests/test_aot.py).
+
 Returns the sampled tokens, their log-probabilities under the sampling distribution (log-softmax of
 logits / temperature, before top-k/top-p truncation: the old-policy log-probs when mu = 1), which
 tokens are valid (up to and including EOS), whether each sequence stopped on EOS, and how many
