@@ -1,0 +1,133 @@
+"""Packed training rows on the device (`cppo_jax.packed_rows`, `step` with a `PackedBatch`): the
+packed forward's completion log-probs, the loss and the gradient equal the padded step's, and one
+compiled step serves every packing of a run."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cppo_jax import packing
+from cppo_jax import step as step_lib
+from cppo_jax.config import LOSS_TYPES, CPPOConfig, OptimConfig
+from cppo_jax.packed_rows import packed_batch
+
+try:
+    from helpers import count_compiles, random_model, tiny_config
+except ImportError:  # tests/ became a package
+    from tests.helpers import count_compiles, random_model, tiny_config
+
+EPS32 = float(np.finfo(np.float32).eps)
+M, P, C = 7, 5, 11
+L = P + C + 3  # a row holds the longest sequence and a short one
+
+
+def _padded(seed: int):
+    """A padded step.Batch of M sequences with random true lengths (one empty completion)."""
+    rng = np.random.default_rng(seed)
+    V = 257
+    p_M = rng.integers(1, P + 1, M)
+    c_M = rng.integers(1, C + 1, M)
+    c_M[seed % M] = 0
+    slot = np.arange(P + C)
+    valid = ((slot >= P - p_M[:, None]) & (slot < P)) | ((slot >= P) & (slot < P + c_M[:, None]))
+    tokens = np.where(valid, rng.integers(1, V, (M, P + C)), 0).astype(np.int32)
+    mask = valid[:, P:].astype(np.float32)
+    adv = rng.standard_normal(M).astype(np.float32)
+    ref = -rng.uniform(1.0, 4.0, (M, C)).astype(np.float32)
+    return step_lib.Batch(
+        jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(mask), jnp.asarray(adv), None, ref
+    )
+
+
+def _packed(batch: step_lib.Batch, rows: int | None = None):
+    n_M = np.asarray(batch.valid_MT).sum(axis=1)
+    rows = rows or packing.rows_for(n_M, L)
+    packed = packing.pack(batch.tokens_MT, batch.valid_MT, P, rows, L, mask_MC=batch.mask_MC)
+    return packed_batch(packed, batch.mask_MC, batch.adv_M, None, batch.ref_logp_MC)
+
+
+def _parts(loss_type="token_mean", attention="einsum", beta=0.04, mu=1):
+    cfg = tiny_config(attention=attention, max_position_embeddings=64)
+    graphdef, params = nnx.split(random_model(cfg, seed=5))
+    adv_scale = "none" if loss_type == "dr_grpo" else "group"
+    algo = CPPOConfig(beta=beta, mu=mu, loss_type=loss_type, adv_scale=adv_scale)
+    spec = step_lib.StepSpec.make(algo, P, C, 1.0)
+    return graphdef, params, spec
+
+
+def _close(actual, expected, ulps: int = 16):
+    """Equal within `ulps` float32 roundings of the largest magnitude of `expected`."""
+    expected = np.asarray(expected)
+    scale = max(float(np.abs(expected).max()), EPS32)
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=0, atol=ulps * EPS32 * scale)
+
+
+@pytest.mark.parametrize("attention", ["einsum", "xla"])
+def test_packed_forward_logps_equal_the_padded_forwards(attention):
+    graphdef, params, spec = _parts(attention=attention)
+    batch = _padded(seed=1)
+    packed = _packed(batch)
+    assert packed.tokens_RL.shape[0] < M  # sequences really share rows
+    model = nnx.merge(graphdef, params)
+    padded_MC = jax.jit(functools.partial(step_lib.completion_logps, spec=spec))(
+        model, batch.tokens_MT, batch.valid_MT
+    )
+    packed_MC = jax.jit(functools.partial(step_lib.packed_completion_logps, spec=spec))(
+        model, packed
+    )
+    mask = np.asarray(batch.mask_MC, bool)
+    _close(np.where(mask, packed_MC, 0.0), np.where(mask, padded_MC, 0.0))
+    # ... and a forward that let segments see each other would not be equal
+    leaky = packed._replace(segment_RL=(packed.segment_RL > 0).astype(np.int32))
+    leaky_MC = step_lib.packed_completion_logps(model, leaky, spec)
+    assert np.abs(np.where(mask, leaky_MC - padded_MC, 0.0)).max() > 1e3 * EPS32
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_packed_loss_and_gradient_equal_the_padded_steps(loss_type):
+    graphdef, params, spec = _parts(loss_type=loss_type)
+    batch = _padded(seed=2)
+    grads = jax.jit(functools.partial(step_lib._grads, graphdef=graphdef, spec=spec))
+    loss, metrics, g, logp_MC = grads(params, batch=batch)
+    loss_p, metrics_p, g_p, logp_p = grads(params, batch=_packed(batch))
+    _close(loss_p, loss)
+    for key in metrics:
+        _close(metrics_p[key], metrics[key])
+    mask = np.asarray(batch.mask_MC, bool)
+    _close(np.where(mask, logp_p, 0.0), np.where(mask, logp_MC, 0.0))
+    for (path, a), b in zip(jax.tree.leaves_with_path(g_p), jax.tree.leaves(g), strict=True):
+        assert np.abs(np.asarray(b)).max() > 0, path
+        _close(a, b, ulps=64)
+
+
+def test_one_compiled_step_serves_every_packing():
+    graphdef, params, spec = _parts(mu=2)
+    tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+    train_step, _ = step_lib.compiled(graphdef, tx, spec)
+    opt_state = tx.init(params)
+    padded = [_padded(seed) for seed in (3, 4, 5, 6)]
+    # static per run: room for every draw below (fewer rows than sequences)
+    rows = max(packing.rows_for(np.asarray(b.valid_MT).sum(axis=1), L) for b in padded)
+    assert rows < M
+    batches = [_packed(b, rows=rows) for b in padded]
+    assert len({b.src_MC.tobytes() for b in batches}) == len(batches)  # different packings
+    params, opt_state, _ = train_step(params, opt_state, batches[0])
+    with count_compiles() as compiles:
+        for b in batches[1:]:
+            params, opt_state, metrics = train_step(params, opt_state, b)
+            assert np.isfinite(float(metrics["loss"]))
+            assert float(metrics["update_skipped"]) == 0.0
+    assert compiles["n"] == 0
+
+
+def test_packed_step_refuses_micro_batches():
+    graphdef, params, _ = _parts()
+    spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04), P, C, 1.0, micro_batch=1)
+    with pytest.raises(ValueError, match="trainer.micro_batch=0"):
+        step_lib._grads(params, graphdef, _packed(_padded(seed=1)), spec)
