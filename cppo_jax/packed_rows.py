@@ -14,8 +14,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from cppo_jax import loss as loss_lib
+from cppo_jax import packing
+from cppo_jax.config import ConfigError
 from cppo_jax.models.transformer import gather_cast
 
 
@@ -67,3 +70,36 @@ def packed_completion_logps(model, batch: PackedBatch, spec, return_entropy: boo
     outs = out if return_entropy else (out,)
     gathered = tuple(jnp.take(x_RX.reshape(-1), batch.src_MC, axis=0) for x_RX in outs)
     return gathered if return_entropy else gathered[0]
+
+
+class Packer:
+    """The trainer's packing (`trainer.pack`): rows and length fixed for the run, the host packing of
+    each step's kept sequences, and the jitted packed log-probs (reference / snapshot policies)."""
+
+    def __init__(self, graphdef, spec, rows: int, length: int, mesh=None):
+        if mesh is not None and mesh.size > 1:
+            raise ConfigError(
+                f"config key 'trainer.pack' = True is not supported on a mesh of {mesh.size} "
+                "devices yet (packed rows run on one device); use trainer.pack=false"
+            )
+        self.rows, self.length, self.prompt_len = rows, length, spec.prompt_len
+        self._logps = jax.jit(
+            lambda params, b: packed_completion_logps(nnx.merge(graphdef, params), b, spec)
+        )
+
+    @classmethod
+    def make(cls, trainer_cfg, shapes, graphdef, spec, mesh=None) -> Packer:
+        rows = trainer_cfg.pack_rows or shapes.M
+        length = trainer_cfg.pack_len or shapes.P + shapes.C
+        return cls(graphdef, spec, rows, length, mesh)
+
+    def batch(self, tokens_MT, valid_MT, mask_MC, adv_M) -> PackedBatch:
+        """The step's kept sequences packed (old / reference / behaviour log-probs unset)."""
+        tokens_MT, valid_MT, mask_np = jax.device_get((tokens_MT, valid_MT, mask_MC))
+        packed = packing.pack(
+            tokens_MT, valid_MT, self.prompt_len, self.rows, self.length, mask_MC=mask_np
+        )
+        return packed_batch(packed, mask_MC, adv_M)
+
+    def logps(self, params, batch: PackedBatch) -> jax.Array:
+        return self._logps(params, batch)

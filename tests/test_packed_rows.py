@@ -131,3 +131,40 @@ def test_packed_step_refuses_micro_batches():
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04), P, C, 1.0, micro_batch=1)
     with pytest.raises(ValueError, match="trainer.micro_batch=0"):
         step_lib._grads(params, graphdef, _packed(_padded(seed=1)), spec)
+
+
+def test_trainer_pack_trains_the_padded_runs_first_step_in_fewer_rows(tmp_path, arith_model_dir):
+    """`trainer.pack=true` in the real trainer: step 1 (same rollout, same params) gives the padded
+    run's loss, KL and gradient norm; later steps compile nothing new."""
+    from cppo_jax.trainer import Trainer
+
+    try:
+        from test_trainer import read_metrics, small_config
+    except ImportError:  # tests/ became a package
+        from tests.test_trainer import read_metrics, small_config
+
+    rows = {}
+    # arith's sequences take most of their P + C = 84 slots: two to a row of 168, any two fit
+    packed = ["trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"]
+    for name, extra in (("padded", []), ("packed", packed)):
+        cfg = small_config(tmp_path / name, arith_model_dir, "trainer.steps=3", *extra)
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        rows[name] = read_metrics(trainer.out_dir)
+        if name == "packed":
+            assert trainer.packer.rows == 4 < trainer.shapes.M
+    first_padded, first_packed = rows["padded"][0], rows["packed"][0]
+    for key in ("loss", "kl", "grad_norm", "entropy"):
+        _close(first_packed[key], first_padded[key], ulps=64)
+    compiles = [r["jit/compilations"] for r in rows["packed"]]
+    assert compiles[1] == compiles[-1], compiles
+
+
+def test_trainer_pack_is_refused_with_micro_batches():
+    from cppo_jax.config import ConfigError, TrainerConfig
+
+    with pytest.raises(ConfigError, match="trainer.micro_batch"):
+        TrainerConfig(pack=True, micro_batch=2)
