@@ -133,7 +133,7 @@ def test_packed_step_refuses_micro_batches():
         step_lib._grads(params, graphdef, _packed(_padded(seed=1)), spec)
 
 
-def test_trainer_pack_trains_the_padded_runs_first_step_in_fewer_rows(tmp_path, arith_model_dir):
+def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_path, arith_model_dir):
     """`trainer.pack=true` in the real trainer: step 1 (same rollout, same params) gives the padded
     run's loss, KL and gradient norm; later steps compile nothing new."""
     from cppo_jax.trainer import Trainer
