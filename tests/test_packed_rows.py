@@ -68,7 +68,7 @@ def _close(actual, expected, ulps: int = 16):
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=0, atol=ulps * EPS32 * scale)
 
 
-@pytest.mark.parametrize("attention", ["einsum", "xla"])
+@pytest.mark.parametrize("attention", ["einsum", "xla", "splash"])
 def test_packed_forward_logps_equal_the_padded_forwards(attention):
     graphdef, params, spec = _parts(attention=attention)
     batch = _padded(seed=1)
@@ -89,9 +89,12 @@ def test_packed_forward_logps_equal_the_padded_forwards(attention):
     assert np.abs(np.where(mask, leaky_MC - padded_MC, 0.0)).max() > 1e3 * EPS32
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_packed_loss_and_gradient_equal_the_padded_steps(loss_type):
-    graphdef, params, spec = _parts(loss_type=loss_type)
+@pytest.mark.parametrize(
+    "loss_type, attention",
+    [(t, "einsum") for t in LOSS_TYPES] + [("token_mean", "xla"), ("token_mean", "splash")],
+)
+def test_packed_loss_and_gradient_equal_the_padded_steps(loss_type, attention):
+    graphdef, params, spec = _parts(loss_type=loss_type, attention=attention)
     batch = _padded(seed=2)
     grads = jax.jit(functools.partial(step_lib._grads, graphdef=graphdef, spec=spec))
     loss, metrics, g, logp_MC = grads(params, batch=batch)
