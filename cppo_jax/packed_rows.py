@@ -20,6 +20,7 @@ from cppo_jax import loss as loss_lib
 from cppo_jax import packing
 from cppo_jax.config import ConfigError
 from cppo_jax.models.transformer import gather_cast
+from cppo_jax.sharding import batch_sharding, data_parallel_size, use_mesh
 
 
 class PackedBatch(NamedTuple):
@@ -76,22 +77,33 @@ class Packer:
     """The trainer's packing (`trainer.pack`): rows and length fixed for the run, the host packing of
     each step's kept sequences, and the jitted packed log-probs (reference / snapshot policies)."""
 
-    def __init__(self, graphdef, spec, rows: int, length: int, mesh=None):
-        if mesh is not None and mesh.size > 1:
+    def __init__(self, graphdef, spec, rows: int, length: int, mesh=None, seqs: int = 0):
+        """`seqs`: the kept sequences M, whose split over a mesh's (data, fsdp) devices (the train
+        step's batch layout) the R rows must share."""
+        if jax.process_count() > 1:
             raise ConfigError(
-                f"config key 'trainer.pack' = True is not supported on a mesh of {mesh.size} "
-                "devices yet (packed rows run on one device); use trainer.pack=false"
+                f"config key 'trainer.pack' = True is not supported with {jax.process_count()} "
+                "trainer processes yet (the host packs the whole step); use trainer.pack=false"
+            )
+        if mesh is not None and seqs and batch_sharding(mesh, rows) != batch_sharding(mesh, seqs):
+            raise ConfigError(
+                f"config key 'trainer.pack_rows' = {rows} is invalid: allowed a row count split "
+                f"over the mesh's data x fsdp devices as the {seqs} kept sequences are "
+                f"({batch_sharding(mesh, seqs).spec}), e.g. a multiple of {data_parallel_size(mesh)}"
             )
         self.rows, self.length, self.prompt_len = rows, length, spec.prompt_len
-        self._logps = jax.jit(
-            lambda params, b: packed_completion_logps(nnx.merge(graphdef, params), b, spec)
-        )
+
+        def logps(params, batch):
+            with use_mesh(mesh):
+                return packed_completion_logps(nnx.merge(graphdef, params), batch, spec)
+
+        self._logps = jax.jit(logps)
 
     @classmethod
     def make(cls, trainer_cfg, shapes, graphdef, spec, mesh=None) -> Packer:
         rows = trainer_cfg.pack_rows or shapes.M
         length = trainer_cfg.pack_len or shapes.P + shapes.C
-        return cls(graphdef, spec, rows, length, mesh)
+        return cls(graphdef, spec, rows, length, mesh, seqs=shapes.M)
 
     def batch(self, tokens_MT, valid_MT, mask_MC, adv_M) -> PackedBatch:
         """The step's kept sequences packed (old / reference / behaviour log-probs unset)."""

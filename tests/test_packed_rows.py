@@ -27,7 +27,7 @@ M, P, C = 7, 5, 11
 L = P + C + 3  # a row holds the longest sequence and a short one
 
 
-def _padded(seed: int):
+def _padded(seed: int, M: int = M):
     """A padded step.Batch of M sequences with random true lengths (one empty completion)."""
     rng = np.random.default_rng(seed)
     V = 257
@@ -45,10 +45,10 @@ def _padded(seed: int):
     )
 
 
-def _packed(batch: step_lib.Batch, rows: int | None = None):
+def _packed(batch: step_lib.Batch, rows: int | None = None, length: int = L):
     n_M = np.asarray(batch.valid_MT).sum(axis=1)
-    rows = rows or packing.rows_for(n_M, L)
-    packed = packing.pack(batch.tokens_MT, batch.valid_MT, P, rows, L, mask_MC=batch.mask_MC)
+    rows = rows or packing.rows_for(n_M, length)
+    packed = packing.pack(batch.tokens_MT, batch.valid_MT, P, rows, length, mask_MC=batch.mask_MC)
     return packed_batch(packed, batch.mask_MC, batch.adv_M, None, batch.ref_logp_MC)
 
 
@@ -171,3 +171,80 @@ def test_trainer_pack_is_refused_with_micro_batches():
 
     with pytest.raises(ConfigError, match="trainer.micro_batch"):
         TrainerConfig(pack=True, micro_batch=2)
+
+
+_MESH_WORKER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np
+import test_packed_rows as t
+from cppo_jax import sharding as sharding_lib, step as step_lib
+from cppo_jax.config import ConfigError, MeshConfig, OptimConfig
+from cppo_jax.packed_rows import Packer
+
+graphdef, params, spec = t._parts()
+tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+batch = t._padded(seed=1, M=8)
+one_step, one_logps = step_lib.compiled(graphdef, tx, spec)
+ref_MC = one_logps(params, batch.tokens_MT, batch.valid_MT)
+# a reference policy near the current one (a KL of order 0.1, not the random ref's exp(40))
+near_MC = ref_MC + np.random.default_rng(0).uniform(-0.5, 0.5, ref_MC.shape).astype(np.float32)
+batch = batch._replace(ref_logp_MC=near_MC)
+new, _, metrics = one_step(jax.tree.map(jnp.copy, params), tx.init(params), batch)
+
+mesh = sharding_lib.make_mesh(MeshConfig(data=2, fsdp=2, tensor=1))
+sharded = sharding_lib.shard_params(params, mesh)
+opt = sharding_lib.init_opt_state(tx, sharded, mesh)
+step, _ = step_lib.compiled(graphdef, tx, spec, mesh=mesh, params=sharded, rows=8)
+packer = Packer(graphdef, spec, rows=4, length=2 * (t.P + t.C), mesh=mesh, seqs=8)
+packed = packer.batch(batch.tokens_MT, batch.valid_MT, batch.mask_MC, batch.adv_M)
+packed_ref_MC = packer.logps(sharded, packed)
+packed = packed._replace(ref_logp_MC=batch.ref_logp_MC)
+new_mesh, _, metrics_mesh = step(sharded, opt, jax.device_put(packed, sharding_lib.batch_sharding(mesh, 8)))
+try:
+    Packer(graphdef, spec, rows=3, length=32, mesh=mesh, seqs=8)
+    refused = ""
+except ConfigError as e:
+    refused = str(e)
+mask = np.asarray(batch.mask_MC, bool)
+out = {{
+    "logps": [np.where(mask, packed_ref_MC, 0).tolist(), np.where(mask, ref_MC, 0).tolist()],
+    "loss": [float(metrics_mesh["loss"]), float(metrics["loss"])],
+    "grad_norm": [float(metrics_mesh["grad_norm"]), float(metrics["grad_norm"])],
+    "params": [[np.asarray(a).ravel()[:64].tolist(), np.asarray(b).ravel()[:64].tolist()]
+               for a, b in zip(jax.tree.leaves(new_mesh), jax.tree.leaves(new))],
+    "refused": refused,
+}}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device():
+    """4 fake CPU devices, mesh data 2 x fsdp 2: the packed rows (4) split as the 8 kept sequences
+    are; log-probs, loss, gradient norm and updated params equal one device's padded step."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    code = _MESH_WORKER.format(tests=str(root / "tests"))
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])
+    _close(*out["logps"])
+    _close(*out["loss"], ulps=64)  # sums over rows split over devices: another order
+    _close(*out["grad_norm"], ulps=64)
+    for a, b in out["params"]:
+        _close(a, b, ulps=64)
+    assert "trainer.pack_rows' = 3" in out["refused"]
