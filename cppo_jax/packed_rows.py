@@ -92,12 +92,14 @@ class Packer:
                 f"({batch_sharding(mesh, seqs).spec}), e.g. a multiple of {data_parallel_size(mesh)}"
             )
         self.rows, self.length, self.prompt_len = rows, length, spec.prompt_len
+        # the train step's batch layout (rows over data x fsdp), given to the packed arrays
+        self.sharding = None if mesh is None else batch_sharding(mesh, seqs or rows)
 
         def logps(params, batch):
             with use_mesh(mesh):
                 return packed_completion_logps(nnx.merge(graphdef, params), batch, spec)
 
-        self._logps = jax.jit(logps)
+        self.logps = jax.jit(logps)  # (params, PackedBatch) -> logp_MC
 
     @classmethod
     def make(cls, trainer_cfg, shapes, graphdef, spec, mesh=None) -> Packer:
@@ -111,7 +113,8 @@ class Packer:
         packed = packing.pack(
             tokens_MT, valid_MT, self.prompt_len, self.rows, self.length, mask_MC=mask_np
         )
-        return packed_batch(packed, mask_MC, adv_M)
-
-    def logps(self, params, batch: PackedBatch) -> jax.Array:
-        return self._logps(params, batch)
+        batch = packed_batch(packed, mask_MC, adv_M)
+        if self.sharding is None:
+            return batch
+        placed = jax.device_put(batch[:4], self.sharding)
+        return batch._replace(**dict(zip(PackedBatch._fields[:4], placed)))
