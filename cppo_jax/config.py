@@ -395,6 +395,11 @@ class TrainerConfig:
     eval_every: int = 0  # 0: only before and after training
     eval_size: int = 0  # 0: the whole test split
     micro_batch: int = 0  # sequences per forward/backward; 0: all kept sequences at once
+    # Packed rows (cppo_jax/packing.py): the kept sequences' real tokens placed into pack_rows rows
+    # of pack_len tokens (first-fit decreasing), one segment each; static per run.
+    pack: bool = False
+    pack_rows: int = 0  # 0: the kept sequences M (always fits, no saving); set it to gain
+    pack_len: int = 0  # 0: P + C (any sequence fits)
     max_nan_streak: int = 3
     dry_run: bool = False
     profile_steps: tuple[int, ...] = ()
@@ -423,6 +428,19 @@ class TrainerConfig:
         )
         _check(self.log_every >= 1, "trainer.log_every", self.log_every, ">= 1")
         _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
+        _check(self.pack_rows >= 0, "trainer.pack_rows", self.pack_rows, ">= 0")
+        _check(
+            self.pack_len in (0,) or self.pack_len >= 2,
+            "trainer.pack_len",
+            self.pack_len,
+            "0 or >= 2",
+        )
+        _check(
+            not (self.pack and self.micro_batch),
+            "trainer.micro_batch",
+            self.micro_batch,
+            "0 with trainer.pack=true (all kept sequences are packed into one forward)",
+        )
         _check(self.max_nan_streak >= 1, "trainer.max_nan_streak", self.max_nan_streak, ">= 1")
         _check(
             len(self.profile_steps) in (0, 2),

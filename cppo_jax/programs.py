@@ -23,6 +23,7 @@ from cppo_jax.config import Config, ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
 from cppo_jax.logp_sources import LogpSources
 from cppo_jax.logp_sources import logp_sources as sources_of
+from cppo_jax.packed_rows import PackedBatch, Packer
 from cppo_jax.program_memory import ARGS_OF
 from cppo_jax.rollout.sampler import make_sampler
 from cppo_jax.rollout.sampling import SamplingParams
@@ -156,6 +157,17 @@ def build(cfg: Config, devices) -> Built:
         rows_of((sh.M,), jnp.float32),
         *(logp if have[f] else None for f in ("old_logp_MC", "ref_logp_MC", "behav_logp_MC")),
     )
+    ref_args = (tokens, valid)
+    if (
+        cfg.trainer.pack
+    ):  # packed rows (trainer.pack): R x L instead of M x T, same per-sequence arrays
+        packer = Packer.make(cfg.trainer, sh, graphdef, spec, mesh)
+        packed = [rows_of((packer.rows, packer.length), jnp.int32) for _ in range(3)]
+        batch = PackedBatch(*packed, rows_of((sh.M, sh.C), jnp.int32), *batch[2:])
+        logps, ref_args = (
+            packer.logps,
+            (batch._replace(old_logp_MC=None, ref_logp_MC=None, behav_logp_MC=None),),
+        )
     programs = {"train_step": (train_step, (params, opt, batch))}
     resident = {"params": _bytes_per_device(params), "opt_state": _bytes_per_device(opt)}
     # The reference and the overlap's snapshot: forward-only copies in the compute dtype.
@@ -164,10 +176,10 @@ def build(cfg: Config, devices) -> Built:
         sharding_lib.param_shardings(params, mesh),
     )
     if cfg.cppo.beta > 0:
-        programs["ref_logps"] = (logps, (copy, tokens, valid))
+        programs["ref_logps"] = (logps, (copy, *ref_args))
         resident["reference"] = _bytes_per_device(copy)
     if logp_sources(cfg).needs_snapshot:  # the overlap snapshot's (old or behaviour) log-probs
-        programs["old_logps"] = (logps, (copy, tokens, valid))
+        programs["old_logps"] = (logps, (copy, *ref_args))
         resident["snapshot"] = _bytes_per_device(copy)
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)

@@ -25,6 +25,7 @@ from cppo_jax import loss as loss_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.models.transformer import gather_cast
+from cppo_jax.packed_rows import PackedBatch, packed_completion_logps
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampler import positions_from_valid
 
@@ -153,11 +154,14 @@ def update_count(opt_state) -> jax.Array:
     return counts[0]
 
 
-def _loss_fn(params, graphdef, batch: Batch, spec: StepSpec, first=None):
+def _loss_fn(params, graphdef, batch: Batch | PackedBatch, spec: StepSpec, first=None):
     model = nnx.merge(graphdef, params)
-    logp_MC, ent_MC = completion_logps(
-        model, batch.tokens_MT, batch.valid_MT, spec, return_entropy=True
-    )
+    if isinstance(batch, PackedBatch):  # trainer.pack: the forward on packed rows
+        logp_MC, ent_MC = packed_completion_logps(model, batch, spec, return_entropy=True)
+    else:
+        logp_MC, ent_MC = completion_logps(
+            model, batch.tokens_MT, batch.valid_MT, spec, return_entropy=True
+        )
     # The old policy's log-probs: the given ones (a stale rollout's, or the first update's for the
     # updates after it), else this forward's (the old policy is the current one: the ratio is 1), as
     # on the `first` (a traced bool) of a step's updates. With tis_cap the tokens' pg terms are
@@ -201,8 +205,12 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None):
     """(loss, metrics, grads, logp_MC): the loss of `batch`, its gradient, and the completion
     log-probs of this forward (stop-gradient: the old policy's for the updates after this one)."""
     grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
-    M = batch.tokens_MT.shape[0]
+    M = batch.mask_MC.shape[0]
     m = spec.micro_batch
+    if m > 0 and m < M and isinstance(batch, PackedBatch):
+        raise ValueError(
+            "trainer.pack packs all kept sequences in one forward: set trainer.micro_batch=0"
+        )
     if m <= 0 or m >= M:
         (loss, (metrics, logp_MC)), grads = grad_fn(params, graphdef, batch, spec, first)
         return loss, metrics, grads, logp_MC

@@ -47,6 +47,7 @@ from cppo_jax.config import Config, ConfigError
 from cppo_jax.config_io import save_config
 from cppo_jax.models import Tokenizer, load_hf
 from cppo_jax.models.transformer import forward_copy
+from cppo_jax.packed_rows import Packer
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout.backend import make_backend
@@ -163,6 +164,9 @@ class Trainer:
             params=self.params,
             rows=self.shapes.M,
         )
+        self.packer = None  # trainer.pack: the kept sequences trained in packed rows
+        if cfg.trainer.pack:
+            self.packer = Packer.make(cfg.trainer, self.shapes, self.graphdef, self.spec, self.mesh)
 
         # Rewards (the training ones, plus each evaluation rule, run only when evaluating), logs, checkpoints.
         # Metrics name a reward by its registered name, else by its function's name (as TRL).
@@ -310,21 +314,33 @@ class Trainer:
         # the behaviour policy's: `logp_sources`), kept completions only. When the old policy is the
         # current one its log-probs come from the update's own forward, in the train step.
         src, ref, old, behav = self.sources, None, None, pruned.behav_logp_MC
+        packed = None
+        if self.packer is not None:
+            packed = self.packer.batch(tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M)
+
+        def logps(params):
+            if packed is None:
+                return _block(self.logps(params, tokens_MT, valid_MT))
+            return _block(self.packer.logps(params, packed))
+
         with prof.phase("ref_logps", times):
             if cfg.cppo.beta > 0:
-                ref = _block(self.logps(self.ref_params, tokens_MT, valid_MT))
+                ref = logps(self.ref_params)
         with prof.phase("old_logps", times):
             if src.needs_snapshot:  # the params that sampled (one update behind after step 1)
                 sampled_by = self.params if sample_params is None else sample_params
-                snap = _block(self.logps(sampled_by, tokens_MT, valid_MT))
+                snap = logps(sampled_by)
                 old = snap if src.old == "snapshot" else None
                 behav = snap if src.behav == "snapshot" else behav
         sample_params = sampled_by = None  # the snapshot that sampled: not kept through the update
 
         # 7. mu updates, one program; its metrics (the last update's) fetched once.
-        train_batch = step_lib.Batch(
-            tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
-        )
+        if packed is None:
+            train_batch = step_lib.Batch(
+                tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
+            )
+        else:
+            train_batch = packed._replace(old_logp_MC=old, ref_logp_MC=ref, behav_logp_MC=behav)
         args = (self.params, self.opt_state, train_batch)  # before donating
         self.tracer.dump_hlo_once(self.train_step, args, "train_step")
         with prof.phase("update", times):

@@ -29,6 +29,19 @@ def test_generation_quick(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
+def test_packing_quick(tmp_path):
+    """benchmarks/packing.py on GSM8K's real lengths (Qwen2.5 tokens), tiny model and slots."""
+    rows = load_script("packing").main(["--quick", "--out", str(tmp_path)])
+    assert [r["p"] for r in rows] == [0.0, 0.875]
+    for r in rows:
+        # packed rows hold every real token, in no more slots than the padded batch
+        assert r["real_tokens"] <= r["packed"]["tokens"] <= r["padded"]["tokens"] == r["M"] * r["T"]
+        assert r["R"] <= r["M"] and r["packed"]["cpu_s"] > 0
+    assert rows[0]["packed"]["tokens"] < rows[0]["padded"]["tokens"]  # 8 sequences share rows
+    report = (tmp_path / "packing.md").read_text()
+    assert "| p | kept M | layout | rows x slots |" in report and "Issue #34's bar" in report
+
+
 def test_generation_vllm_requests(tmp_path):
     """The --vllm-url path against a stand-in server: one request per question, the fields vLLM needs."""
     import http.server

@@ -42,6 +42,7 @@ class Recorder:
     [
         (),  # mu = 1, beta > 0
         ("cppo.mu=2", "model.dtype=bfloat16"),  # the old log-probs from the first update's forward
+        ("trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"),  # packed rows
     ],
 )
 def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
@@ -50,6 +51,8 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
     try:
         trainer.train_step = Recorder(trainer.train_step)
         trainer.logps = Recorder(trainer.logps)
+        if trainer.packer is not None:  # the reference's log-probs of the packed rows
+            trainer.packer.logps = Recorder(trainer.packer.logps)
         backend = trainer.backend
         generate = backend.generate
         seen = {}
@@ -65,7 +68,7 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
         built = programs.build(cfg, jax.devices()).programs
         recorded = {
             "train_step": trainer.train_step,
-            "ref_logps": trainer.logps,
+            "ref_logps": trainer.logps if trainer.packer is None else trainer.packer.logps,
             "sampler": seen["sampler"],
         }
         assert set(built) == set(recorded)

@@ -190,6 +190,16 @@ MEANINGS: dict[str, str] = {
     "trainer.eval_size": "Test questions evaluated; 0: the whole test split.",
     "trainer.micro_batch": "Kept sequences per forward/backward pass (gradient accumulation); must "
     "divide the kept sequences per step; 0: all at once.",
+    "trainer.pack": "Packed training rows: the kept sequences' real tokens (prompt + completion) "
+    "placed by first-fit decreasing into `trainer.pack_rows` rows of `trainer.pack_len` tokens, "
+    "attention within each sequence, RoPE positions from 0 per sequence, log-probs gathered back; "
+    "loss and gradient equal the padded step's. One trainer process, `trainer.micro_batch=0` "
+    "(docs/concepts.md, Packed rows).",
+    "trainer.pack_rows": "Rows of a packed step (static per run); a step whose sequences do not fit "
+    "raises an error naming this key and the rows it needed; on a mesh, split over data x fsdp as "
+    "the kept sequences are (e.g. a multiple of data x fsdp); 0: the kept sequences M (always fits).",
+    "trainer.pack_len": "Tokens per packed row (static per run); a longer sequence raises an error "
+    "naming this key; 0: P + C (any sequence fits).",
     "trainer.max_nan_streak": "Stop (saving the last good state) after this many non-finite steps in "
     "a row; a non-finite step skips its update.",
     "trainer.dry_run": "Load and check the config, data, tokenizer and shapes, print the plan, train "

@@ -150,19 +150,27 @@ def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
     return out_BTJRE.reshape(B, T, H, E)
 
 
-def library_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTT, cfg: TransformerConfig) -> jax.Array:
+def library_attend(
+    q_BTHE, k_BTJE, v_BTJE, mask_BTT, cfg: TransformerConfig, segment_BT=None
+) -> jax.Array:
     """`attend` without a cache through `jax.nn.dot_product_attention` (`cfg.attention`: "xla", or
     "cudnn" for the fused kernel of NVIDIA GPUs) or TPUs' splash kernel ("splash": `splash`). Same rule: the causal mask of the T slots and the
     key-validity of `mask_BTT`'s last row (a padding query's row is all False there and is
-    meaningless either way)."""
+    meaningless either way). With `segment_BT` (packed rows), the rule is `mask_BTT` whole:
+    causal within a segment (the splash kernel takes the segment ids themselves)."""
     if cfg.attention == "splash":
         from cppo_jax.models.splash import splash_attend
 
-        return splash_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTT[:, -1, :])
+        keys_BT = mask_BTT[:, -1, :] if segment_BT is None else segment_BT
+        return splash_attend(q_BTHE, k_BTJE, v_BTJE, keys_BT)
     if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(
             f"model.attention=cudnn needs an NVIDIA GPU; this JAX runs on {jax.default_backend()} "
             f"(use einsum, the default)"
+        )
+    if segment_BT is not None:
+        return jax.nn.dot_product_attention(
+            q_BTHE, k_BTJE, v_BTJE, mask=mask_BTT[:, None], implementation=cfg.attention
         )
     valid_BS = mask_BTT[:, -1, :]  # the last query slot sees every valid key
     return jax.nn.dot_product_attention(
@@ -296,10 +304,13 @@ class Attention(nnx.Module):
             y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
         return y_BTD
 
-    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer):
+    def __call__(
+        self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache: Cache | None, layer, segment_BT=None
+    ):
         q_BTHE, k_BTJE, v_BTJE = self.qkv(x_BTD, cos_BTE, sin_BTE)
         if cache is None and self.cfg.attention != "einsum":
-            return self.out(library_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTS, self.cfg)), cache
+            out_BTHE = library_attend(q_BTHE, k_BTJE, v_BTJE, mask_BTS, self.cfg, segment_BT)
+            return self.out(out_BTHE), cache
         if cache is None:
             k_BSJE, v_BSJE = k_BTJE, v_BTJE
         else:
@@ -337,8 +348,10 @@ class DecoderLayer(nnx.Module):
     def mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
         return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
 
-    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer):
-        y_BTD, cache = self.attn(self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer)
+    def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, segment_BT=None):
+        y_BTD, cache = self.attn(
+            self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer, segment_BT
+        )
         x_BTD = constrain(x_BTD + y_BTD, _ACT_EMBED)
         return self.mlp_residual(x_BTD), cache
 
@@ -402,7 +415,9 @@ class Transformer(nnx.Module):
             return self.embed_VD[...].T
         return self.lm_head_DV[...]
 
-    def hidden(self, tokens_BT, positions_BT, valid_BT, cache: Cache | None = None):
+    def hidden(
+        self, tokens_BT, positions_BT, valid_BT, cache: Cache | None = None, segment_BT=None
+    ):
         """Final-normed hidden states [B, T, D] in the compute dtype, and the updated cache.
 
         `valid_BT` marks real tokens (prompts left-padded, completions right-padded);
@@ -410,6 +425,10 @@ class Transformer(nnx.Module):
         the T tokens are written at slots [index, index + T) (the caller keeps index + T <= S)
         and attend over all S slots; index advances by T. Without one, the cache stays None.
         Padding queries see no valid key and get finite, meaningless outputs.
+
+        `segment_BT` (packed rows, `cppo_jax.packing`; no cache): int ids of the sequences sharing a
+        row, 0 on padding. A query sees the keys at or before it with its own id (a padding slot
+        sees the padding before it), `valid_BT` unused; positions restart per sequence.
         """
         cfg = self.cfg
         T = tokens_BT.shape[1]
@@ -438,12 +457,17 @@ class Transformer(nnx.Module):
             query_slot_T = cache.index + jnp.arange(T, dtype=jnp.int32)
             key_slot_S = jnp.arange(valid_BS.shape[1], dtype=jnp.int32)
         causal_TS = key_slot_S[None, :] <= query_slot_T[:, None]
-        mask_BTS = causal_TS[None] & valid_BS[:, None, :]
+        if segment_BT is None:
+            mask_BTS = causal_TS[None] & valid_BS[:, None, :]
+        else:
+            if cache is not None:
+                raise ValueError("segment_BT (packed rows) is for forwards without a cache")
+            mask_BTS = causal_TS[None] & (segment_BT[:, :, None] == segment_BT[:, None, :])
         cos_BTE, sin_BTE = rope_tables(positions_BT, cfg)
 
         def layer_fn(layer, index, carry):
             x_BTD, cache = carry
-            return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index)
+            return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index, segment_BT)
 
         x_BTD, cache = run_layers(cfg, self.layers, layer_fn, (x_BTD, cache), remat=cfg.remat)
         h_BTD = self.final_norm(x_BTD)
