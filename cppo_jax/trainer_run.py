@@ -23,7 +23,7 @@ from cppo_jax.stopping import SignalStopError, StopSignals
 def train(trainer, progress=None) -> dict:
     """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
     trainer.maybe_resume()
-    trainer.backend.sync_weights(trainer.params, trainer.start_step)
+    trainer.backend.sync_weights(trainer.policy_params(), trainer.start_step)
     # What set-up built (data, tokenizer, model, caches) lives for the whole run: one full collection,
     # then out of the collector's sight until the run ends. Tracing and lowering allocate fast enough
     # to set off full collections, each a pass over all of it (a third of a second in the demo's first
@@ -62,7 +62,7 @@ def _run(trainer, progress) -> dict:
     trainer_eval.validate(trainer, trainer.num_steps)
     export_policy(
         trainer.graphdef,
-        trainer.params,
+        trainer.policy_params(),
         trainer.cfg,
         trainer.out_dir / EXPORT_DIR,
         trainer.model_path,

@@ -190,6 +190,15 @@ def merge_weights(adapters, base, cfg):
     return nnx.from_flat_state(out)
 
 
+def cast(base, dtype):
+    """`base` with its floating arrays in `dtype` (the frozen base lives in the compute dtype)."""
+
+    def one(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(one, base)
+
+
 def numpy_adapters(adapters) -> dict[tuple, np.ndarray]:
     """path -> host array of each adapter (for export)."""
     return {
