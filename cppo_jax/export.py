@@ -29,6 +29,7 @@ from cppo_jax.models.hf_io import read_hf_config, save_hf
 from cppo_jax.models.transformer import Transformer
 
 EXPORT_DIR = "export"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapters as a PEFT folder (models/peft_io.py)
 
 
 def export_policy(

@@ -46,7 +46,7 @@ from cppo_jax.checkpoint import Checkpointer, CheckpointError, holds_a_run, set_
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.config_io import save_config
 from cppo_jax.models import Tokenizer, load_hf
-from cppo_jax.models import lora as lora_lib
+from cppo_jax.models import lora_state as lora_lib
 from cppo_jax.models.transformer import forward_copy
 from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
@@ -251,6 +251,7 @@ class Trainer:
             "seed": self.cfg.trainer.seed,
             "nan_streak": self.nan_streak,
             "num_tokens": self.num_tokens,
+            "lora": self._lora_meta(),
         }
         if self.skipper is not None:
             meta["skipper"] = self.skipper.state_dict()
@@ -260,9 +261,26 @@ class Trainer:
             self.log.event("checkpoint_failed", step=step, error=str(e))
             raise
 
+    def _lora_meta(self) -> dict | None:
+        """What a checkpoint's params are: LoRA adapters of this rank, alpha and targets, or
+        (None) a full model's weights."""
+        lora = self.cfg.model.lora
+        if not lora.enabled:
+            return None
+        return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+
     def maybe_resume(self) -> None:
         if not self.cfg.trainer.resume or self.ckpt.latest_step() is None:
             return
+        held, want = self.ckpt.read_meta().get("lora"), self._lora_meta()
+        if held != want:
+            kind = lambda m: "a full run's weights" if m is None else f"LoRA adapters {m}"  # noqa: E731
+            raise ConfigError(
+                f"config key 'model.lora' does not match the checkpoint under {self.ckpt.directory}: "
+                f"it holds {kind(held)}, this run trains {kind(want)}; resume with the run's own "
+                "model.lora settings, or start a LoRA run from a full run's export/ folder "
+                "(model.init_checkpoint) instead of its checkpoint"
+            )
         state, meta = self.ckpt.restore(None, self.state())
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.start_step = self.params_step = int(meta["step"])

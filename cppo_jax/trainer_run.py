@@ -15,7 +15,8 @@ from __future__ import annotations
 import gc
 
 from cppo_jax import trainer_eval
-from cppo_jax.export import EXPORT_DIR, export_policy
+from cppo_jax.export import ADAPTER_DIR, EXPORT_DIR, export_policy
+from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.stopping import SignalStopError, StopSignals
 
@@ -68,6 +69,10 @@ def _run(trainer, progress) -> dict:
         trainer.model_path,
         cppo_step=trainer.num_steps,
     )
+    if trainer.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
+        save_adapter(
+            trainer.params, trainer.model_cfg, trainer.out_dir / ADAPTER_DIR, trainer.model_path
+        )
     after = trainer.evaluate(trainer.num_steps, sampled=True)
     table = trainer_eval.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}

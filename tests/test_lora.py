@@ -13,7 +13,7 @@ from flax import nnx
 from cppo_jax import config_io
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import LORA_TARGETS, Config, ConfigError, LoraConfig
-from cppo_jax.models import lora
+from cppo_jax.models import lora, lora_state
 from tests.helpers import forward, random_model, tiny_config
 
 
@@ -25,7 +25,7 @@ def _inputs(B=3, T=7, V=257, seed=0):
 
 def _noisy_adapters(model, seed=1):
     """`model` with every adapter (B too) set to O(1/sqrt(fan-in)) noise."""
-    graphdef, adapters, base = lora.split(model)
+    graphdef, adapters, base = lora_state.split(model)
     rng = np.random.default_rng(seed)
     flat = []
     for path, var in nnx.to_flat_state(adapters):
@@ -39,7 +39,7 @@ def _noisy_adapters(model, seed=1):
 def test_fresh_adapters_leave_the_forward_unchanged(scan):
     cfg = tiny_config(scan_layers=scan)
     base = random_model(cfg)
-    adapted = lora.with_adapters(base, LoraConfig(rank=3))
+    adapted = lora_state.with_adapters(base, LoraConfig(rank=3))
     # B = 0: every delta is an exact zero, so the logits are the base's bit for bit.
     want, _ = forward(base, *_inputs())
     got, _ = forward(adapted, *_inputs())
@@ -49,8 +49,8 @@ def test_fresh_adapters_leave_the_forward_unchanged(scan):
 def test_split_base_has_the_plain_models_paths_and_merge_computes_the_adapted_model():
     cfg = tiny_config()
     base = random_model(cfg)
-    adapted = _noisy_adapters(lora.with_adapters(base, LoraConfig(rank=5)))
-    _, adapters, frozen = lora.split(adapted)
+    adapted = _noisy_adapters(lora_state.with_adapters(base, LoraConfig(rank=5)))
+    _, adapters, frozen = lora_state.split(adapted)
     plain_paths = {p for p, _ in nnx.to_flat_state(nnx.state(base))}
     assert {p for p, _ in nnx.to_flat_state(frozen)} == plain_paths
     assert len(nnx.to_flat_state(adapters)) == 2 * len(LORA_TARGETS)  # A and B, stacked [L]
@@ -60,8 +60,8 @@ def test_split_base_has_the_plain_models_paths_and_merge_computes_the_adapted_mo
     scale = float(jnp.max(jnp.abs(logits_lora)))
     assert float(jnp.max(jnp.abs(logits_lora - logits_base))) > 0.1 * scale  # adapters act
 
-    merged = lora.merge_weights(adapters, frozen, adapted.cfg)
-    as_base = nnx.merge(lora.base_graphdef(adapted.cfg), merged)
+    merged = lora_state.merge_weights(adapters, frozen, adapted.cfg)
+    as_base = nnx.merge(lora_state.base_graphdef(adapted.cfg), merged)
     logits_merged, _ = forward(as_base, *_inputs())
     # Same numbers summed in another order ((xA)B + xW vs x(W + AB)): float32 rounding of sums
     # over D, F and the layers; 64 ulps of the logits' scale bounds it with room.
@@ -71,8 +71,10 @@ def test_split_base_has_the_plain_models_paths_and_merge_computes_the_adapted_mo
 
 @pytest.mark.parametrize("targets", [("q", "v"), ("o",), ("down", "gate")])
 def test_only_the_named_targets_get_adapters(targets):
-    adapted = lora.with_adapters(random_model(tiny_config()), LoraConfig(rank=2, targets=targets))
-    _, adapters, _ = lora.split(adapted)
+    adapted = lora_state.with_adapters(
+        random_model(tiny_config()), LoraConfig(rank=2, targets=targets)
+    )
+    _, adapters, _ = lora_state.split(adapted)
     got = {str(p[-1]).split("_")[0] for p, _ in nnx.to_flat_state(adapters)}
     assert got == set(targets)
     for _, var in nnx.to_flat_state(adapters):
@@ -81,8 +83,8 @@ def test_only_the_named_targets_get_adapters(targets):
 
 
 def test_adapter_axes_follow_their_weights_sharding_rules():
-    adapted = lora.with_adapters(random_model(tiny_config()), LoraConfig(rank=3))
-    _, adapters, _ = lora.split(adapted)
+    adapted = lora_state.with_adapters(random_model(tiny_config()), LoraConfig(rank=3))
+    _, adapters, _ = lora_state.split(adapted)
     flat = dict(nnx.to_flat_state(adapters))
     a_names = flat[("layers", "mlp", "gate_a_Dr")].get_metadata()["out_sharding"]
     b_names = flat[("layers", "mlp", "gate_b_rF")].get_metadata()["out_sharding"]
@@ -131,4 +133,4 @@ def test_rank_above_a_targets_width_names_the_key_and_the_target():
         lora.check(LoraConfig(rank=21), cfg)
     lora.check(LoraConfig(rank=37, targets=("q", "gate")), cfg)  # 37 -> 40, 37 -> 67
     with pytest.raises(ConfigError, match="model.lora.rank"):
-        lora.with_adapters(random_model(cfg), LoraConfig(rank=38, targets=("q",)))
+        lora_state.with_adapters(random_model(cfg), LoraConfig(rank=38, targets=("q",)))

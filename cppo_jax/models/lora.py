@@ -20,10 +20,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from cppo_jax.config import LORA_TARGETS, ConfigError, LoraConfig
+from cppo_jax.models.matmul import dense
 
 # target -> (its weight's attribute on Attention / MLP, the letters of the weight's input and
 # output dims, how many leading dims are the input)
@@ -81,9 +81,7 @@ def check(lora: LoraConfig, cfg) -> None:
 def add(module: nnx.Module, cfg, targets: tuple[str, ...], rngs: nnx.Rngs, layers: int) -> None:
     """Adds A (PEFT's init: uniform within +-1/sqrt(in)) and B (zeros) for each of `targets` that
     `cfg.lora_targets` names, stacked over `layers`, to `module` (an Attention or MLP)."""
-    from cppo_jax.models.transformer import _stacked
-
-    lead, lead_names = _stacked(layers)
+    lead, lead_names = ((layers,), ("layers",)) if layers else ((), ())
     r, dtype = cfg.lora_rank, cfg.weight_dtype
     for t in targets:
         if t not in cfg.lora_targets:
@@ -106,8 +104,6 @@ def _lora_param(value, logical: tuple[str, ...]) -> nnx.LoRAParam:
 
 def delta(module: nnx.Module, target: str, x: jax.Array) -> jax.Array | None:
     """s (x A) B for `target` in x's dtype, or None when `module` has no adapter for it."""
-    from cppo_jax.models.transformer import dense
-
     a_name, b_name = names(target)
     if not hasattr(module, a_name):
         return None
@@ -122,85 +118,3 @@ def apply(module: nnx.Module, target: str, x: jax.Array, y: jax.Array) -> jax.Ar
     """y plus `target`'s adapter delta of input x (y itself when it has none)."""
     d = delta(module, target, x)
     return y if d is None else y + d
-
-
-# ---------------------------------------------------------------------------------------------
-# The model split into adapters and frozen base
-# ---------------------------------------------------------------------------------------------
-
-
-def transformer_config(cfg, lora: LoraConfig):
-    """`cfg` (a TransformerConfig) with `lora`'s adapters (checked against its widths)."""
-    import dataclasses
-
-    check(lora, cfg)
-    return dataclasses.replace(
-        cfg, lora_rank=lora.rank, lora_alpha=float(lora.alpha), lora_targets=tuple(lora.targets)
-    )
-
-
-def with_adapters(base_model, lora: LoraConfig, seed: int = 0):
-    """A model holding `base_model`'s weights (the same arrays) and fresh adapters (B = 0)."""
-    from cppo_jax.models.transformer import Transformer
-
-    cfg = transformer_config(base_model.cfg, lora)
-    fresh = Transformer(cfg, rngs=nnx.Rngs(seed))
-    _, base_state = nnx.split(base_model)
-    graphdef, adapters, _ = nnx.split(fresh, nnx.LoRAParam, ...)
-    return nnx.merge(graphdef, adapters, base_state)
-
-
-def split(model):
-    """(graphdef, adapters, base): the trained adapters and the frozen rest, a state with the
-    paths of the model without adapters; `nnx.merge(graphdef, adapters, base)` is `model`."""
-    return nnx.split(model, nnx.LoRAParam, ...)
-
-
-def base_graphdef(cfg) -> nnx.GraphDef:
-    """The graphdef of `cfg`'s model without adapters (the base's forward: adapters off)."""
-    import dataclasses
-
-    from cppo_jax.models.transformer import Transformer
-
-    plain = dataclasses.replace(cfg, lora_rank=0, lora_alpha=16.0, lora_targets=())
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(plain, rngs=nnx.Rngs(0))))
-    return graphdef
-
-
-def merge_weights(adapters, base, cfg):
-    """The base state with each adapted weight replaced by W + s A B (in W's dtype): a model
-    without adapters that computes the adapted one (the sampler's, the vLLM push's, an export's)."""
-    scale = cfg.lora_alpha / cfg.lora_rank
-    flat_a = dict(nnx.to_flat_state(adapters))
-    out = []
-    for path, var in nnx.to_flat_state(base):
-        owner, name = path[:-1], path[-1]
-        target = next((t for t, (w, _, _) in WEIGHTS.items() if w == name), None)
-        a_name, b_name = names(target) if target else ("", "")
-        if target is None or (*owner, a_name) not in flat_a:
-            out.append((path, var))
-            continue
-        w = var.get_value()
-        a, b = flat_a[(*owner, a_name)].get_value(), flat_a[(*owner, b_name)].get_value()
-        lead = w.ndim - len(WEIGHTS[target][1]) - len(WEIGHTS[target][2])  # 1: stacked [L]
-        a_x = a.reshape(*a.shape[:lead], -1, a.shape[-1]).astype(jnp.float32)
-        b_x = b.reshape(*b.shape[: lead + 1], -1).astype(jnp.float32)
-        ab = jnp.matmul(a_x, b_x).reshape(w.shape)
-        out.append((path, var.replace((w.astype(jnp.float32) + scale * ab).astype(w.dtype))))
-    return nnx.from_flat_state(out)
-
-
-def cast(base, dtype):
-    """`base` with its floating arrays in `dtype` (the frozen base lives in the compute dtype)."""
-
-    def one(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree.map(one, base)
-
-
-def numpy_adapters(adapters) -> dict[tuple, np.ndarray]:
-    """path -> host array of each adapter (for export)."""
-    return {
-        path: np.asarray(jax.device_get(v.get_value())) for path, v in nnx.to_flat_state(adapters)
-    }

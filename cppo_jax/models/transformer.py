@@ -20,6 +20,7 @@ from flax import nnx
 from cppo_jax import sharding
 from cppo_jax.models import lora
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
+from cppo_jax.models.matmul import dense
 from cppo_jax.models.rope import rope_tables
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Cache",
     "Transformer",
     "TransformerConfig",
+    "dense",
     "gather_cast",
     "has_o_bias",
     "init_cache",
@@ -72,19 +74,6 @@ def _stacked(layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
     return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Array:
-    """x [..., *in] @ w [*in, *out] -> [..., *out], as one 2-D matmul over the flattened leading dims.
-
-    `in` is the last `n_in` dims of x and the first `n_in` of w. The 2-D form is for speed: from
-    3-D einsums (batch and tokens contracted in the weight gradient) XLA:CPU wrote transposed copies
-    of the backward's activations, a quarter of a SwiGLU MLP's forward + backward time; from
-    [N, K] @ [K, F] it takes the dots as they are (benchmarks/results/vs_trl.md).
-    """
-    k = int(np.prod(w.shape[:n_in]))
-    y_NF = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
-    return y_NF.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
 
 
 def unembed(h_XD: jax.Array, w_DV: jax.Array) -> jax.Array:
@@ -464,6 +453,15 @@ class Transformer(nnx.Module):
         return constrain(logits_BTV, _ACT_VOCAB), cache
 
 
+def init_adapter_value(path, shape, rng: np.random.Generator) -> np.ndarray:
+    """A fresh LoRA adapter's value, as PEFT draws it: B zeros, A [L, *in, r] uniform within
+    +-1/sqrt(in) (`models.lora`)."""
+    if "_b_" in str(path[-1]):
+        return np.zeros(shape, np.float32)
+    bound = float(np.prod(shape[1:-1])) ** -0.5
+    return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+
 def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
     """A randomly initialised model: N(0, 0.02) weights, unit norms, zero biases; adapters (if
     `cfg.lora_rank`) A uniform within +-1/sqrt(in), B zero, as `models.lora.add`.
@@ -478,9 +476,7 @@ def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
     for path, var in nnx.to_flat_state(state):
         shape, dtype = var.get_value().shape, var.get_value().dtype
         if isinstance(var, nnx.LoRAParam):
-            bound = float(np.prod(shape[1:-1])) ** -0.5  # A [L, *in, r]: 1/sqrt(in)
-            b = "_b_" in str(path[-1])
-            value = np.zeros(shape, np.float32) if b else rng.uniform(-bound, bound, shape)
+            value = init_adapter_value(path, shape, rng)
         elif path[-1] == "scale_D":
             value = np.ones(shape, np.float32)
         elif "bias" in str(path[-1]):
