@@ -18,6 +18,7 @@ from cppo_jax.models import load_hf, lora_state, peft_io, save_hf
 from cppo_jax.trainer import Trainer
 from tests.helpers import forward, load_hf_torch, random_model, tiny_config
 from tests.test_lora import _inputs, _noisy_adapters
+from tests.test_lora_train import _batch as _random_batch
 from tests.test_trainer import small_config
 
 LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8")
@@ -134,3 +135,23 @@ def test_a_lora_run_exports_the_merged_policy_and_a_peft_adapter(tmp_path, arith
         nnx.to_pure_dict(got),
         nnx.to_pure_dict(want),
     )
+
+
+def test_export_of_a_lora_checkpoint_merges_the_adapters(tmp_path, arith_model_dir):
+    from cppo_jax.export import export_run
+
+    trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
+    try:
+        batch = _random_batch(trainer)
+        trainer.params, trainer.opt_state, _ = trainer.train_step(
+            trainer.params, trainer.opt_state, batch, trainer.frozen
+        )
+        trainer.save(1)
+        want = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.policy_params()))
+    finally:
+        trainer.close()
+    out = export_run(tmp_path / "run")
+    got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(load_hf(out))))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    adapter = out.with_name("export-adapter")
+    assert json.loads((adapter / peft_io.CONFIG_FILE).read_text())["r"] == 4
