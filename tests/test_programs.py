@@ -42,6 +42,7 @@ class Recorder:
     [
         (),  # mu = 1, beta > 0
         ("cppo.mu=2", "model.dtype=bfloat16"),  # the old log-probs from the first update's forward
+        ("model.lora.enabled=true", "model.lora.rank=3"),  # adapters + frozen base, merged sampler
     ],
 )
 def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
@@ -50,6 +51,9 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
     try:
         trainer.train_step = Recorder(trainer.train_step)
         trainer.logps = Recorder(trainer.logps)
+        lora = trainer.frozen is not None
+        if lora:  # the reference: the base's forward, its own program
+            trainer._base_logps = Recorder(trainer._base_logps)
         backend = trainer.backend
         generate = backend.generate
         seen = {}
@@ -65,7 +69,7 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
         built = programs.build(cfg, jax.devices()).programs
         recorded = {
             "train_step": trainer.train_step,
-            "ref_logps": trainer.logps,
+            "ref_logps": trainer._base_logps if lora else trainer.logps,
             "sampler": seen["sampler"],
         }
         assert set(built) == set(recorded)
