@@ -129,3 +129,63 @@ def test_a_lora_trainer_step_runs_end_to_end(tmp_path, arith_model_dir):
         assert row["cppo/kept"] == trainer.shapes.M
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("trainer.micro_batch=4",),  # gradient accumulation over the adapters
+        ("cppo.tis_cap=2",),  # truncated importance sampling against the sampler's log-probs
+        ("cppo.metric=largest", "cppo.allocation=false"),  # another pruning rule
+        ("model.dtype=bfloat16", "cppo.mu=2"),  # a bf16 base, float32 adapters
+    ],
+)
+def test_lora_steps_with_the_step_options(tmp_path, arith_model_dir, extra):
+    from tests.helpers import spread_reward
+
+    cfg = small_config(tmp_path, arith_model_dir, *LORA, *spread_reward(tmp_path), *extra)
+    trainer = Trainer(cfg)
+    try:
+        dtype = jnp.dtype(cfg.model.dtype)
+        assert {x.dtype for x in jax.tree.leaves(trainer.frozen)} == {dtype}
+        assert {x.dtype for x in jax.tree.leaves(trainer.params)} == {jnp.dtype(jnp.float32)}
+        base_before, adapters_before = _host(trainer.frozen), _host(trainer.params)
+        row = trainer.step(0)
+        assert row["update_skipped"] == 0.0 and np.isfinite(row["loss"])
+        assert row["grad_norm"] > 0  # the spread reward gives non-zero advantages
+        jax.tree.map(np.testing.assert_array_equal, _host(trainer.frozen), base_before)
+        moved = [
+            float(np.abs(a - b).max())
+            for (_, a), (_, b) in zip(_flat(_host(trainer.params)), _flat(adapters_before))
+        ]
+        assert max(moved) > 0
+    finally:
+        trainer.close()
+
+
+def test_lora_overlap_takes_the_old_logps_of_the_adapters_that_sampled(tmp_path, arith_model_dir):
+    """rollout.overlap=1: the snapshot is of the adapters; step s's old log-probs are those of the
+    merged weights the (stand-in) server sampled with, computed on the adapters and the base."""
+    from tests.test_overlap import overlap_trainer
+
+    trainer, backend = overlap_trainer(tmp_path, arith_model_dir, *LORA)
+    seen, inner = [], trainer.train_step
+
+    def spy(params, opt_state, batch, frozen):
+        seen.append(jax.tree.map(np.asarray, batch))
+        return inner(params, opt_state, batch, frozen)
+
+    trainer.train_step = spy
+    try:
+        history = [trainer.step(s) for s in range(3)]
+        _, plain_logps = step_lib.compiled(trainer.graphdef, trainer.tx, trainer.spec)
+        for s, batch in enumerate(seen):
+            merged = backend.sampled_with[s]  # the weights that sampled step s (merged, host)
+            want = np.asarray(plain_logps(merged, batch.tokens_MT, batch.valid_MT))
+            tol = 64 * np.finfo(np.float32).eps * max(1.0, np.abs(want).max())
+            np.testing.assert_allclose(batch.old_logp_MC, want, rtol=0, atol=tol, err_msg=str(s))
+    finally:
+        trainer.close()
+    assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 1.0]
+    assert history[0]["ratio/abs_dev_mean"] < 1e-5
+    assert all(m["ratio/abs_dev_mean"] > 1e-6 for m in history[1:])  # the adapters moved
