@@ -295,3 +295,10 @@ def test_lora_table_quick(tmp_path):
     report = (tmp_path / "lora_table.md").read_text()
     assert "| full | 0.0001 | 1 |" in report and "| LoRA r = 2 | 0.001 | 1 |" in report
     assert (tmp_path / "lora_table.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lora_sampler_quick(tmp_path):
+    assert load_script("lora_sampler").main(["--quick", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "lora_sampler.md").read_text()
+    assert "| merged s | in layers s | in layers / merged |" in report
+    assert "| D 128, F 384, L 4 | 0.85 M |" in report

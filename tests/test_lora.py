@@ -134,3 +134,34 @@ def test_rank_above_a_targets_width_names_the_key_and_the_target():
     lora.check(LoraConfig(rank=37, targets=("q", "gate")), cfg)  # 37 -> 40, 37 -> 67
     with pytest.raises(ConfigError, match="model.lora.rank"):
         lora_state.with_adapters(random_model(cfg), LoraConfig(rank=38, targets=("q",)))
+
+
+def test_the_sampler_on_merged_weights_samples_as_the_adapted_model():
+    """What the trainer's rollout runs (the merged weights, a model without adapters) and the
+    adapted model itself sample the same greedy tokens."""
+    from cppo_jax.rollout.sampler import make_sampler
+    from cppo_jax.rollout.sampling import SamplingParams
+
+    adapted = _noisy_adapters(lora_state.with_adapters(random_model(tiny_config()), LoraConfig(3)))
+    graphdef, adapters, base = lora_state.split(adapted)
+    merged = lora_state.merge_weights(adapters, base, adapted.cfg)
+    sp = SamplingParams(max_new_tokens=9, temperature=0.0, eos_id=(256,), pad_id=0)
+    tokens_QP, valid_QP, _ = (jnp.asarray(x) for x in _left_padded())
+    seeds_Q = jnp.arange(tokens_QP.shape[0], dtype=jnp.uint32)
+    want = make_sampler(graphdef, 1, sp)(
+        nnx.merge_state(adapters, base), tokens_QP, valid_QP, seeds_Q
+    )
+    got = make_sampler(lora_state.base_graphdef(adapted.cfg), 1, sp)(
+        merged, tokens_QP, valid_QP, seeds_Q
+    )
+    np.testing.assert_array_equal(np.asarray(got.tokens_NC), np.asarray(want.tokens_NC))
+    plain = make_sampler(lora_state.base_graphdef(adapted.cfg), 1, sp)(
+        base, tokens_QP, valid_QP, seeds_Q
+    )
+    assert not np.array_equal(np.asarray(plain.tokens_NC), np.asarray(want.tokens_NC))
+
+
+def _left_padded():
+    from tests.helpers import left_pad
+
+    return left_pad([[5, 17, 33, 2], [101, 7], [250, 3, 9]])
