@@ -82,8 +82,13 @@ def cast(base, dtype):
     return jax.tree.map(one, base)
 
 
-def numpy_adapters(adapters) -> dict[tuple, np.ndarray]:
-    """path -> host array of each adapter (for export)."""
-    return {
-        path: np.asarray(jax.device_get(v.get_value())) for path, v in nnx.to_flat_state(adapters)
-    }
+def numpy_adapters(adapters) -> dict[tuple, np.ndarray] | None:
+    """path -> host array of each adapter on process 0, None on the others (every process calls it:
+    an adapter sharded over processes is gathered, as `distributed.to_main` does for exports)."""
+    from cppo_jax import distributed
+
+    flat = nnx.to_flat_state(adapters)
+    arrays = distributed.to_main([v.get_value() for _, v in flat])
+    if arrays is None:
+        return None
+    return {path: np.asarray(a) for (path, _), a in zip(flat, arrays)}

@@ -34,7 +34,7 @@ _OWNER = {"q": "attn", "k": "attn", "v": "attn", "o": "attn"}  # else "mlp"
 
 
 def adapter_tensors(adapters: dict[tuple, np.ndarray], cfg) -> dict[str, np.ndarray]:
-    """PEFT's tensors of `adapters` (path -> host array, `lora.numpy_adapters`) of a model `cfg`."""
+    """PEFT's tensors of `adapters` (path -> host array, `lora_state.numpy_adapters`) of a model `cfg`."""
     out = {}
     for t in cfg.lora_targets:
         owner = _OWNER.get(t, "mlp")

@@ -28,9 +28,7 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     # Steps enough that, under load, the signal sent once step 2 is logged still lands mid-run (with 8,
     # a starved test process once saw the run finish first).
     steps = 24
-    cfg = small_config(
-        tmp_path, arith_model_dir, f"trainer.steps={steps}", "trainer.checkpoint_every=0"
-    )
+    cfg = small_config(tmp_path, arith_model_dir, f"trainer.steps={steps}", "trainer.checkpoint_every=0")
     config_file = write_config_file(tmp_path / "cfg.py", cfg)
     run_dir = tmp_path / "run"
     proc = launch(config_file)
@@ -57,9 +55,7 @@ def test_sigterm_mid_run_checkpoints_exits_143_and_resume_finishes(tmp_path, ari
     resumed = launch(config_file, "trainer.resume=true")
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out.decode()[-3000:]
-    assert metrics_steps(run_dir) == list(
-        range(1, steps + 1)
-    )  # steps s+1.. appended, none repeated
+    assert metrics_steps(run_dir) == list(range(1, steps + 1))  # steps s+1.. appended, none repeated
     assert Checkpointer(run_dir / "checkpoints").latest_step() == steps
 
 
