@@ -80,6 +80,20 @@ class Checkpointer:
             ) from e
         return out["state"], dict(out["meta"])
 
+    def read_meta(self, step: int | None = None) -> dict:
+        """The metadata of checkpoint `step` (default: the latest), without reading its arrays."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint to resume from under {self.directory}")
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise CheckpointError(
+                f"reading the metadata of checkpoint {step} under {self.directory} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        return dict(out["meta"])
+
     def close(self) -> None:
         self._manager.close()
 

@@ -48,6 +48,9 @@ BF16_TYPICAL_WEIGHT = 0.02
 BF16_MIN_LR = BF16_TYPICAL_WEIGHT * 2**-9  # 3.9e-5
 SCHEDULES = ("cosine", "constant", "linear")
 EVAL_RULES = ("released", "strict")  # eval.rule: the two accuracy rules, always both reported
+# model.lora.targets: the decoder projections an adapter can be put on (attention's q, k, v, o and
+# the MLP's gate, up, down; PEFT's q_proj ... down_proj).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 class ConfigError(ValueError):
@@ -109,6 +112,39 @@ class ArchConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the decoder's projections: W x + (alpha / rank) B A x, the base W
+    frozen and only A [in, rank], B [rank, out] (B zero at the start) trained. `enabled=false`
+    (default): full fine-tuning. The rank is also checked against each target's width when the
+    model is built (`models.lora.check`)."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS  # any of LORA_TARGETS
+    dropout: float = 0.0  # only 0 (the RL peers' setting): the forward is deterministic
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        _check(
+            isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0,
+            "model.lora.rank",
+            self.rank,
+            "a positive integer",
+        )
+        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "> 0")
+        _check(self.dropout == 0, "model.lora.dropout", self.dropout, "0 (no dropout)")
+        for t in self.targets:
+            _choice("model.lora.targets", t, LORA_TARGETS)
+        _check(
+            len(self.targets) > 0 and len(set(self.targets)) == len(self.targets),
+            "model.lora.targets",
+            self.targets,
+            "a non-empty list without repeats",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # a local Hugging Face folder; never a hub name (nothing is downloaded)
     tokenizer: str = ""  # defaults to `path`
@@ -123,6 +159,7 @@ class ModelConfig:
     scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
     # The sampler's cached steps always use einsum; xla is jax.nn.dot_product_attention anywhere.
     attention: str = "einsum"  # einsum (ours), cudnn (GPU kernel, bf16), splash (TPU), xla
+    lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (off by default)
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, DTYPES)
@@ -517,6 +554,12 @@ class Config:
                 "config key 'rollout.overlap' = 1 is invalid with rollout.backend='embedded': "
                 "the embedded sampler runs on the training devices, so there is nothing to overlap; "
                 "use rollout.backend='vllm' or rollout.overlap=0"
+            )
+        if self.trainer.pack and self.model.lora.enabled:
+            raise ConfigError(
+                "config key 'trainer.pack' = True is not supported with model.lora.enabled=true "
+                "yet (the packed forward takes no frozen base); set trainer.pack=false or "
+                "model.lora.enabled=false"
             )
         r = self.rollout
         if self.cppo.tis_cap and r.backend == "vllm" and not r.overlap and r.temperature != 1:

@@ -6,6 +6,9 @@ Any checkpoint of a finished or stopped run can be exported later:
     python -m cppo_jax.export --run runs/tiny_cpu              # latest checkpoint -> runs/tiny_cpu/export
     python -m cppo_jax.export --run runs/tiny_cpu --step 20    # -> runs/tiny_cpu/export-step20
 
+A LoRA run's checkpoint holds adapters: they are merged into the starting folder's weights for
+`export/`, and written as a PEFT adapter folder beside it (`export-adapter/`).
+
 The folder keeps the starting checkpoint's config.json fields (eos/bos ids, rope scaling, ...), its
 dtype (a bfloat16 checkpoint is exported in bfloat16) and its generation_config.json, with the tokenizer
 files copied; weights above 5 GB are sharded with an index, as `save_pretrained` does.
@@ -25,10 +28,13 @@ from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.config_io import from_dict
-from cppo_jax.models.hf_io import read_hf_config, save_hf
+from cppo_jax.models import lora_state
+from cppo_jax.models.hf_io import load_hf, read_hf_config, save_hf
+from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.models.transformer import Transformer
 
 EXPORT_DIR = "export"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapters as a PEFT folder (models/peft_io.py)
 
 
 def export_policy(
@@ -46,7 +52,8 @@ def export_policy(
 
 
 def abstract_state(cfg: Config, source: str | Path) -> tuple[nnx.GraphDef, dict]:
-    """The graph and the {params, opt_state} shapes a run's checkpoints hold, placed on one device."""
+    """The graph and the {params, opt_state} shapes a run's checkpoints hold, placed on one device
+    (with LoRA: the adapted model's graph, and the adapters' shapes)."""
     model_cfg = read_hf_config(
         source,
         dtype=cfg.model.dtype,
@@ -54,7 +61,13 @@ def abstract_state(cfg: Config, source: str | Path) -> tuple[nnx.GraphDef, dict]
         scan_layers=cfg.model.scan_layers,
         attention=cfg.model.attention,
     )
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    if cfg.model.lora.enabled:
+        model_cfg = lora_state.transformer_config(model_cfg, cfg.model.lora)
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    if cfg.model.lora.enabled:
+        graphdef, params, _ = lora_state.split(abstract)
+    else:
+        graphdef, params = nnx.split(abstract)
     opt_state = jax.eval_shape(step_lib.make_optimizer(cfg.optim, 1).init, params)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
@@ -96,7 +109,14 @@ def export_run(
         ckpt.close()
     if out is None:
         out = run / (EXPORT_DIR if step == steps[-1] else f"{EXPORT_DIR}-step{step}")
-    return export_policy(graphdef, state["params"], cfg, out, src, cppo_step=step)
+    params = state["params"]
+    if cfg.model.lora.enabled:  # the adapters merged into the base; and the PEFT folder beside
+        base = load_hf(src, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+        model_cfg = nnx.merge(graphdef, params, nnx.state(base)).cfg
+        save_adapter(params, model_cfg, Path(out).with_name(Path(out).name + "-adapter"), src)
+        params = lora_state.merge_weights(params, nnx.state(base), model_cfg)
+        graphdef = nnx.graphdef(base)
+    return export_policy(graphdef, params, cfg, out, src, cppo_step=step)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,21 +125,42 @@ def model_config(cfg: Config):
 
 
 def build(cfg: Config, devices) -> Built:
-    """The programs of one step of `cfg` on a mesh over `devices` (see the module docstring)."""
+    """The programs of one step of `cfg` on a mesh over `devices` (see the module docstring).
+
+    With `model.lora` the train step and log-probs take the adapters and the frozen base (resident
+    as `base`, in the compute dtype), the reference is the base's forward without adapters, and the
+    sampler runs the merged weights (a compute-dtype copy made per rollout: its argument)."""
+    from cppo_jax.models import lora_state
     from cppo_jax.models.transformer import Transformer, forward_copy
 
     sh = shapes_of(cfg)
     tcfg = model_config(cfg)
+    lora = cfg.model.lora.enabled
+    if lora:
+        tcfg = lora_state.transformer_config(tcfg, cfg.model.lora)
     mesh = sharding_lib.make_mesh(cfg.mesh, devices=devices)
     sharding_lib.check_questions(sh.Q, mesh)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0))))
+    model = nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0)))
+    plain_graphdef, base, frozen = None, None, ()
+    if lora:
+        graphdef, state, base_state = lora_state.split(model)
+        plain_graphdef = lora_state.base_graphdef(tcfg)
+        base = _abstract(
+            jax.eval_shape(lambda p: lora_state.cast(p, tcfg.compute_dtype), base_state),
+            sharding_lib.param_shardings(base_state, mesh),
+        )
+        frozen = (base,)
+    else:
+        graphdef, state = nnx.split(model)
     params = _abstract(state, sharding_lib.param_shardings(state, mesh))
     tx = step_lib.make_optimizer(cfg.optim, max(cfg.trainer.steps, 1) * cfg.cppo.mu)
     opt = _abstract(
         jax.eval_shape(tx.init, params), sharding_lib.opt_state_shardings(tx, params, mesh)
     )
     spec = step_spec(cfg, sh)
-    train_step, logps = step_lib.compiled(graphdef, tx, spec, mesh=mesh, params=params, rows=sh.M)
+    train_step, logps = step_lib.compiled(
+        graphdef, tx, spec, mesh=mesh, params=params, rows=sh.M, frozen=base
+    )
 
     rows = sharding_lib.batch_sharding(mesh, sh.M)
     T = sh.P + sh.C
@@ -158,38 +179,49 @@ def build(cfg: Config, devices) -> Built:
         *(logp if have[f] else None for f in ("old_logp_MC", "ref_logp_MC", "behav_logp_MC")),
     )
     ref_args = (tokens, valid)
-    if (
-        cfg.trainer.pack
-    ):  # packed rows (trainer.pack): R x L instead of M x T, same per-sequence arrays
+    if cfg.trainer.pack:  # packed rows: R x L instead of M x T, same per-sequence arrays
         packer = Packer.make(cfg.trainer, sh, graphdef, spec, mesh)
         packed = [rows_of((packer.rows, packer.length), jnp.int32) for _ in range(3)]
         batch = PackedBatch(*packed, rows_of((sh.M, sh.C), jnp.int32), *batch[2:])
-        logps, ref_args = (
-            packer.logps,
-            (batch._replace(old_logp_MC=None, ref_logp_MC=None, behav_logp_MC=None),),
-        )
-    programs = {"train_step": (train_step, (params, opt, batch))}
+        logps = packer.logps
+        ref_args = (batch._replace(old_logp_MC=None, ref_logp_MC=None, behav_logp_MC=None),)
+    programs = {"train_step": (train_step, (params, opt, batch, *frozen))}
     resident = {"params": _bytes_per_device(params), "opt_state": _bytes_per_device(opt)}
-    # The reference and the overlap's snapshot: forward-only copies in the compute dtype.
+    args_of = dict(ARGS_OF)
+    # The reference and the overlap's snapshot: forward-only copies in the compute dtype (with
+    # LoRA: no reference copy, the base's forward; the snapshot is of the adapters).
     copy = _abstract(
         jax.eval_shape(lambda p: forward_copy(p, tcfg.compute_dtype), params),
         sharding_lib.param_shardings(params, mesh),
     )
-    if cfg.cppo.beta > 0:
+    if lora:
+        resident["base"] = _bytes_per_device(base)
+        args_of.update(
+            train_step=("params", "opt_state", "base"),
+            ref_logps=("base",),
+            old_logps=("snapshot", "base"),
+            sampler=(),  # the merged weights, made for the rollout, beside the run's state
+        )
+    if cfg.cppo.beta > 0 and lora:
+        _, base_logps = step_lib.compiled(plain_graphdef, tx, spec, mesh, base, sh.M)
+        programs["ref_logps"] = (base_logps, (base, *ref_args))
+    elif cfg.cppo.beta > 0:
         programs["ref_logps"] = (logps, (copy, *ref_args))
         resident["reference"] = _bytes_per_device(copy)
     if logp_sources(cfg).needs_snapshot:  # the overlap snapshot's (old or behaviour) log-probs
-        programs["old_logps"] = (logps, (copy, *ref_args))
+        programs["old_logps"] = (logps, (copy, *ref_args, *frozen))
         resident["snapshot"] = _bytes_per_device(copy)
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)
-        sampler = make_sampler(graphdef, sh.G, sampling_params(cfg, sh, stop_ids, pad_id))
+        sampler = make_sampler(
+            plain_graphdef or graphdef, sh.G, sampling_params(cfg, sh, stop_ids, pad_id)
+        )
         q_rows = sharding_lib.batch_sharding(mesh, sh.Q)
         prompts = (
             rows_of((sh.Q, sh.P), jnp.int32, q_rows),
             rows_of((sh.Q, sh.P), jnp.bool_, q_rows),
             rows_of((sh.Q,), jnp.uint32, q_rows),
         )
-        programs["sampler"] = (sampler, (params, *prompts))
-    args_of = {name: ARGS_OF[name] for name in programs}
+        programs["sampler"] = (sampler, (base if lora else params, *prompts))
+    args_of = {name: args_of[name] for name in programs}
     return Built(mesh, sh, programs, resident, args_of)

@@ -36,6 +36,7 @@ RULES: dict[str, tuple[str, ...] | None] = {
     "kv_heads": ("tensor",),
     "head_dim": None,
     "norm": None,
+    "lora_rank": None,  # the adapters' rank (models/lora.py): small, never split
     # activations
     "batch": DATA_AXES,
     "length": None,

@@ -3,7 +3,8 @@ of a step in one program).
 
 M kept (trained) sequences, P prompt slots (left-padded), C completion slots (right-padded), T = P + C.
 Both functions take the model as (graphdef, params) so params and optimizer state are plain pytrees that
-the mesh can shard and `jax.jit` can donate. Shapes are fixed by the config (Q, k, P, C), so each function
+the mesh can shard and `jax.jit` can donate. With LoRA (`models.lora`) params are the adapters only and
+the frozen base comes as one more argument, `frozen`: gradients and optimizer state are the adapters'. Shapes are fixed by the config (Q, k, P, C), so each function
 compiles once per run; a non-finite loss or gradient skips the update in-graph and is reported.
 With a mesh (`compiled(..., mesh=...)`) params, optimizer state and gradients are sharded by the rules of
 `cppo_jax.sharding`, the batch by its leading dim over (data, fsdp), and activations are constrained
@@ -154,8 +155,13 @@ def update_count(opt_state) -> jax.Array:
     return counts[0]
 
 
-def _loss_fn(params, graphdef, batch: Batch | PackedBatch, spec: StepSpec, first=None):
-    model = nnx.merge(graphdef, params)
+def _model(graphdef, params, frozen=None):
+    """The model of `params` (and, with LoRA, the `frozen` base they adapt)."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
+def _loss_fn(params, graphdef, batch: Batch | PackedBatch, spec: StepSpec, first=None, frozen=None):
+    model = _model(graphdef, params, frozen)
     if isinstance(batch, PackedBatch):  # trainer.pack: the forward on packed rows
         logp_MC, ent_MC = packed_completion_logps(model, batch, spec, return_entropy=True)
     else:
@@ -201,7 +207,7 @@ def _all_finite(tree, norm: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.isfinite(norm), lambda: jnp.bool_(True), each_element)
 
 
-def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None):
+def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None, frozen=None):
     """(loss, metrics, grads, logp_MC): the loss of `batch`, its gradient, and the completion
     log-probs of this forward (stop-gradient: the old policy's for the updates after this one)."""
     grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
@@ -212,7 +218,7 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None):
             "trainer.pack packs all kept sequences in one forward: set trainer.micro_batch=0"
         )
     if m <= 0 or m >= M:
-        (loss, (metrics, logp_MC)), grads = grad_fn(params, graphdef, batch, spec, first)
+        (loss, (metrics, logp_MC)), grads = grad_fn(params, graphdef, batch, spec, first, frozen)
         return loss, metrics, grads, logp_MC
     if M % m:
         raise ValueError(f"trainer.micro_batch={m} must divide the {M} kept sequences of a step")
@@ -224,7 +230,7 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None):
     tokens_total = jnp.maximum(batch.mask_MC.sum(), 1.0)
 
     def body(acc, mb: Batch):
-        (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, first)
+        (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, first, frozen)
         if spec.loss_type == "token_mean":
             w = mb.mask_MC.sum() / tokens_total
         else:
@@ -235,7 +241,7 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None):
     first_mb = Batch(*(x[0] if x is not None else None for x in micro))
     (loss, (metrics, _)), grads = jax.tree.map(
         jnp.zeros_like,
-        jax.eval_shape(lambda: grad_fn(params, graphdef, first_mb, spec, first)),
+        jax.eval_shape(lambda: grad_fn(params, graphdef, first_mb, spec, first, frozen)),
     )
     mesh = sharding_lib.active_mesh()
     if mesh is not None:  # the accumulator lives where the params do
@@ -292,12 +298,12 @@ def apply_update(params, opt_state, grads, loss, *, tx, in_loop: bool = False):
     return params, opt_state, grad_norm, finite
 
 
-def one_update(params, opt_state, batch: Batch, first=None, *, graphdef, tx, spec):
+def one_update(params, opt_state, batch: Batch, first=None, frozen=None, *, graphdef, tx, spec):
     """One optimizer update: (params, opt_state, metrics, logp_MC), logp_MC the completion log-probs
     of the params before it; skipped (params and state unchanged) when loss or grads are not finite.
     `first` (a traced bool, in a loop over a step's updates): the old policy is this forward's,
     whatever `batch.old_logp_MC` holds."""
-    loss, metrics, grads, logp_MC = _grads(params, graphdef, batch, spec, first)
+    loss, metrics, grads, logp_MC = _grads(params, graphdef, batch, spec, first, frozen)
     params, opt_state, grad_norm, finite = apply_update(
         params, opt_state, grads, loss, tx=tx, in_loop=spec.mu > 1
     )
@@ -308,7 +314,7 @@ def one_update(params, opt_state, batch: Batch, first=None, *, graphdef, tx, spe
     return params, opt_state, metrics, logp_MC
 
 
-def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None):
+def train_step(params, opt_state, batch: Batch, frozen=None, *, graphdef, tx, spec, mesh=None):
     """The step's `spec.mu` updates on `batch`, in one program: (params, opt_state, metrics).
 
     Old policy (`logp_sources`): `batch.old_logp_MC` when given (a stale rollout's), else the current
@@ -317,8 +323,9 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None
     copy of the update in the program, its buffers reused by each), the first one's log-probs carried
     to the others. An update whose loss or gradient is not finite is skipped (params and state
     unchanged). `metrics` are the last update's, but `update_skipped` is 1 when any update was.
+    `frozen`: the base under LoRA adapters (`params`), read, never updated.
     """
-    update = functools.partial(one_update, graphdef=graphdef, tx=tx, spec=spec)
+    update = functools.partial(one_update, frozen=frozen, graphdef=graphdef, tx=tx, spec=spec)
     with sharding_lib.use_mesh(mesh):
         if spec.mu == 1:
             params, opt_state, metrics, _ = update(params, opt_state, batch)
@@ -338,7 +345,7 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None
                 params, opt_state, old_MC = state
                 first = u == 0
                 params, opt_state, metrics, logp_MC = update(
-                    params, opt_state, batch._replace(old_logp_MC=old_MC), first
+                    params, opt_state, batch._replace(old_logp_MC=old_MC), first=first
                 )
                 return (params, opt_state, jnp.where(first, logp_MC, old_MC)), metrics
 
@@ -351,18 +358,21 @@ def train_step(params, opt_state, batch: Batch, *, graphdef, tx, spec, mesh=None
     return params, opt_state, metrics
 
 
-def logps_fn(params, tokens_MT, valid_MT, *, graphdef, spec: StepSpec, mesh=None):
+def logps_fn(params, tokens_MT, valid_MT, frozen=None, *, graphdef, spec: StepSpec, mesh=None):
     """Completion log-probs of a frozen model (reference or old policy)."""
     with sharding_lib.use_mesh(mesh):
-        model = nnx.merge(graphdef, params)
+        model = _model(graphdef, params, frozen)
         return completion_logps(model, tokens_MT, valid_MT, spec)
 
 
-def compiled(graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | None = None):
+def compiled(
+    graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | None = None, frozen=None
+):
     """(train_step, logps) jitted once per run, params and optimizer state donated.
 
     `train_step(params, opt_state, batch) -> (params, opt_state, metrics)`: all mu updates of a step
-    (see `train_step`); `logps(params, tokens_MT, valid_MT) -> logp_MC`.
+    (see `train_step`); `logps(params, tokens_MT, valid_MT) -> logp_MC`. With `frozen` (the base
+    under LoRA adapters, or its abstract shapes) both take it as one more argument, not donated.
 
     With a `mesh`, both get declared shardings: `params` (the policy's params, or their abstract
     shapes) fix the param and optimizer-state layouts by the rules, the batch (`rows` sequences,
@@ -371,13 +381,14 @@ def compiled(graphdef, tx, spec: StepSpec, mesh=None, params=None, rows: int | N
     `sharding.batch_sharding`). Without a mesh, XLA places everything (one device).
     """
     if mesh is None:
-        return _compiled(graphdef, tx, spec, None, None, None, None)
+        return _compiled(graphdef, tx, spec, None, None, None, None, None)
     if params is None:
         raise ValueError("compiled(mesh=...) needs params (or their abstract shapes) to shard")
     p_sh = sharding_lib.param_shardings(params, mesh)
     o_sh = sharding_lib.opt_state_shardings(tx, params, mesh)
     b_sh = sharding_lib.batch_sharding(mesh, rows)
-    return _compiled(graphdef, tx, spec, mesh, _Frozen.of(p_sh), _Frozen.of(o_sh), b_sh)
+    f_sh = None if frozen is None else _Frozen.of(sharding_lib.param_shardings(frozen, mesh))
+    return _compiled(graphdef, tx, spec, mesh, _Frozen.of(p_sh), _Frozen.of(o_sh), b_sh, f_sh)
 
 
 class _Frozen(NamedTuple):
@@ -396,18 +407,19 @@ class _Frozen(NamedTuple):
 
 
 @functools.lru_cache(maxsize=KEPT_PROGRAMS)
-def _compiled(graphdef, tx, spec, mesh, p_sh: _Frozen | None, o_sh: _Frozen | None, b_sh):
+def _compiled(graphdef, tx, spec, mesh, p_sh: _Frozen | None, o_sh: _Frozen | None, b_sh, f_sh):
     step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, spec=spec, mesh=mesh)
     logps_fn_ = functools.partial(logps_fn, graphdef=graphdef, spec=spec, mesh=mesh)
     if mesh is None:
         return jax.jit(step_fn, donate_argnums=(0, 1)), jax.jit(logps_fn_)
     params, opt_state = p_sh.tree(), o_sh.tree()
+    frozen = () if f_sh is None else (f_sh.tree(),)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step = jax.jit(
         step_fn,
-        in_shardings=(params, opt_state, b_sh),
+        in_shardings=(params, opt_state, b_sh, *frozen),
         out_shardings=(params, opt_state, replicated),
         donate_argnums=(0, 1),
     )
-    logps = jax.jit(logps_fn_, in_shardings=(params, b_sh, b_sh), out_shardings=b_sh)
+    logps = jax.jit(logps_fn_, in_shardings=(params, b_sh, b_sh, *frozen), out_shardings=b_sh)
     return step, logps

@@ -46,6 +46,7 @@ from cppo_jax.checkpoint import Checkpointer, CheckpointError, holds_a_run, set_
 from cppo_jax.config import Config, ConfigError
 from cppo_jax.config_io import save_config
 from cppo_jax.models import Tokenizer, load_hf
+from cppo_jax.models import lora_state as lora_lib
 from cppo_jax.models.transformer import forward_copy
 from cppo_jax.packed_rows import Packer
 from cppo_jax.rewards.pool import RewardPool
@@ -115,11 +116,22 @@ class Trainer:
             attention=cfg.model.attention,
         )
         check_vocab(self.tokenizer, model.cfg.vocab_size, path)
+        # `graphdef` is the model without adapters: the sampler's, evaluation's and exports' (with
+        # LoRA they get merged weights, `policy_params`); `train_graphdef` the trained model's.
+        self.frozen = None  # LoRA: the base, frozen in the compute dtype (`lora_lib.split`)
         self.graphdef, params = nnx.split(model)
-        self.params = params
+        self.train_graphdef = self.graphdef
         self.ref_params = None  # the reference policy: forwards only, so in the compute dtype
-        if cfg.cppo.beta > 0:
+        if cfg.model.lora.enabled:  # params: the adapters; the reference: the base alone
+            model = lora_lib.with_adapters(model, cfg.model.lora, seed=cfg.trainer.seed)
+            self.train_graphdef, params, base = lora_lib.split(model)
+            params = sharding_lib.shard_params(params, self.mesh)
+            self.frozen = lora_lib.cast(base, model.cfg.compute_dtype)
+            del base
+        elif cfg.cppo.beta > 0:
             self.ref_params = forward_copy(params, model.cfg.compute_dtype)
+        self.params = params
+        self.model_cfg = model.cfg
 
         # Data.
         sets = pipeline.load_prompt_sets(
@@ -157,16 +169,23 @@ class Trainer:
         self.spec = programs.step_spec(cfg, self.shapes)
         self.sources = programs.logp_sources(cfg)  # where the old and behaviour log-probs come from
         self.train_step, self.logps = step_lib.compiled(
-            self.graphdef,
+            self.train_graphdef,
             self.tx,
             self.spec,
             mesh=self.mesh,
             params=self.params,
             rows=self.shapes.M,
+            frozen=self.frozen,
         )
         self.packer = None  # trainer.pack: the kept sequences trained in packed rows
         if cfg.trainer.pack:
             self.packer = Packer.make(cfg.trainer, self.shapes, self.graphdef, self.spec, self.mesh)
+        self._merge = None
+        if self.frozen is not None:  # the base's log-probs (adapters off): the reference's
+            _, self._base_logps = step_lib.compiled(
+                self.graphdef, self.tx, self.spec, self.mesh, self.frozen, self.shapes.M
+            )
+            self._merge = jax.jit(lora_lib.merge_weights, static_argnums=2)
 
         # Rewards (the training ones, plus each evaluation rule, run only when evaluating), logs, checkpoints.
         # Metrics name a reward by its registered name, else by its function's name (as TRL).
@@ -203,7 +222,30 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
+        """What a checkpoint holds: the trained params (with LoRA the adapters only) and their
+        optimizer state."""
         return {"params": self.params, "opt_state": self.opt_state}
+
+    def policy_params(self, params=None):
+        """`params` (default: the current ones) as weights of `graphdef`, the model without
+        adapters: themselves, or with LoRA the base with the adapters merged in (W + s A B, in the
+        compute dtype), for the sampler, evaluation, weight pushes and exports."""
+        params = self.params if params is None else params
+        if self._merge is None:
+            return params
+        return self._merge(params, self.frozen, self.model_cfg)
+
+    @property
+    def frozen_args(self) -> tuple:
+        """What `train_step` and `logps` take after their arguments: the frozen base with LoRA."""
+        return () if self.frozen is None else (self.frozen,)
+
+    def ref_logps(self, tokens_MT, valid_MT):
+        """The reference policy's completion log-probs: the initial model's, which with LoRA is
+        the base with the adapters off (no copy of it is kept)."""
+        if self.frozen is None:
+            return self.logps(self.ref_params, tokens_MT, valid_MT)
+        return self._base_logps(self.frozen, tokens_MT, valid_MT)
 
     def save(self, step: int) -> None:
         """Checkpoint `step`; a failed write (full disk, unwritable folder) is logged and raised
@@ -213,6 +255,7 @@ class Trainer:
             "seed": self.cfg.trainer.seed,
             "nan_streak": self.nan_streak,
             "num_tokens": self.num_tokens,
+            "lora": self._lora_meta(),
         }
         if self.skipper is not None:
             meta["skipper"] = self.skipper.state_dict()
@@ -222,9 +265,26 @@ class Trainer:
             self.log.event("checkpoint_failed", step=step, error=str(e))
             raise
 
+    def _lora_meta(self) -> dict | None:
+        """What a checkpoint's params are: LoRA adapters of this rank, alpha and targets, or
+        (None) a full model's weights."""
+        lora = self.cfg.model.lora
+        if not lora.enabled:
+            return None
+        return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+
     def maybe_resume(self) -> None:
         if not self.cfg.trainer.resume or self.ckpt.latest_step() is None:
             return
+        held, want = self.ckpt.read_meta().get("lora"), self._lora_meta()
+        if held != want:
+            kind = lambda m: "a full run's weights" if m is None else f"LoRA adapters {m}"  # noqa: E731
+            raise ConfigError(
+                f"config key 'model.lora' does not match the checkpoint under {self.ckpt.directory}: "
+                f"it holds {kind(held)}, this run trains {kind(want)}; resume with the run's own "
+                "model.lora settings, or start a LoRA run from a full run's export/ folder "
+                "(model.init_checkpoint) instead of its checkpoint"
+            )
         state, meta = self.ckpt.restore(None, self.state())
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.start_step = self.params_step = int(meta["step"])
@@ -318,14 +378,18 @@ class Trainer:
         if self.packer is not None:
             packed = self.packer.batch(tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M)
 
-        def logps(params):
-            if packed is None:
-                return _block(self.logps(params, tokens_MT, valid_MT))
-            return _block(self.packer.logps(params, packed))
+        def logps(params):  # None: the reference's (with LoRA the base's forward, adapters off)
+            if packed is not None:  # trainer.pack (refused with LoRA by the config)
+                return _block(
+                    self.packer.logps(self.ref_params if params is None else params, packed)
+                )
+            if params is None:
+                return _block(self.ref_logps(tokens_MT, valid_MT))
+            return _block(self.logps(params, tokens_MT, valid_MT, *self.frozen_args))
 
         with prof.phase("ref_logps", times):
             if cfg.cppo.beta > 0:
-                ref = logps(self.ref_params)
+                ref = logps(None)
         with prof.phase("old_logps", times):
             if src.needs_snapshot:  # the params that sampled (one update behind after step 1)
                 sampled_by = self.params if sample_params is None else sample_params
@@ -342,6 +406,7 @@ class Trainer:
         else:
             train_batch = packed._replace(old_logp_MC=old, ref_logp_MC=ref, behav_logp_MC=behav)
         args = (self.params, self.opt_state, train_batch)  # before donating
+        args += self.frozen_args
         self.tracer.dump_hlo_once(self.train_step, args, "train_step")
         with prof.phase("update", times):
             self.params, self.opt_state, m = self.train_step(*args)
@@ -352,7 +417,7 @@ class Trainer:
             times["rollout"] += self.overlap.wait()
         if (step + 1) % cfg.rollout.push_every == 0:
             with prof.phase("weight_sync", times):
-                metrics.update(self.backend.sync_weights(self.params, step + 1))
+                metrics.update(self.backend.sync_weights(self.policy_params(), step + 1))
         metrics.update({k: float(v) for k, v in m.items()})
         metrics["learning_rate"] = self._learning_rate()
         metrics.update(self._step_counts(pruned.mask_MC))
@@ -366,7 +431,8 @@ class Trainer:
         """Draw `step`'s questions and sample G completions each from `params`."""
         ids = self.order[step] if self.skipper is None else self.skipper.ids(step)
         seed, G = self.cfg.trainer.seed, self.shapes.G
-        return draw_rollout(self.backend, params, self.train_set, ids, step, seed, G, self.mesh)
+        weights = self.policy_params(params)
+        return draw_rollout(self.backend, weights, self.train_set, ids, step, seed, G, self.mesh)
 
     def _learning_rate(self) -> float:
         """The learning rate of the last update applied (TRL's `learning_rate`)."""

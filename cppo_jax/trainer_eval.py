@@ -47,16 +47,17 @@ def accuracies(trainer, prompts, batch_size: int, seed: int | None) -> dict[str,
     (seeds seed + question index) completions of `prompts` by the trainer's current params."""
     n = len(prompts)
     texts = []
+    weights = trainer.policy_params()  # with LoRA: the adapters merged into the base
     for lo in range(0, n, batch_size):
         idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
         part = prompts.take(idx)
         ids = distributed.rows(part.ids_nP, trainer.mesh)
         valid = distributed.rows(part.valid_nP, trainer.mesh)
         if seed is None:
-            out = trainer.backend.greedy(trainer.params, ids, valid)
+            out = trainer.backend.greedy(weights, ids, valid)
         else:
             seeds = distributed.rows((seed + idx).astype(np.uint32), trainer.mesh)
-            out = trainer.backend.generate(trainer.params, ids, valid, seeds, 1)
+            out = trainer.backend.generate(weights, ids, valid, seeds, 1)
         got = trainer._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
         texts.extend(got[: min(batch_size, n - lo)])
     solutions = [ex["solution"] for ex in prompts.examples]
@@ -76,7 +77,7 @@ def validate(trainer, step: int) -> None:
         trainer.best_val = r["accuracy"]
         export_policy(
             trainer.graphdef,
-            trainer.params,
+            trainer.policy_params(),
             trainer.cfg,
             trainer.out_dir / "best",
             trainer.model_path,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import gc
 
 from cppo_jax import trainer_eval
-from cppo_jax.export import EXPORT_DIR, export_policy
+from cppo_jax.export import ADAPTER_DIR, EXPORT_DIR, export_policy
+from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.stopping import SignalStopError, StopSignals
 
@@ -23,7 +24,7 @@ from cppo_jax.stopping import SignalStopError, StopSignals
 def train(trainer, progress=None) -> dict:
     """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
     trainer.maybe_resume()
-    trainer.backend.sync_weights(trainer.params, trainer.start_step)
+    trainer.backend.sync_weights(trainer.policy_params(), trainer.start_step)
     # What set-up built (data, tokenizer, model, caches) lives for the whole run: one full collection,
     # then out of the collector's sight until the run ends. Tracing and lowering allocate fast enough
     # to set off full collections, each a pass over all of it (a third of a second in the demo's first
@@ -62,12 +63,16 @@ def _run(trainer, progress) -> dict:
     trainer_eval.validate(trainer, trainer.num_steps)
     export_policy(
         trainer.graphdef,
-        trainer.params,
+        trainer.policy_params(),
         trainer.cfg,
         trainer.out_dir / EXPORT_DIR,
         trainer.model_path,
         cppo_step=trainer.num_steps,
     )
+    if trainer.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
+        save_adapter(
+            trainer.params, trainer.model_cfg, trainer.out_dir / ADAPTER_DIR, trainer.model_path
+        )
     after = trainer.evaluate(trainer.num_steps, sampled=True)
     table = trainer_eval.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}

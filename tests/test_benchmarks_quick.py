@@ -298,3 +298,20 @@ def test_aot_quick(tmp_path):
     assert "| tiny_cpu | 0.75 | v5e:2x2 |" in report and "Largest |plan/compiled - 1|" in report
     assert "## What a compile cannot tell" in report
     assert json.loads((tmp_path / "aot_tpu.json").read_text())["quick"] is True
+
+
+def test_lora_table_quick(tmp_path):
+    assert load_script("lora_table").main(["--quick", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "lora_table.json").read_text())["runs"]
+    assert sorted(r["rank"] for r in runs) == [0, 2]  # full, and LoRA rank 2
+    assert all(r["steps"] == 1 and r["train_cpu_s"] > 0 for r in runs)
+    report = (tmp_path / "lora_table.md").read_text()
+    assert "| full | 0.0001 | 1 |" in report and "| LoRA r = 2 | 0.001 | 1 |" in report
+    assert (tmp_path / "lora_table.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lora_sampler_quick(tmp_path):
+    assert load_script("lora_sampler").main(["--quick", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "lora_sampler.md").read_text()
+    assert "| merged s | in layers s | in layers / merged |" in report
+    assert "| D 128, F 384, L 4 | 0.85 M |" in report

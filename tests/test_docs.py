@@ -22,6 +22,7 @@ PAGES = (
     "metrics.md",
     "reproducing.md",
     "troubleshooting.md",
+    "lora.md",
 )
 
 

@@ -43,6 +43,7 @@ class Recorder:
         (),  # mu = 1, beta > 0
         ("cppo.mu=2", "model.dtype=bfloat16"),  # the old log-probs from the first update's forward
         ("trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"),  # packed rows
+        ("model.lora.enabled=true", "model.lora.rank=3"),  # adapters + frozen base, merged sampler
     ],
 )
 def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
@@ -53,6 +54,9 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
         trainer.logps = Recorder(trainer.logps)
         if trainer.packer is not None:  # the reference's log-probs of the packed rows
             trainer.packer.logps = Recorder(trainer.packer.logps)
+        lora = trainer.frozen is not None
+        if lora:  # the reference: the base's forward, its own program
+            trainer._base_logps = Recorder(trainer._base_logps)
         backend = trainer.backend
         generate = backend.generate
         seen = {}
@@ -68,7 +72,13 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
         built = programs.build(cfg, jax.devices()).programs
         recorded = {
             "train_step": trainer.train_step,
-            "ref_logps": trainer.logps if trainer.packer is None else trainer.packer.logps,
+            "ref_logps": (
+                trainer.packer.logps
+                if trainer.packer is not None
+                else trainer._base_logps
+                if lora
+                else trainer.logps
+            ),
             "sampler": seen["sampler"],
         }
         assert set(built) == set(recorded)

@@ -29,6 +29,18 @@ MEANINGS: dict[str, str] = {
     "of `model.path` (a warm start).",
     "model.warm_start": "An SFT config file (`get_config()` returning `SFTConfig`) run first to create "
     "`model.init_checkpoint` when that folder does not exist.",
+    "model.lora.enabled": "Train low-rank adapters (LoRA) on a frozen base instead of every weight: "
+    "gradients and AdamW state for the adapters only, the base held in `model.dtype`, the reference "
+    "policy (cppo.beta > 0) the base with the adapters off (no reference copy), checkpoints of the "
+    "adapters only (docs/lora.md).",
+    "model.lora.rank": "Rank r of each adapter (A [in, r], B [r, out]); at most the width of every "
+    "target projection.",
+    "model.lora.alpha": "Adapter scale numerator: the update is (alpha / rank) B A x, as PEFT's "
+    "`lora_alpha`.",
+    "model.lora.targets": "Projections that get adapters: any of q, k, v, o (attention), gate, up, "
+    "down (MLP); PEFT's `target_modules` q_proj ... down_proj.",
+    "model.lora.dropout": "Dropout on the adapters' input; only 0 is accepted (the forward stays "
+    "deterministic, so the old policy's log-probs are exact).",
     "model.dtype": "Compute dtype of the forward and backward passes and of the sampler's KV cache.",
     "model.param_dtype": "Storage dtype of the parameters (and so of the optimizer's updates).",
     "model.remat": "What each decoder layer keeps of its forward for the backward pass (a "

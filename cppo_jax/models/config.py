@@ -55,6 +55,11 @@ class TransformerConfig:
     # GPUs, bfloat16/float16 compute only; "xla": the same call on any backend, for comparison);
     # "splash", TPUs' Pallas flash kernel (no [T, T] scores in memory; interpreted on CPU).
     attention: str = "einsum"
+    # Low-rank adapters (`models.lora`): rank 0 none; else A [in, r], B [r, out] on each projection
+    # `lora_targets` names (config.LORA_TARGETS), scaled by lora_alpha / lora_rank.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.arch not in HF_ARCHITECTURES:
@@ -94,6 +99,11 @@ class TransformerConfig:
         for name in ("rope_theta", "rms_norm_eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        if self.lora_rank < 0 or (self.lora_rank > 0) != bool(self.lora_targets):
+            raise ValueError(
+                f"lora_rank: {self.lora_rank} with targets {self.lora_targets}: a positive rank "
+                "needs targets and targets a positive rank"
+            )
         scaling = normalize_scaling(self.rope_scaling, self.max_position_embeddings)
         object.__setattr__(self, "rope_scaling", scaling)
         for name in ("dtype", "param_dtype"):

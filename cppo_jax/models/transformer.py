@@ -18,7 +18,9 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax import sharding
+from cppo_jax.models import lora
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
+from cppo_jax.models.matmul import dense
 from cppo_jax.models.rope import rope_tables
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Cache",
     "Transformer",
     "TransformerConfig",
+    "dense",
     "gather_cast",
     "has_o_bias",
     "init_cache",
@@ -71,19 +74,6 @@ def _stacked(layers: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
     return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Array:
-    """x [..., *in] @ w [*in, *out] -> [..., *out], as one 2-D matmul over the flattened leading dims.
-
-    `in` is the last `n_in` dims of x and the first `n_in` of w. The 2-D form is for speed: from
-    3-D einsums (batch and tokens contracted in the weight gradient) XLA:CPU wrote transposed copies
-    of the backward's activations, a quarter of a SwiGLU MLP's forward + backward time; from
-    [N, K] @ [K, F] it takes the dots as they are (benchmarks/results/vs_trl.md).
-    """
-    k = int(np.prod(w.shape[:n_in]))
-    y_NF = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
-    return y_NF.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
 
 
 def unembed(h_XD: jax.Array, w_DV: jax.Array) -> jax.Array:
@@ -281,13 +271,14 @@ class Attention(nnx.Module):
             self.v_bias_JE = _param(jnp.zeros((*L, J, E), pdt), (*n, "kv_heads", "head_dim"))
         if has_o_bias(cfg):
             self.o_bias_D = _param(jnp.zeros((*L, D), pdt), (*n, "embed"))
+        lora.add(self, cfg, lora.ATTENTION_TARGETS, rngs, layers)
 
     def qkv(self, x_BTD, cos_BTE, sin_BTE):
         """Rotated queries [B, T, H, E], rotated keys and values [B, T, J, E] of a normed input."""
         dt = x_BTD.dtype
-        q_BTHE = dense(x_BTD, self.q_DHE[...].astype(dt))
-        k_BTJE = dense(x_BTD, self.k_DJE[...].astype(dt))
-        v_BTJE = dense(x_BTD, self.v_DJE[...].astype(dt))
+        q_BTHE = lora.apply(self, "q", x_BTD, dense(x_BTD, self.q_DHE[...].astype(dt)))
+        k_BTJE = lora.apply(self, "k", x_BTD, dense(x_BTD, self.k_DJE[...].astype(dt)))
+        v_BTJE = lora.apply(self, "v", x_BTD, dense(x_BTD, self.v_DJE[...].astype(dt)))
         if self.cfg.attention_bias:
             q_BTHE = q_BTHE + self.q_bias_HE[...].astype(dt)
             k_BTJE = k_BTJE + self.k_bias_JE[...].astype(dt)
@@ -300,6 +291,7 @@ class Attention(nnx.Module):
         """The output projection of the attended values [B, T, H, E] -> [B, T, D]."""
         dt = out_BTHE.dtype
         y_BTD = dense(out_BTHE, self.o_HED[...].astype(dt), n_in=2)
+        y_BTD = lora.apply(self, "o", out_BTHE, y_BTD)
         if has_o_bias(self.cfg):
             y_BTD = y_BTD + self.o_bias_D[...].astype(dt)
         return y_BTD
@@ -325,15 +317,18 @@ class MLP(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
         D, F, pdt = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
         L, n = _stacked(layers)
+        self.cfg = cfg
         self.gate_DF = _param(_normal(rngs, (*L, D, F), pdt), (*n, "embed", "mlp"))
         self.up_DF = _param(_normal(rngs, (*L, D, F), pdt), (*n, "embed", "mlp"))
         self.down_FD = _param(_normal(rngs, (*L, F, D), pdt), (*n, "mlp", "embed"))
+        lora.add(self, cfg, lora.MLP_TARGETS, rngs, layers)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        gate_BTF = constrain(dense(x_BTD, self.gate_DF[...].astype(dt)), _ACT_MLP)
-        up_BTF = constrain(dense(x_BTD, self.up_DF[...].astype(dt)), _ACT_MLP)
-        return dense(jax.nn.silu(gate_BTF) * up_BTF, self.down_FD[...].astype(dt))
+        gate_BTF = lora.apply(self, "gate", x_BTD, dense(x_BTD, self.gate_DF[...].astype(dt)))
+        up_BTF = lora.apply(self, "up", x_BTD, dense(x_BTD, self.up_DF[...].astype(dt)))
+        h_BTF = jax.nn.silu(constrain(gate_BTF, _ACT_MLP)) * constrain(up_BTF, _ACT_MLP)
+        return lora.apply(self, "down", h_BTF, dense(h_BTF, self.down_FD[...].astype(dt)))
 
 
 class DecoderLayer(nnx.Module):
@@ -482,8 +477,18 @@ class Transformer(nnx.Module):
         return constrain(logits_BTV, _ACT_VOCAB), cache
 
 
+def init_adapter_value(path, shape, rng: np.random.Generator) -> np.ndarray:
+    """A fresh LoRA adapter's value, as PEFT draws it: B zeros, A [L, *in, r] uniform within
+    +-1/sqrt(in) (`models.lora`)."""
+    if "_b_" in str(path[-1]):
+        return np.zeros(shape, np.float32)
+    bound = float(np.prod(shape[1:-1])) ** -0.5
+    return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+
 def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
-    """A randomly initialised model: N(0, 0.02) weights, unit norms, zero biases.
+    """A randomly initialised model: N(0, 0.02) weights, unit norms, zero biases; adapters (if
+    `cfg.lora_rank`) A uniform within +-1/sqrt(in), B zero, as `models.lora.add`.
 
     Values come from NumPy's generator (no per-shape XLA compiles, which dominate start-up on
     CPU), so they differ from `Transformer(cfg, rngs=nnx.Rngs(seed))`, whose initialiser is the same.
@@ -494,7 +499,9 @@ def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
     flat = []
     for path, var in nnx.to_flat_state(state):
         shape, dtype = var.get_value().shape, var.get_value().dtype
-        if path[-1] == "scale_D":
+        if isinstance(var, nnx.LoRAParam):
+            value = init_adapter_value(path, shape, rng)
+        elif path[-1] == "scale_D":
             value = np.ones(shape, np.float32)
         elif "bias" in str(path[-1]):
             value = np.zeros(shape, np.float32)

@@ -1,0 +1,157 @@
+"""LoRA adapters leave the trainer as PEFT loads them, and checkpoints hold the adapters only:
+a PEFT adapter folder on the transformers model of our exported base gives our logits; a LoRA run
+resumes from its adapter checkpoint; a full run's checkpoint in a LoRA run is an error naming
+`model.lora`."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from cppo_jax.config import ConfigError, LoraConfig
+from cppo_jax.config_io import apply_overrides
+from cppo_jax.models import load_hf, lora_state, peft_io, save_hf
+from cppo_jax.trainer import Trainer
+from tests.helpers import forward, load_hf_torch, random_model, tiny_config
+from tests.test_lora import _inputs, _noisy_adapters
+from tests.test_lora_train import _batch as _random_batch
+from tests.test_trainer import small_config
+
+LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8")
+
+
+@pytest.mark.parametrize(
+    "arch, targets", [("qwen2", ("q", "k", "v", "o", "gate", "up", "down")), ("llama", ("o", "up"))]
+)
+def test_peft_loads_our_adapter_folder_and_gives_our_logits(tmp_path, arch, targets):
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    # transformers' Llama wants D = H x E: 40 = 4 x 10 (Qwen2 takes the prime 37)
+    D = 37 if arch == "qwen2" else 40
+    cfg = tiny_config(arch=arch, hidden_size=D, tie_word_embeddings=arch == "qwen2")
+    base_dir = save_hf(random_model(cfg), tmp_path / "base")
+    adapted = _noisy_adapters(
+        lora_state.with_adapters(load_hf(base_dir), LoraConfig(rank=3, alpha=5.0, targets=targets))
+    )
+    _, adapters, _ = lora_state.split(adapted)
+    out = peft_io.save_adapter(adapters, adapted.cfg, tmp_path / "adapter", base_dir)
+    config = json.loads((out / peft_io.CONFIG_FILE).read_text())
+    assert config["r"] == 3 and config["lora_alpha"] == 5.0 and config["peft_type"] == "LORA"
+
+    tokens_BT, positions_BT, valid_BT = _inputs()
+    ours, _ = forward(adapted, tokens_BT, positions_BT, valid_BT)
+    base_logits, _ = forward(load_hf(base_dir), tokens_BT, positions_BT, valid_BT)
+    model = peft.PeftModel.from_pretrained(load_hf_torch(base_dir), str(out)).eval()
+    with torch.no_grad():
+        theirs = model(input_ids=torch.from_numpy(np.asarray(tokens_BT)).long()).logits.numpy()
+    ours = np.asarray(ours)
+    scale = np.abs(ours).max()
+    assert np.abs(ours - np.asarray(base_logits)).max() > 0.1 * scale  # the adapters act
+    # Two float32 implementations of the same sums (torch's and XLA's order): the rounding bound
+    # of the model parity tests (tests/test_model.py), 100 ulps of the logits' scale.
+    tol = 100 * np.finfo(np.float32).eps * scale
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=tol)
+
+
+def test_adapter_bytes_counts_the_saved_tensors(tmp_path):
+    adapted = lora_state.with_adapters(random_model(tiny_config()), LoraConfig(rank=3))
+    _, adapters, _ = lora_state.split(adapted)
+    out = peft_io.save_adapter(adapters, adapted.cfg, tmp_path / "a", "base")
+    tensors = peft_io.adapter_tensors(lora_state.numpy_adapters(adapters), adapted.cfg)
+    assert sum(t.nbytes for t in tensors.values()) == peft_io.adapter_bytes(adapted.cfg)
+    assert (out / peft_io.WEIGHTS_FILE).stat().st_size > peft_io.adapter_bytes(adapted.cfg)
+
+
+def test_lora_checkpoints_hold_the_adapters_and_resume(tmp_path, arith_model_dir):
+    cfg = small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=2")
+    trainer = Trainer(cfg)
+    try:
+        trainer.step(0)
+        trainer.save(1)
+        saved = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.params))
+        n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    finally:
+        trainer.close()
+    on_disk = sum(
+        f.stat().st_size for f in (tmp_path / "run" / "checkpoints").rglob("*") if f.is_file()
+    )
+    base_bytes = sum(f.stat().st_size for f in arith_model_dir.glob("*.safetensors"))
+    # adapters + 2 AdamW moments in float32 and metadata: well under the base's weights
+    assert on_disk < base_bytes, (on_disk, base_bytes, n_params)
+
+    resumed = Trainer(apply_overrides(cfg, ["trainer.resume=true"]))
+    try:
+        resumed.maybe_resume()
+        assert resumed.start_step == 1
+        got = jax.tree.map(np.asarray, nnx.to_pure_dict(resumed.params))
+        jax.tree.map(np.testing.assert_array_equal, got, saved)
+    finally:
+        resumed.close()
+
+
+@pytest.mark.parametrize(
+    "saved_with, resumed_with",
+    [
+        ((), LORA),  # a full run's checkpoint in a LoRA run
+        (LORA, ("model.lora.enabled=false",)),  # and the other way round
+        (LORA, ("model.lora.rank=8",)),  # adapters of another rank
+    ],
+)
+def test_a_checkpoint_of_another_kind_names_model_lora(
+    tmp_path, arith_model_dir, saved_with, resumed_with
+):
+    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=1", *saved_with)
+    first = Trainer(cfg)
+    try:
+        first.save(1)
+    finally:
+        first.close()
+    trainer = Trainer(apply_overrides(cfg, ["trainer.resume=true", *resumed_with]))
+    try:
+        with pytest.raises(ConfigError, match=r"'model\.lora' does not match the checkpoint"):
+            trainer.maybe_resume()
+    finally:
+        trainer.close()
+
+
+def test_a_lora_run_exports_the_merged_policy_and_a_peft_adapter(tmp_path, arith_model_dir):
+    from tests.test_trainer import run_trainer
+
+    trainer, _ = run_trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
+    adapter = tmp_path / "run" / "adapter"
+    config = json.loads((adapter / peft_io.CONFIG_FILE).read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(arith_model_dir)
+    assert (adapter / peft_io.WEIGHTS_FILE).is_file()
+    # export/: the adapters merged into the base, a plain Hugging Face folder
+    exported = load_hf(tmp_path / "run" / "export")
+    want = trainer.policy_params()
+    got = nnx.state(exported)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+        nnx.to_pure_dict(got),
+        nnx.to_pure_dict(want),
+    )
+
+
+def test_export_of_a_lora_checkpoint_merges_the_adapters(tmp_path, arith_model_dir):
+    from cppo_jax.export import export_run
+
+    trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
+    try:
+        batch = _random_batch(trainer)
+        trainer.params, trainer.opt_state, _ = trainer.train_step(
+            trainer.params, trainer.opt_state, batch, trainer.frozen
+        )
+        trainer.save(1)
+        want = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.policy_params()))
+    finally:
+        trainer.close()
+    out = export_run(tmp_path / "run")
+    got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(load_hf(out))))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    adapter = out.with_name("export-adapter")
+    assert json.loads((adapter / peft_io.CONFIG_FILE).read_text())["r"] == 4
