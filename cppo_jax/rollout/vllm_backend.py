@@ -437,7 +437,7 @@ class VLLMBackend:
             if self.pusher is not None:
                 self.pusher.invalidate()  # the next push is a full one
             raise
-        if self.pusher is not None:
+        if self.route == "protocol":
             self.pusher.confirm()  # the base of the next sparse push
         self.unconfirmed = None
         self.synced_step = int(step)

@@ -123,7 +123,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         path = os.path.realpath(os.path.join(self.root, u.file))
         if os.path.dirname(path) != self.root:
             raise ValueError(f"cppo_shm: payload {u.file!r} is not a file directly under the root")
-        with open(path, "rb") as fh:
+        with open(path, "rb") as fh:  # a private copy: the trainer may rewrite the file next round
             data = bytearray(fh.read())
         crc = zlib.crc32(data)
         if crc != u.crc32:
@@ -144,7 +144,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             if not sparse:
                 if count != numel:
                     raise ValueError(f"cppo_shm: dense {name} has {count} values for shape {shape}")
-                self._pending.append((name, values.view(shape).clone(), None))
+                self._pending.append((name, values.view(shape), None))  # views of `data`: no copy
                 continue
             old = self.shadow.get(name)
             if old is None:
@@ -159,7 +159,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 raise ValueError(
                     f"cppo_shm: sparse patch of {name} indexes outside {numel} elements"
                 )
-            self._pending.append((name, values.clone(), idx))
+            self._pending.append((name, values, idx))
 
     def finish_weight_update(self) -> None:
         pending, self._pending = self._pending, []
@@ -178,15 +178,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             if self.shadow and missing:
                 raise ValueError(f"cppo_shm: full push lacks {missing[:3]}: nothing applied")
             new = {name: values for name, values, _ in pending}
-        else:
-            new = dict(self.shadow)
+        else:  # validated on receipt (names, shapes, dtypes, index range): patch the copy in place
+            new = self.shadow
             for name, values, idx in pending:
                 if idx is None:
                     new[name] = values
                 else:
-                    patched = new[name].clone()
-                    patched.view(-1)[idx] = values
-                    new[name] = patched
+                    new[name].view(-1)[idx] = values
         self._reload(new)
         self.shadow = new
 
