@@ -264,7 +264,7 @@ class TestProtocolServer:
         m = backend.sync_weights(params, 0)
         assert backend.route == "protocol"  # auto: the server offers cppo_shm
         assert m["weight_sync/full"] == 1.0 and m["weight_sync/probe_diff_over_tol"] < 1.0
-        params = _one_update(params, 3e-2, seed=1)
+        params = _one_update(params, 1e-2, seed=1)
         real = backend.pusher._write
 
         def corrupt(name, tensors, base):
