@@ -30,6 +30,8 @@ REMAT_POLICIES = ("save_all", "full", "minimal", "dots_saveable")
 PROMPT_FORMATS = ("chat", "plain")
 ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
+# rollout.weight_sync: how the vLLM backend pushes weights (docs/vllm.md, "Weight sync routes")
+WEIGHT_SYNCS = ("auto", "file", "protocol")
 # cppo.metric: what is pruned
 METRICS = ("smallest", "largest", "random", "max_variance", "proportional")
 GROUP_METRICS = ("max_variance", "proportional")  # rules within each question's group only
@@ -242,9 +244,13 @@ class RolloutConfig:
         0.0  # max |log-prob difference| server vs trainer after a push; 0: derived from the dtype
     )
     overlap: int = 0
+    weight_sync: str = "auto"
+    full_push_every: int = 10
 
     def __post_init__(self):
         _choice("rollout.backend", self.backend, BACKENDS)
+        _choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _check(self.full_push_every >= 1, "rollout.full_push_every", self.full_push_every, ">= 1")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")

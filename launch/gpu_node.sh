@@ -13,7 +13,8 @@
 # (1) CUDA_VISIBLE_DEVICES=0 launch/vllm_server.sh MODEL_DIR PORT (waits for /health): served in the
 # trainer's compute dtype (model.dtype; VLLM_DTYPE overrides), context data.max_prompt_len +
 # rollout.max_new_tokens (VLLM_MAX_MODEL_LEN overrides), --gpu-memory-utilization 0.85, prefix caching,
-# plus every --server-arg; (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch --config CONFIG
+# plus every --server-arg, with vLLM's weight-transfer routes and the cppo_shm engine (VLLM_WEIGHT_TRANSFER=1;
+# 0: file reloads only); (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch --config CONFIG
 # rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ...: pushes weights in the serving dtype after
 # each update and checks them; (3) stop the server when the trainer exits (also on errors, Ctrl-C and
 # SIGTERM, which is passed on to the trainer); the script exits with the trainer's status. The server
@@ -111,7 +112,7 @@ else
 fi
 SERVER=(env CUDA_VISIBLE_DEVICES=0 "${SERVER_DEVICE[@]}" VLLM_DTYPE="${VLLM_DTYPE:-$MODEL_DTYPE}"
         VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-$CONTEXT}" VLLM_PID_FILE="$PID_FILE"
-        VLLM_HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-600}"
+        VLLM_HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-600}" VLLM_WEIGHT_TRANSFER="${VLLM_WEIGHT_TRANSFER:-1}"
         "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching "${SERVER_ARGS[@]}")
 TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" "${TRAINER_DEVICE[@]}" CPPO_VLLM_URL="$URL"
          "$PY" -m cppo_jax.launch "${TRAIN_ARGS[@]}")

@@ -111,6 +111,13 @@ MEANINGS: dict[str, str] = {
     "rollout.vllm_api_key": "Sent as `Authorization: Bearer <key>` to the server's /v1 routes.",
     "rollout.push_every": "Push the policy's weights to the vLLM server every this many steps.",
     "rollout.timeout_s": "Read timeout of one request to the vLLM server, in seconds.",
+    "rollout.weight_sync": "How the vLLM backend pushes weights: `file` (a safetensors folder and "
+    "`reload_weights`), `protocol` (vLLM's weight-transfer routes with the `cppo_shm` engine; full pushes "
+    "and sparse patches of the changed serving-dtype elements), `auto` (protocol when the server was "
+    "started with that engine, else file). Every push is checked by the probe either way (docs/vllm.md).",
+    "rollout.full_push_every": "With `rollout.weight_sync` = protocol: every this many pushes one is full, "
+    "the others send only the elements whose serving-dtype value changed since the last confirmed push; "
+    "a refused check forces a full push. 1: every push is full.",
     "rollout.overlap": "1: generate the next step's completions (with the current weights) while the "
     "current step trains; they are trained on one update later, with the sampling weights' log-probs "
     "as the old policy. vLLM backend only.",

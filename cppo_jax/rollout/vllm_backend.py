@@ -16,6 +16,11 @@
   JAX from exactly the weights written and in the server's dtype (like with like), within a tolerance
   derived from that dtype (`probe_tolerance`) or `rollout.probe_tol` when set. A mismatch raises
   `WeightSyncError` (expected vs got, max diff) before any further rollout can use stale weights.
+  With `rollout.weight_sync` = protocol (or auto, against a server started with the `cppo_shm` engine) the
+  same tensors go through vLLM's weight-transfer routes instead of a folder and a reload: full pushes, and
+  in between sparse patches of the changed serving-dtype elements (`rollout.full_push_every`;
+  `cppo_jax/rollout/weight_transfer.py`); the probe check after every push is the same, and a refused one
+  makes the next push full.
 
 The server must be reachable by the trainer and must read `weights_dir` at the same path (same machine or a
 shared file system). The dev routes it needs are unauthenticated: keep it on loopback or a private network
@@ -45,23 +50,34 @@ from cppo_jax.config import ConfigError, RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
 from cppo_jax.models.transformer import DTYPES, Transformer
 from cppo_jax.profile import KEPT_PROGRAMS
-from cppo_jax.rollout.sampling import Samples, SamplingParams, completion_ends
+from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_client import (
-    Completion,
     ResponseError,
     RolloutServerError,
     VLLMClient,
     WeightSyncError,
 )
+from cppo_jax.rollout.vllm_push import (
+    PUSH_MARKER,
+    claim_push_folder,
+    hf_tensors,
+    push_folder,
+    resolve_route,
+)
+from cppo_jax.rollout.vllm_samples import samples_from_completions
+from cppo_jax.rollout.weight_transfer import ProtocolPusher
 
 __all__ = [
+    "PUSH_MARKER",
     "ResponseError",
     "RolloutServerError",
     "VLLMBackend",
     "WeightSyncError",
+    "claim_push_folder",
     "default_probe_ids",
     "probe_tolerance",
     "push_bytes",
+    "push_folder",
     "samples_from_completions",
 ]
 
@@ -100,66 +116,6 @@ def default_probe_ids(vocab_size: int, length: int = PROBE_LEN, seed: int = 1234
     high = min(vocab_size, 256)
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(3 if high > 8 else 0, high, size=length)]
-
-
-def samples_from_completions(
-    groups: list[list[Completion]], num_samples: int, sp: SamplingParams, url: str = ""
-) -> Samples:
-    """Static-shape `Samples` [Q*G, C] from per-question completions (prompt-major rows).
-
-    `valid_NC` and `finished_N` come from `sampling.completion_ends` on the server's token ids, as
-    the embedded sampler's do; a completion that goes on after an end id, or whose `finish_reason`
-    disagrees with the rule (the server stopped on an id that is not one of `sp.eos_id`), raises
-    `ResponseError`."""
-    G, C = num_samples, sp.max_new_tokens
-    N = len(groups) * G
-    tokens_NC = np.full((N, C), sp.pad_id, np.int32)
-    logp_NC = np.zeros((N, C), np.float32)
-    length_N = np.zeros((N,), np.int64)
-    stop_N = np.zeros((N,), bool)
-    for q, group in enumerate(groups):
-        if len(group) != G:
-            raise ResponseError(
-                f"{url}: question {q} came back with {len(group)} completions, expected {G}",
-                url=url,
-            )
-        for j, c in enumerate(group):
-            row, n = q * G + j, len(c.token_ids)
-            if n > C:
-                raise ResponseError(
-                    f"{url}: completion {j} of question {q} has {n} tokens, more than {C}", url=url
-                )
-            tokens_NC[row, :n] = c.token_ids
-            logp_NC[row, :n] = c.logprobs
-            length_N[row] = n
-            stop_N[row] = c.finish_reason == "stop"
-    valid_NC, finished_N = completion_ends(tokens_NC, sp.eos_id, length_N, xp=np)
-    for row in range(N):
-        q, j, n, used = row // G, row % G, int(length_N[row]), int(valid_NC[row].sum())
-        if used != n:
-            raise ResponseError(
-                f"{url}: completion {j} of question {q} goes on after EOS (ids {list(sp.eos_id)}) at "
-                f"token {used - 1} of {n}: the server ignored the stop token",
-                url=url,
-            )
-        if stop_N[row] != finished_N[row]:
-            reason = "stop" if stop_N[row] else "length"
-            raise ResponseError(
-                f"{url}: completion {j} of question {q} has finish_reason {reason!r}, but its end "
-                f"ids (ids {list(sp.eos_id)}) say {'finished' if finished_N[row] else 'truncated'}: "
-                f"the server stops on other ids than the trainer (last token "
-                f"{int(tokens_NC[row, n - 1])})",
-                url=url,
-            )
-    # Decoded positions: C when any sequence was truncated, else 1 + the last EOS position.
-    steps = int(length_N.max()) if N else 0
-    return Samples(
-        jnp.asarray(tokens_NC),
-        jnp.asarray(logp_NC),
-        jnp.asarray(valid_NC),
-        jnp.asarray(finished_N),
-        jnp.int32(steps),
-    )
 
 
 @functools.lru_cache(maxsize=KEPT_PROGRAMS)
@@ -228,6 +184,8 @@ class VLLMBackend:
         self.unconfirmed: str | None = None  # why the last push failed its check, until one passes
         self.last_margin = 0.0  # max |diff| / tolerance of the last check (< 1: passed)
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
+        self.route: str | None = None  # "file" or "protocol", resolved at the first push
+        self.pusher: ProtocolPusher | None = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -307,8 +265,36 @@ class VLLMBackend:
         save_hf(model, slot)
         return slot, (slot / SINGLE_FILE).stat().st_size
 
+    def resolve_route(self) -> str:
+        """The weight-sync route (`rollout.weight_sync`; `auto` asks the server once)."""
+        if self.route is None:
+            self.route = resolve_route(self.cfg.weight_sync, self.client)
+            if self.route == "protocol":
+                claim_push_folder(self.weights_dir)
+                self.pusher = ProtocolPusher(
+                    self.client,
+                    self.weights_dir / "protocol",
+                    full_push_every=self.cfg.full_push_every,
+                )
+        return self.route
+
     def push(self, params) -> dict:
-        """Write (in the serving dtype), reload and reset the prefix cache (no check); returns timings."""
+        """Send `params` in the serving dtype by the route of `rollout.weight_sync` and reset the prefix
+        cache (no check); returns bytes and timings (`pause_s`: the server could not generate)."""
+        if self.resolve_route() == "protocol":
+            t0 = time.perf_counter()
+            tensors = hf_tensors(*self.serving(params))
+            t1 = time.perf_counter()
+            m = self.pusher.push(tensors)
+            self.pushes += 1
+            self.last_slot = self.pusher.root
+            return {
+                "weight_sync/bytes": m["bytes"],
+                "write_s": t1 - t0 + m["write_s"],
+                "reload_s": m["pause_s"],
+                "changed_frac": m["changed_frac"],
+                "full": m["full"],
+            }
         t0 = time.perf_counter()
         slot, nbytes = self.write_weights(*reversed(self.serving(params)))
         t1 = time.perf_counter()
@@ -317,7 +303,13 @@ class VLLMBackend:
         t2 = time.perf_counter()
         self.pushes += 1
         self.last_slot = slot
-        return {"weight_sync/bytes": float(nbytes), "write_s": t1 - t0, "reload_s": t2 - t1}
+        return {
+            "weight_sync/bytes": float(nbytes),
+            "write_s": t1 - t0,
+            "reload_s": t2 - t1,
+            "changed_frac": 1.0,
+            "full": 1.0,
+        }
 
     def expected_probe(self, params) -> np.ndarray:
         """The trainer's probe log-probs [T, V], computed from `params` as the server runs them."""
@@ -374,6 +366,7 @@ class VLLMBackend:
         """Push `params` to the server and confirm them with the probe check (see the module
         docstring). Until a push is confirmed, `generate` and `greedy` refuse to run."""
         self.unconfirmed = "push in progress"
+        t0 = time.perf_counter()
         try:
             served = self.serving(params)[1]  # cast once; push and verify cast no further
             metrics = self.push(served)
@@ -381,7 +374,11 @@ class VLLMBackend:
             diff = self.verify(served, step)
         except BaseException as e:
             self.unconfirmed = f"{type(e).__name__}: {e}"
+            if self.pusher is not None:
+                self.pusher.invalidate()  # the next push is a full one
             raise
+        if self.route == "protocol":
+            self.pusher.confirm()  # the base of the next sparse push
         self.unconfirmed = None
         self.synced_step = int(step)
         try:
@@ -394,7 +391,11 @@ class VLLMBackend:
             "weight_sync/probe_diff_over_tol": self.last_margin,
             "weight_sync/write_s": metrics["write_s"],
             "weight_sync/reload_s": metrics["reload_s"],
+            "weight_sync/pause_s": metrics["reload_s"],
+            "weight_sync/changed_frac": metrics["changed_frac"],
+            "weight_sync/full": metrics["full"],
             "weight_sync/verify_s": time.perf_counter() - t,
+            "weight_sync/total_s": time.perf_counter() - t0,
         }
 
     def close(self) -> None:
@@ -403,52 +404,11 @@ class VLLMBackend:
         self.client.close()
         if not (self.weights_dir / PUSH_MARKER).is_file():
             return  # never claimed: nothing of ours to remove
-        for i in range(2):
-            shutil.rmtree(self.weights_dir / f"slot{i}", ignore_errors=True)
+        for name in ("slot0", "slot1", "protocol"):
+            shutil.rmtree(self.weights_dir / name, ignore_errors=True)
         with contextlib.suppress(OSError):
             (self.weights_dir / PUSH_MARKER).unlink()
             self.weights_dir.rmdir()  # only when empty
-
-
-PUSH_MARKER = ".cppo_weight_pushes"  # written into a push folder this package created
-
-
-def push_folder(weights_dir: str, run_dir: str | Path) -> Path:
-    """The weight-push folder: `rollout.weights_dir` resolved against the run folder.
-
-    Empty: `<run_dir>/weights`. A relative value must stay inside the run folder once `..` and symbolic
-    links are resolved (no path traversal from a config value). An absolute value is the operator's explicit
-    choice of another file system (launch/gpu_node.sh uses /dev/shm); `claim_push_folder` then makes sure
-    it is a folder of its own.
-    """
-    run = Path(run_dir).resolve()
-    if not weights_dir:
-        return run / "weights"
-    if Path(weights_dir).is_absolute():
-        return Path(weights_dir).resolve()
-    folder = (run / weights_dir).resolve()
-    if folder == run or not folder.is_relative_to(run):
-        raise ConfigError(
-            f"config key 'rollout.weights_dir' = {weights_dir!r} is invalid: it resolves to {folder}, "
-            f"outside the run folder {run}; allowed a sub-folder of the run folder, or an absolute path "
-            f"for a dedicated folder elsewhere"
-        )
-    return folder
-
-
-def claim_push_folder(folder: Path) -> None:
-    """Create the push folder, or accept it when it is empty or was created by this package; refuse a
-    folder holding other files, whose `slot0`/`slot1` would be replaced and removed."""
-    marker = folder / PUSH_MARKER
-    if marker.is_file():
-        return
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ConfigError(
-            f"config key 'rollout.weights_dir': {folder} is not an empty folder; weight pushes need "
-            f"a folder of their own (a new path, or one a previous run created)"
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    marker.write_text("weight-push slots written by cppo_jax; removed when the trainer closes\n")
 
 
 def _strip_padding(prompt_QP, prompt_valid_QP) -> list[list[int]]:

@@ -27,7 +27,8 @@
 # VLLM_MAX_MODEL_LEN (512), VLLM_DTYPE (float32 on CPU, auto on GPU), VLLM_DEVICE (auto, cpu or gpu), VLLM_MEM_UTIL (0.3 on CPU, 0.85 on
 # GPU), VLLM_CPU_KVCACHE_SPACE (1, GiB), VLLM_API_KEY (passed as --api-key when set), VLLM_PYTHON (use this
 # interpreter and skip the GPU/CPU choice and the install), VLLM_MAX_NUM_SEQS (128, CPU: running sequences;
-# the per-step token budget is this times the context length).
+# the per-step token budget is this times the context length), VLLM_WEIGHT_TRANSFER (0; 1: the weight-transfer
+# routes with the shared-memory engine `cppo_shm`, docs/vllm.md).
 set -euo pipefail
 
 DRY_RUN=0
@@ -38,7 +39,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DRY_RUN=1; shift ;;
         --foreground) FOREGROUND=1; shift ;;
         --install-only) INSTALL_ONLY=1; shift ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done
@@ -197,6 +198,14 @@ if [[ $MODE == cpu && " ${EXTRA[*]:-} " != *" --max-num-batched-tokens"* \
 fi
 if [[ -n "${VLLM_API_KEY:-}" ]]; then
     CMD+=(--api-key "$VLLM_API_KEY")
+fi
+# VLLM_WEIGHT_TRANSFER=1: vLLM's weight-transfer routes with cppo_jax's shared-memory engine `cppo_shm`
+# (rollout.weight_sync=protocol/auto), registered by a vLLM plugin found on PYTHONPATH (vllm_plugin/).
+if [[ "${VLLM_WEIGHT_TRANSFER:-0}" == 1 ]]; then
+    PLUGIN_DIR="$HERE/vllm_plugin"
+    [[ -d $PLUGIN_DIR || -z $ROOT ]] || PLUGIN_DIR="$ROOT/cppo_jax/rollout/vllm_plugin"
+    CMD=(env "PYTHONPATH=$PLUGIN_DIR${PYTHONPATH:+:$PYTHONPATH}" "${CMD[@]:1}")
+    CMD+=(--weight-transfer-config '{"backend": "cppo_shm"}')
 fi
 CMD+=("${EXTRA[@]}")
 URL="http://$HOST:$PORT"

