@@ -128,7 +128,7 @@ def run_one(spec: dict) -> dict:
         "before_sampled": before and before["sampled_accuracy"],
         "after": after["accuracy"],
         "after_sampled": after["sampled_accuracy"],
-        "test_n": len(trainer.test_set),
+        "test_n": len(trainer.data.test_set),
         "step_s": steps_s,
         "compile_s": compile_s,
         "train_s": sum(steps_s) - compile_s,

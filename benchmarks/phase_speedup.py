@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import statistics
@@ -169,13 +170,17 @@ def instrument_cpu(trainer) -> dict:
 
         return call
 
-    trainer.backend.generate = timed(trainer.backend.generate, lambda *a: "rollout")
-    trainer.rewards.score = timed(trainer.rewards.score, lambda *a: "reward")
-    trainer.logps = timed(
-        trainer.logps,
-        lambda params, *a: "ref_logps" if params is trainer.ref_params else "old_logps",
+    trainer.rollout.backend.generate = timed(trainer.rollout.backend.generate, lambda *a: "rollout")
+    trainer.host.rewards.score = timed(trainer.host.rewards.score, lambda *a: "reward")
+    if trainer.reference is not None:  # beta > 0
+        trainer.reference = dataclasses.replace(
+            trainer.reference, logps=timed(trainer.reference.logps, lambda *a: "ref_logps")
+        )
+    trainer.actor = dataclasses.replace(
+        trainer.actor,
+        logps=timed(trainer.actor.logps, lambda *a: "old_logps"),
+        train_step=timed(trainer.actor.train_step, lambda *a: "update"),
     )
-    trainer.train_step = timed(trainer.train_step, lambda *a: "update")
     return cpu
 
 

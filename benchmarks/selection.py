@@ -113,7 +113,7 @@ def _run(spec: dict, extra: list[str]) -> dict:
         "before": before and before["accuracy"],
         "after": after["accuracy"],
         "after_sampled": after["sampled_accuracy"],
-        "test_n": len(trainer.test_set),
+        "test_n": len(trainer.data.test_set),
         "curve": curve,
         "train_cpu_s": sum(cpu_s) - compile_cpu,
         "train_s": sum(steps_s) - compile_s,

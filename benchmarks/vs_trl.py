@@ -272,7 +272,7 @@ def run_cppo(cfg, log=print, profile_dir: Path | None = None) -> tuple[list[dict
     trainer = Trainer(cfg)
     rows, ops = [], {}
     try:
-        expect = [ex["question"] for ex in trainer.train_set.examples]
+        expect = [ex["question"] for ex in trainer.data.train_set.examples]
         for step in range(trainer.num_steps):
             m = trainer.step(step)
             t = {k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
@@ -303,7 +303,7 @@ def run_cppo(cfg, log=print, profile_dir: Path | None = None) -> tuple[list[dict
     finally:
         trainer.close()
     # The questions drawn are the ones TRL is given, in the same order.
-    order = [expect[i] for s in range(len(rows)) for i in trainer.order[s]]
+    order = [expect[i] for s in range(len(rows)) for i in trainer.data.order[s]]
     return rows, order, ops
 
 

@@ -225,16 +225,15 @@ def run(
 
     ensure_warm_start(cfg, log)
     trainer = Trainer(cfg)
-    if trainer.earlier_run is not None:
+    host = trainer.host
+    if host.earlier_run is not None:
         log(
-            f"{trainer.out_dir} held an earlier run: moved to {trainer.earlier_run} "
+            f"{host.out_dir} held an earlier run: moved to {host.earlier_run} "
             "(trainer.resume=true continues a run instead)"
         )
     bar = None
     try:
-        bar = _progress(
-            trainer.num_steps - trainer.start_step, cfg.logging.progress and trainer.main
-        )
+        bar = _progress(trainer.num_steps - trainer.start_step, cfg.logging.progress and host.main)
         summary = trainer.train(progress=bar)
     finally:
         if bar is not None:
@@ -248,7 +247,7 @@ def run(
     )
     if summary["phases"]:
         log("\n" + summary["phases"])
-    log(f"outputs: {trainer.out_dir}")
+    log(f"outputs: {host.out_dir}")
     return summary
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cppo_jax import distributed
+from cppo_jax import distributed, pipeline
 from cppo_jax import profile as prof
 from cppo_jax.export import export_policy
 from cppo_jax.runlog import phase_table, plot_curves
@@ -28,7 +28,7 @@ def evaluate(
     rollout temperature, from fixed seeds (question i: seed 2**30 + i), so that before and after
     a run the same random numbers are used.
     """
-    prompts = trainer.val_set if split == "validation" else trainer.test_set
+    prompts = trainer.data.val_set if split == "validation" else trainer.data.test_set
     rule = trainer.cfg.eval.rule
     acc = accuracies(trainer, prompts, batch_size, None)
     result = {"step": step, "accuracy": acc[f"accuracy_{rule}"], **acc, "n": len(prompts)}
@@ -38,7 +38,7 @@ def evaluate(
         result.update({f"sampled_{k}": v for k, v in sampled_acc.items()})
     result.update(split=split, rule=rule)
     trainer.evals.append(result)
-    trainer.log.evaluation(result)
+    trainer.host.log.evaluation(result)
     return result
 
 
@@ -54,14 +54,16 @@ def accuracies(trainer, prompts, batch_size: int, seed: int | None) -> dict[str,
         ids = distributed.rows(part.ids_nP, trainer.mesh)
         valid = distributed.rows(part.valid_nP, trainer.mesh)
         if seed is None:
-            out = trainer.backend.greedy(weights, ids, valid)
+            out = trainer.rollout.backend.greedy(weights, ids, valid)
         else:
             seeds = distributed.rows((seed + idx).astype(np.uint32), trainer.mesh)
-            out = trainer.backend.generate(weights, ids, valid, seeds, 1)
-        got = trainer._decode(*distributed.to_host((out.tokens_NC, out.valid_NC)))
+            out = trainer.rollout.backend.generate(weights, ids, valid, seeds, 1)
+        got = pipeline.decode_completions(
+            trainer.data.tokenizer, *distributed.to_host((out.tokens_NC, out.valid_NC))
+        )
         texts.extend(got[: min(batch_size, n - lo)])
     solutions = [ex["solution"] for ex in prompts.examples]
-    _, per_fn, _ = trainer.rewards.score(texts, solutions, list(trainer.eval_rules))
+    _, per_fn, _ = trainer.host.rewards.score(texts, solutions, list(trainer.host.eval_rules))
     return {
         f"accuracy_{name.split('/')[1]}": float(np.mean(np.asarray(v) > 0))
         for name, v in per_fn.items()
@@ -70,38 +72,38 @@ def accuracies(trainer, prompts, batch_size: int, seed: int | None) -> dict[str,
 
 def validate(trainer, step: int) -> None:
     """Validation accuracy; the best policy so far is kept as a Hugging Face folder `best/`."""
-    if trainer.val_set is None:
+    if trainer.data.val_set is None:
         return
     r = evaluate(trainer, step, split="validation")
     if trainer.best_val is None or r["accuracy"] > trainer.best_val:
         trainer.best_val = r["accuracy"]
         export_policy(
-            trainer.graphdef,
+            trainer.actor.graphdef,
             trainer.policy_params(),
             trainer.cfg,
-            trainer.out_dir / "best",
-            trainer.model_path,
+            trainer.host.out_dir / "best",
+            trainer.actor.model_path,
             cppo_step=step,
             cppo_val_accuracy=r["accuracy"],
         )
-        trainer.log.event("best", step=step, accuracy=r["accuracy"])
+        trainer.host.log.event("best", step=step, accuracy=r["accuracy"])
 
 
 def write_summary(trainer, before: dict, after: dict) -> str:
     """The run's files (process 0): `curves.png`, `compiled_programs.md` and `summary.md` (accuracy
     before and after under both rules, the median time per phase); returns the phase table."""
-    table = phase_table(trainer.log.history)
-    if not trainer.main:
+    table = phase_table(trainer.host.log.history)
+    if not trainer.host.main:
         return table
-    if trainer.cfg.logging.plot and trainer.log.history:
-        plot_curves(trainer.log.history, trainer.evals, trainer.out_dir / "curves.png")
+    if trainer.cfg.logging.plot and trainer.host.log.history:
+        plot_curves(trainer.host.log.history, trainer.evals, trainer.host.out_dir / "curves.png")
     programs = prof.format_programs_report()
-    (trainer.out_dir / "compiled_programs.md").write_text(programs + "\n")
+    (trainer.host.out_dir / "compiled_programs.md").write_text(programs + "\n")
     rules = " ".join(
         f"{rule} {before[f'accuracy_{rule}']:.3f} -> {after[f'accuracy_{rule}']:.3f};"
         for rule in ("released", "strict")
     )
-    (trainer.out_dir / "summary.md").write_text(
+    (trainer.host.out_dir / "summary.md").write_text(
         f"accuracy ({trainer.cfg.eval.rule} rule) before {before['accuracy']:.3f}, after "
         f"{after['accuracy']:.3f} (both rules: {rules[:-1]})\n\n{table}\n"
     )

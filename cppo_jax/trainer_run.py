@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import gc
 
+from cppo_jax import skipping as skip_lib
 from cppo_jax import trainer_eval
+from cppo_jax.checkpoint import CheckpointError
+from cppo_jax.config import ConfigError
 from cppo_jax.export import ADAPTER_DIR, EXPORT_DIR, export_policy
 from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.rollout.vllm_client import RolloutServerError
@@ -24,7 +27,7 @@ from cppo_jax.stopping import SignalStopError, StopSignals
 def train(trainer, progress=None) -> dict:
     """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
     trainer.maybe_resume()
-    trainer.backend.sync_weights(trainer.policy_params(), trainer.start_step)
+    trainer.rollout.push(trainer.policy_params(), trainer.start_step)
     # What set-up built (data, tokenizer, model, caches) lives for the whole run: one full collection,
     # then out of the collector's sight until the run ends. Tracing and lowering allocate fast enough
     # to set off full collections, each a pass over all of it (a third of a second in the demo's first
@@ -44,35 +47,34 @@ def _run(trainer, progress) -> dict:
         trainer_eval.validate(trainer, trainer.start_step)
         for step in range(trainer.start_step, trainer.num_steps):
             stop_if_asked(trainer, stop, step)
-            with trainer.tracer.step(step + 1):
+            with trainer.host.tracer.step(step + 1):
                 metrics = guarded_step(trainer, step)
-            trainer.log.metrics(metrics)
+            trainer.host.log.metrics(metrics)
             if progress is not None:
                 progress(metrics)
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < trainer.num_steps:
-                if trainer.val_set is not None:
+                if trainer.data.val_set is not None:
                     trainer_eval.validate(trainer, done)
                 else:
                     trainer.evaluate(done)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 trainer.save(done)
-        if trainer.ckpt.latest_step() != trainer.num_steps:
+        if trainer.host.ckpt.latest_step() != trainer.num_steps:
             trainer.save(trainer.num_steps)
         stop_if_asked(trainer, stop, trainer.num_steps)
     trainer_eval.validate(trainer, trainer.num_steps)
+    actor, out_dir = trainer.actor, trainer.host.out_dir
     export_policy(
-        trainer.graphdef,
+        actor.graphdef,
         trainer.policy_params(),
         trainer.cfg,
-        trainer.out_dir / EXPORT_DIR,
-        trainer.model_path,
+        out_dir / EXPORT_DIR,
+        actor.model_path,
         cppo_step=trainer.num_steps,
     )
-    if trainer.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
-        save_adapter(
-            trainer.params, trainer.model_cfg, trainer.out_dir / ADAPTER_DIR, trainer.model_path
-        )
+    if actor.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
+        save_adapter(trainer.params, actor.model_cfg, out_dir / ADAPTER_DIR, actor.model_path)
     after = trainer.evaluate(trainer.num_steps, sampled=True)
     table = trainer_eval.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}
@@ -82,14 +84,14 @@ def stop_if_asked(trainer, stop: StopSignals, step: int) -> None:
     """After SIGTERM/SIGINT (see `cppo_jax.stopping`): checkpoint `step` and raise `SignalStopError`."""
     if stop.requested is None:
         return
-    if trainer.ckpt.latest_step() != step:
+    if trainer.host.ckpt.latest_step() != step:
         trainer.save(step)
-    trainer.log.event("stopped", step=step, signal=stop.name)
+    trainer.host.log.event("stopped", step=step, signal=stop.name)
     raise SignalStopError(
         stop.requested,
         step,
         f"stopped by {stop.name} after step {step}; checkpoint of step {step} saved under "
-        f"{trainer.ckpt.directory} (resume with trainer.resume=true)",
+        f"{trainer.host.ckpt.directory} (resume with trainer.resume=true)",
     )
 
 
@@ -100,8 +102,59 @@ def guarded_step(trainer, step: int) -> dict:
     except RolloutServerError as e:
         done = max(step, trainer.params_step)
         trainer.save(done)
-        trainer.log.event("rollout_server_error", step=done, error=str(e))
+        trainer.host.log.event("rollout_server_error", step=done, error=str(e))
         raise RolloutServerError(
-            f"{e} -- stopped; checkpoint of step {done} saved under {trainer.ckpt.directory} "
+            f"{e} -- stopped; checkpoint of step {done} saved under {trainer.host.ckpt.directory} "
             f"(resume with trainer.resume=true once the server is back)"
         ) from e
+
+
+def save(trainer, step: int) -> None:
+    """Checkpoint `step`; a failed write (full disk, unwritable folder) is logged and raised
+    (`CheckpointError`), which stops the run: it never trains on without a way back."""
+    meta = {
+        "step": step,
+        "seed": trainer.cfg.trainer.seed,
+        "nan_streak": trainer.nan_streak,
+        "num_tokens": trainer.num_tokens,
+        "lora": lora_meta(trainer.cfg),
+    }
+    if trainer.data.skipper is not None:
+        meta["skipper"] = trainer.data.skipper.state_dict()
+    try:
+        trainer.host.ckpt.save(step, trainer.state(), meta)
+    except CheckpointError as e:
+        trainer.host.log.event("checkpoint_failed", step=step, error=str(e))
+        raise
+
+
+def lora_meta(cfg) -> dict | None:
+    """What a checkpoint's params are: LoRA adapters of this rank, alpha and targets, or
+    (None) a full model's weights."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
+
+
+def maybe_resume(trainer) -> None:
+    """With `trainer.resume` and a checkpoint in the run folder: its state and counters."""
+    ckpt = trainer.host.ckpt
+    if not trainer.cfg.trainer.resume or ckpt.latest_step() is None:
+        return
+    held, want = ckpt.read_meta().get("lora"), lora_meta(trainer.cfg)
+    if held != want:
+        kind = lambda m: "a full run's weights" if m is None else f"LoRA adapters {m}"  # noqa: E731
+        raise ConfigError(
+            f"config key 'model.lora' does not match the checkpoint under {ckpt.directory}: "
+            f"it holds {kind(held)}, this run trains {kind(want)}; resume with the run's own "
+            "model.lora settings, or start a LoRA run from a full run's export/ folder "
+            "(model.init_checkpoint) instead of its checkpoint"
+        )
+    state, meta = ckpt.restore(None, trainer.state())
+    trainer.params, trainer.opt_state = state["params"], state["opt_state"]
+    trainer.start_step = trainer.params_step = int(meta["step"])
+    trainer.nan_streak = int(meta.get("nan_streak", 0))
+    trainer.num_tokens = int(meta.get("num_tokens", 0))
+    skip_lib.resume(trainer.data.skipper, meta.get("skipper"), trainer.start_step)
+    trainer.host.log.event("resumed", step=trainer.start_step)

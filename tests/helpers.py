@@ -294,18 +294,22 @@ def sampled_reward(trainer, n: int, seed: int = 7) -> np.ndarray:
     """
     import jax.numpy as jnp
 
-    questions = trainer.train_set.take(np.arange(len(trainer.train_set)))
+    from cppo_jax.pipeline import decode_completions
+
+    questions = trainer.data.train_set.take(np.arange(len(trainer.data.train_set)))
     seeds_Q = (np.arange(len(questions.examples), dtype=np.uint32) * 1_000 + seed).astype(np.uint32)
-    samples = trainer.backend.generate(
+    samples = trainer.rollout.backend.generate(
         trainer.params,
         jnp.asarray(questions.ids_nP),
         jnp.asarray(questions.valid_nP),
         jnp.asarray(seeds_Q),
         n,
     )
-    texts = trainer._decode(np.asarray(samples.tokens_NC), np.asarray(samples.valid_NC))
+    texts = decode_completions(
+        trainer.data.tokenizer, np.asarray(samples.tokens_NC), np.asarray(samples.valid_NC)
+    )
     solutions = [ex["solution"] for ex in questions.examples for _ in range(n)]
-    total_N, _, _ = trainer.rewards.score(texts, solutions)
+    total_N, _, _ = trainer.host.rewards.score(texts, solutions)
     return np.asarray(total_N, np.float64).reshape(len(questions.examples), n).mean(axis=1)
 
 

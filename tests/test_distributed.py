@@ -126,10 +126,10 @@ def _train_worker(model_dir: str, out_dir: str, result: str) -> None:
     trainer = Trainer(cfg)
     try:
         for step in range(3):  # Trainer.step, not train(): no evaluation (its compile) needed here
-            trainer.log.metrics(trainer.step(step))
+            trainer.host.log.metrics(trainer.step(step))
         trainer.save(3)
-        model = nnx.merge(trainer.graphdef, trainer.params)
-        save_hf(model, trainer.out_dir / "export", tokenizer_dir=trainer.tokenizer.path)
+        model = nnx.merge(trainer.actor.graphdef, trainer.params)
+        save_hf(model, trainer.host.out_dir / "export", tokenizer_dir=trainer.data.tokenizer.path)
     finally:
         trainer.close()
     flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]
@@ -140,9 +140,9 @@ def _train_worker(model_dir: str, out_dir: str, result: str) -> None:
         "processes": jax.process_count(),
         "devices": len(jax.devices()),
         "local_devices": len(jax.local_devices()),
-        "rewards": [row["reward"] for row in trainer.log.history],
-        "losses": [row["loss"] for row in trainer.log.history],
-        "grad_norms": [row["grad_norm"] for row in trainer.log.history],
+        "rewards": [row["reward"] for row in trainer.host.log.history],
+        "losses": [row["loss"] for row in trainer.host.log.history],
+        "grad_norms": [row["grad_norm"] for row in trainer.host.log.history],
         "rollout": rollout,
     }
     if distributed.is_main():
@@ -198,7 +198,7 @@ def _rollout_server_check(trainer) -> dict:
 
     fake = _FakeServer(columns=5)
     backend = MainProcessBackend(
-        fake, dataclasses.replace(trainer.sp, max_new_tokens=5), trainer.mesh
+        fake, dataclasses.replace(trainer.rollout.sp, max_new_tokens=5), trainer.mesh
     )
     out = {"sync": backend.sync_weights(trainer.params, 3)}
     prompts = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)

@@ -67,7 +67,7 @@ def test_every_run_ends_with_an_export_transformers_reproduces(run, source_dir):
     assert copied and all((out / f).read_bytes() == (source_dir / f).read_bytes() for f in copied)
 
     # The export holds the trained params exactly, and transformers computes their logits.
-    trained = nnx.merge(trainer.graphdef, trainer.params)
+    trained = nnx.merge(trainer.actor.graphdef, trainer.params)
     start = load_hf(source_dir)
     exported = load_hf(out)
     for (path, a), (_, b) in zip(

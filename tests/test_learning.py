@@ -37,11 +37,11 @@ def test_short_run_raises_held_out_accuracy(tmp_path):
     try:
         summary = trainer.train()
         trained = {
-            trainer.train_set.examples[i]["solution"]
+            trainer.data.train_set.examples[i]["solution"]
             for step in range(STEPS)
-            for i in trainer.order[step]
+            for i in trainer.data.order[step]
         }
-        held_out = [ex["solution"] for ex in trainer.test_set.examples]
+        held_out = [ex["solution"] for ex in trainer.data.test_set.examples]
     finally:
         trainer.close()
     # The solution string spells out the whole arithmetic: no held-out problem was trained on.

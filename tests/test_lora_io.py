@@ -143,8 +143,8 @@ def test_export_of_a_lora_checkpoint_merges_the_adapters(tmp_path, arith_model_d
     trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
     try:
         batch = _random_batch(trainer)
-        trainer.params, trainer.opt_state, _ = trainer.train_step(
-            trainer.params, trainer.opt_state, batch, trainer.frozen
+        trainer.params, trainer.opt_state, _ = trainer.actor.train_step(
+            trainer.params, trainer.opt_state, batch, trainer.actor.frozen
         )
         trainer.save(1)
         want = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.policy_params()))

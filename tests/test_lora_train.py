@@ -4,6 +4,8 @@ sampler and exports get the adapters merged in; mu > 1 runs the same program."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,13 +25,15 @@ def _batch(trainer, seed=0):
     """A step's batch of random tokens with advantages of both signs (so the loss has a gradient)."""
     sh, rng = trainer.shapes, np.random.default_rng(seed)
     T = sh.P + sh.C
-    tokens_MT = rng.integers(0, trainer.tokenizer.vocab_size, (sh.M, T)).astype(np.int32)
+    tokens_MT = rng.integers(0, trainer.data.tokenizer.vocab_size, (sh.M, T)).astype(np.int32)
     valid_MT = np.ones((sh.M, T), bool)
     valid_MT[:, : sh.P // 3] = False  # left padding
     mask_MC = np.ones((sh.M, sh.C), np.float32)
     adv_M = rng.standard_normal(sh.M).astype(np.float32)
     have = programs.batch_fields(trainer.cfg)
-    ref = np.asarray(trainer.ref_logps(tokens_MT, valid_MT)) if have["ref_logp_MC"] else None
+    ref = (
+        np.asarray(trainer.reference.logps_of(tokens_MT, valid_MT)) if have["ref_logp_MC"] else None
+    )
     return step_lib.Batch(tokens_MT, valid_MT, mask_MC, adv_M, None, ref, None)
 
 
@@ -45,7 +49,7 @@ def _flat(tree: dict) -> list:
 def _plain_logps(trainer, model_dir, tokens_MT, valid_MT):
     """Completion log-probs of the model in `model_dir` loaded without adapters."""
     graphdef, params = nnx.split(load_hf(model_dir, dtype=trainer.cfg.model.dtype))
-    _, logps = step_lib.compiled(graphdef, trainer.tx, trainer.spec)
+    _, logps = step_lib.compiled(graphdef, trainer.actor.tx, trainer.actor.spec)
     return np.asarray(logps(params, tokens_MT, valid_MT))
 
 
@@ -59,16 +63,18 @@ def test_a_step_changes_only_the_adapters(tmp_path, arith_model_dir, mu):
         n_adapter = sum(x.size for x in jax.tree.leaves(trainer.params))
         n_moment = sum(x.size for x in jax.tree.leaves(trainer.opt_state) if x.ndim > 0)
         assert n_moment == 2 * n_adapter  # AdamW's mu and nu
-        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.frozen))  # compute dtype
+        assert all(
+            x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.actor.frozen)
+        )  # compute dtype
 
         batch = _batch(trainer)
-        base_before, adapters_before = _host(trainer.frozen), _host(trainer.params)
-        params, _, metrics = trainer.train_step(
-            trainer.params, trainer.opt_state, batch, trainer.frozen
+        base_before, adapters_before = _host(trainer.actor.frozen), _host(trainer.params)
+        params, _, metrics = trainer.actor.train_step(
+            trainer.params, trainer.opt_state, batch, trainer.actor.frozen
         )
         assert float(metrics["update_skipped"]) == 0.0
         assert float(metrics["grad_norm"]) > 0
-        jax.tree.map(np.testing.assert_array_equal, _host(trainer.frozen), base_before)
+        jax.tree.map(np.testing.assert_array_equal, _host(trainer.actor.frozen), base_before)
         after = _host(params)
         moved = {
             jax.tree_util.keystr(path): float(np.abs(a - b).max())
@@ -86,29 +92,33 @@ def test_a_step_changes_only_the_adapters(tmp_path, arith_model_dir, mu):
 def test_reference_is_the_base_and_the_sampler_runs_the_adapted_model(tmp_path, arith_model_dir):
     trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA))
     try:
-        assert trainer.ref_params is None  # no reference copy
+        assert trainer.reference.params is trainer.actor.frozen  # no reference copy: the base
         batch = _batch(trainer)
         tokens, valid = batch.tokens_MT, batch.valid_MT
         plain = _plain_logps(trainer, arith_model_dir, tokens, valid)
-        ref = np.asarray(trainer.ref_logps(tokens, valid))
+        ref = np.asarray(trainer.reference.logps_of(tokens, valid))
         # The same numbers through the same program (the model without adapters): equal.
         np.testing.assert_array_equal(ref, plain)
         # Fresh adapters (B = 0): the policy is the base too.
-        fresh = np.asarray(trainer.logps(trainer.params, tokens, valid, trainer.frozen))
+        fresh = np.asarray(trainer.actor.logps(trainer.params, tokens, valid, trainer.actor.frozen))
         np.testing.assert_array_equal(fresh, plain)
 
         for _ in range(3):
-            trainer.params, trainer.opt_state, _ = trainer.train_step(
-                trainer.params, trainer.opt_state, batch, trainer.frozen
+            trainer.params, trainer.opt_state, _ = trainer.actor.train_step(
+                trainer.params, trainer.opt_state, batch, trainer.actor.frozen
             )
-        policy = np.asarray(trainer.logps(trainer.params, tokens, valid, trainer.frozen))
+        policy = np.asarray(
+            trainer.actor.logps(trainer.params, tokens, valid, trainer.actor.frozen)
+        )
         assert np.abs(policy - plain).max() > 1e-3  # the adapters moved the policy
-        np.testing.assert_array_equal(np.asarray(trainer.ref_logps(tokens, valid)), plain)
+        np.testing.assert_array_equal(np.asarray(trainer.reference.logps_of(tokens, valid)), plain)
 
         # The sampler's weights: the adapters merged into the base, a model without adapters that
         # computes the adapted policy (float32 rounding of the sums in another order).
         merged = trainer.policy_params()
-        _, merged_logps = step_lib.compiled(trainer.graphdef, trainer.tx, trainer.spec)
+        _, merged_logps = step_lib.compiled(
+            trainer.actor.graphdef, trainer.actor.tx, trainer.actor.spec
+        )
         got = np.asarray(merged_logps(merged, tokens, valid))
         tol = 64 * np.finfo(np.float32).eps * np.abs(policy).max()
         np.testing.assert_allclose(got, policy, rtol=0, atol=tol)
@@ -121,11 +131,11 @@ def test_a_lora_trainer_step_runs_end_to_end(tmp_path, arith_model_dir):
     adapters: one whole step, as the full-fine-tuning trainer runs it."""
     trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "cppo.mu=2"))
     try:
-        base_before = _host(trainer.frozen)
+        base_before = _host(trainer.actor.frozen)
         row = trainer.step(0)
         assert row["update_skipped"] == 0.0
         assert np.isfinite(row["loss"])
-        jax.tree.map(np.testing.assert_array_equal, _host(trainer.frozen), base_before)
+        jax.tree.map(np.testing.assert_array_equal, _host(trainer.actor.frozen), base_before)
         assert row["cppo/kept"] == trainer.shapes.M
     finally:
         trainer.close()
@@ -147,13 +157,13 @@ def test_lora_steps_with_the_step_options(tmp_path, arith_model_dir, extra):
     trainer = Trainer(cfg)
     try:
         dtype = jnp.dtype(cfg.model.dtype)
-        assert {x.dtype for x in jax.tree.leaves(trainer.frozen)} == {dtype}
+        assert {x.dtype for x in jax.tree.leaves(trainer.actor.frozen)} == {dtype}
         assert {x.dtype for x in jax.tree.leaves(trainer.params)} == {jnp.dtype(jnp.float32)}
-        base_before, adapters_before = _host(trainer.frozen), _host(trainer.params)
+        base_before, adapters_before = _host(trainer.actor.frozen), _host(trainer.params)
         row = trainer.step(0)
         assert row["update_skipped"] == 0.0 and np.isfinite(row["loss"])
         assert row["grad_norm"] > 0  # the spread reward gives non-zero advantages
-        jax.tree.map(np.testing.assert_array_equal, _host(trainer.frozen), base_before)
+        jax.tree.map(np.testing.assert_array_equal, _host(trainer.actor.frozen), base_before)
         moved = [
             float(np.abs(a - b).max())
             for (_, a), (_, b) in zip(_flat(_host(trainer.params)), _flat(adapters_before))
@@ -169,16 +179,18 @@ def test_lora_overlap_takes_the_old_logps_of_the_adapters_that_sampled(tmp_path,
     from tests.test_overlap import overlap_trainer
 
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir, *LORA)
-    seen, inner = [], trainer.train_step
+    seen, inner = [], trainer.actor.train_step
 
     def spy(params, opt_state, batch, frozen):
         seen.append(jax.tree.map(np.asarray, batch))
         return inner(params, opt_state, batch, frozen)
 
-    trainer.train_step = spy
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
     try:
         history = [trainer.step(s) for s in range(3)]
-        _, plain_logps = step_lib.compiled(trainer.graphdef, trainer.tx, trainer.spec)
+        _, plain_logps = step_lib.compiled(
+            trainer.actor.graphdef, trainer.actor.tx, trainer.actor.spec
+        )
         for s, batch in enumerate(seen):
             merged = backend.sampled_with[s]  # the weights that sampled step s (merged, host)
             want = np.asarray(plain_logps(merged, batch.tokens_MT, batch.valid_MT))

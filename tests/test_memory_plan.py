@@ -64,7 +64,9 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layer
             rollout_rows=sh.Q * sh.G,
         )
         device = jax.devices()[0]
-        resident = _device_bytes((trainer.params, trainer.opt_state, trainer.ref_params), device)
+        resident = _device_bytes(
+            (trainer.params, trainer.opt_state, trainer.reference.params), device
+        )
 
         S, f32 = jax.ShapeDtypeStruct, jnp.float32
         T = sh.P + sh.C
@@ -76,7 +78,7 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layer
             None,  # mu = 1: no old-policy log-probs
             S((sh.M, sh.C), f32),
         )
-        compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, batch)
+        compiled = trainer.actor.train_step.lower(trainer.params, trainer.opt_state, batch)
         compiled = compiled.compile()
         mem = compiled.memory_analysis()
         step_peak = (
@@ -85,7 +87,7 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layer
             - mem.alias_size_in_bytes
             + mem.temp_size_in_bytes
         )
-        ref_bytes = _device_bytes(trainer.ref_params, device)
+        ref_bytes = _device_bytes(trainer.reference.params, device)
     finally:
         trainer.close()
     measured = {

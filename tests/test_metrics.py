@@ -111,7 +111,9 @@ def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
         trainer.train()
     finally:
         trainer.close()
-    rows = [json.loads(x) for x in (trainer.out_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (trainer.host.out_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     steps, mu, G = 3, 2, 4
     # Linear decay from lr to 0 over steps * mu updates; a row reports its step's last update.
     for row in rows:
@@ -119,11 +121,11 @@ def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
         assert row["learning_rate"] == pytest.approx(1e-3 * (1 - u / (steps * mu)), rel=4 * EPS32)
     # Entropy of the next-token distributions, in nats: between 0 and log V.
     for row in rows:
-        assert 0.0 < row["entropy"] <= math.log(trainer.tokenizer.vocab_size) * (1 + 4 * EPS32)
+        assert 0.0 < row["entropy"] <= math.log(trainer.data.tokenizer.vocab_size) * (1 + 4 * EPS32)
     # num_tokens: prompt and completion tokens of every sampled sequence, accumulated.
     total = 0
     for i, row in enumerate(rows):
-        prompts = trainer.train_set.take(np.asarray(trainer.order[i]))
+        prompts = trainer.data.train_set.take(np.asarray(trainer.data.order[i]))
         n = len(prompts.examples) * G
         total += int(prompts.valid_nP.sum()) * G + round(row["completions/mean_length"] * n)
         assert row["num_tokens"] == total
@@ -134,10 +136,12 @@ def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
         assert f"`{name}`" in doc, f"{key} is logged but not documented in docs/metrics.md"
     for key in ("reward_std", "rewards/arith_accuracy/std", "completions/mean_terminated_length"):
         assert key in rows[0], key
-    tb = tensorboard_scalars(trainer.out_dir / "tensorboard")
+    tb = tensorboard_scalars(trainer.host.out_dir / "tensorboard")
     assert sorted(tb["learning_rate"]) == [1, 2, 3]
     assert sorted(tb["eval/test/accuracy"]) == [0, 3]  # before and after training, steps done
-    events = [json.loads(x) for x in (trainer.out_dir / "events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(x) for x in (trainer.host.out_dir / "events.jsonl").read_text().splitlines()
+    ]
     last = [e for e in events if e["event"] == "eval"][-1]
     assert tb["eval/test/accuracy"][3] == pytest.approx(last["accuracy"], rel=EPS32)
     assert tb["eval/test/sampled_accuracy_strict"][3] == pytest.approx(

@@ -8,6 +8,7 @@ flight, and that a failed generation stops the run with a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -88,21 +89,21 @@ def overlap_trainer(tmp_path, arith_model_dir, *overrides):
         *overrides,
     )
     trainer = Trainer(cfg)
-    backend = RecordingBackend(EmbeddedBackend(trainer.graphdef, trainer.sp))
-    trainer.backend = backend
+    backend = RecordingBackend(EmbeddedBackend(trainer.actor.graphdef, trainer.rollout.sp))
+    trainer.rollout = dataclasses.replace(trainer.rollout, backend=backend)
     return trainer, backend
 
 
 def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_model_dir):
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
     seen = []
-    inner = trainer.train_step
+    inner = trainer.actor.train_step
 
     def spy(params, opt_state, batch):
         seen.append(jax.tree.map(np.asarray, batch))
         return inner(params, opt_state, batch)
 
-    trainer.train_step = spy
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
     before_step = []  # host copies of the params at the start of each step
     history = []
     try:
@@ -130,7 +131,7 @@ def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_
     assert min(moved) > 0
     # Old-policy log-probs: those of the weights that sampled the batch.
     for s, batch in enumerate(seen):
-        want = np.asarray(trainer.logps(sampled_by[s], batch.tokens_MT, batch.valid_MT))
+        want = np.asarray(trainer.actor.logps(sampled_by[s], batch.tokens_MT, batch.valid_MT))
         np.testing.assert_allclose(batch.old_logp_MC, want, atol=1e-6, err_msg=f"step {s}")
     assert history[0]["ratio/abs_dev_mean"] < 1e-5  # on-policy: the ratio is 1
     assert all(m["ratio/abs_dev_mean"] > 1e-6 for m in history[1:])
@@ -144,7 +145,7 @@ def test_failed_background_rollout_stops_the_run_with_a_checkpoint(tmp_path, ari
         trainer_run.guarded_step(trainer, 0)
         with pytest.raises(RolloutServerError, match="mid-rollout.*checkpoint of step 2 saved"):
             trainer_run.guarded_step(trainer, 1)
-        assert trainer.ckpt.latest_step() == 2
+        assert trainer.host.ckpt.latest_step() == 2
         assert backend.pushed == [1]  # step 1's update is saved, never pushed
     finally:
         trainer.close()
@@ -171,7 +172,7 @@ def test_close_stops_the_producer_before_the_client(tmp_path, arith_model_dir):
     assert time.monotonic() - t0 >= 0.5  # close waited for the generation in flight
     assert backend.events[-2:] == ["generated 2", "closed"]
     assert backend.in_flight == 0 and not producer_threads()
-    assert all(e["event"] != "rollout_abandoned" for e in read_events(trainer.out_dir))
+    assert all(e["event"] != "rollout_abandoned" for e in read_events(trainer.host.out_dir))
     with pytest.raises(RuntimeError, match="producer is closed"):
         trainer.overlap.take(trainer.params, 2)
 
@@ -193,7 +194,7 @@ def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
     finally:
         trainer.close()
     assert time.monotonic() - t0 < 5.0
-    events = [e for e in read_events(trainer.out_dir) if e["event"] == "rollout_abandoned"]
+    events = [e for e in read_events(trainer.host.out_dir) if e["event"] == "rollout_abandoned"]
     assert [e["wait_s"] for e in events] == [0.5]
     assert backend.events[-1] == "closed" and backend.in_flight == 1  # abandoned, still running
     backend.release.set()
@@ -208,7 +209,7 @@ def test_a_step_that_returns_early_waits_for_the_generation_it_requested(
     """Non-finite rewards end the step early (skipped); the next step's generation, requested at its
     start, has ended by the time it returns, so nothing (an evaluation's push) reaches a busy server."""
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
-    score = trainer.rewards.score
+    score = trainer.host.rewards.score
     scored_at = []
 
     def poisoned(texts, solutions, *rest):
@@ -217,7 +218,7 @@ def test_a_step_that_returns_early_waits_for_the_generation_it_requested(
         threading.Timer(1.0, backend.release.set).start()  # step 1's generation ends 1 s later
         return np.full(len(total), np.nan), per_fn, stats
 
-    monkeypatch.setattr(trainer.rewards, "score", poisoned)
+    monkeypatch.setattr(trainer.host.rewards, "score", poisoned)
     backend.hold_call = 1  # step 1's generation, requested during step 0, waits for the release
     backend.release.clear()
     try:
@@ -240,13 +241,13 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
     """overlap 0: every step samples with its own current weights, in the step, and trains on-policy."""
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir, "rollout.overlap=0")
     seen = []
-    inner = trainer.train_step
+    inner = trainer.actor.train_step
 
     def spy(params, opt_state, batch):
         seen.append(batch.old_logp_MC)
         return inner(params, opt_state, batch)
 
-    trainer.train_step = spy
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
     before_step, history = [], []
     try:
         for s in range(3):

@@ -156,9 +156,9 @@ def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_pat
             trainer.train()
         finally:
             trainer.close()
-        rows[name] = read_metrics(trainer.out_dir)
+        rows[name] = read_metrics(trainer.host.out_dir)
         if name == "packed":
-            assert trainer.packer.rows == 4 < trainer.shapes.M
+            assert trainer.actor.packer.rows == 4 < trainer.shapes.M
     first_padded, first_packed = rows["padded"][0], rows["packed"][0]
     for key in ("loss", "kl", "grad_norm", "entropy"):
         _close(first_packed[key], first_padded[key], ulps=64)

@@ -7,6 +7,8 @@ its abstract arguments (shapes, dtypes and shardings built from the config alone
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -50,14 +52,17 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=1", *overrides)
     trainer = Trainer(cfg)
     try:
-        trainer.train_step = Recorder(trainer.train_step)
-        trainer.logps = Recorder(trainer.logps)
-        if trainer.packer is not None:  # the reference's log-probs of the packed rows
-            trainer.packer.logps = Recorder(trainer.packer.logps)
-        lora = trainer.frozen is not None
-        if lora:  # the reference: the base's forward, its own program
-            trainer._base_logps = Recorder(trainer._base_logps)
-        backend = trainer.backend
+        actor, ref = trainer.actor, trainer.reference
+        trainer.actor = dataclasses.replace(actor, train_step=Recorder(actor.train_step))
+        # The reference's log-probs: of the packed rows the packer's program; with LoRA the base's
+        # forward, its own program; else the actor's program on the reference's copy.
+        if actor.packer is not None:
+            assert ref.packed_logps is actor.packer.logps
+            trainer.reference = dataclasses.replace(ref, packed_logps=Recorder(ref.packed_logps))
+        else:
+            assert (ref.logps is actor.logps) == (actor.frozen is None)
+            trainer.reference = dataclasses.replace(ref, logps=Recorder(ref.logps))
+        backend = trainer.rollout.backend
         generate = backend.generate
         seen = {}
 
@@ -71,14 +76,8 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
         trainer.step(0)
         built = programs.build(cfg, jax.devices()).programs
         recorded = {
-            "train_step": trainer.train_step,
-            "ref_logps": (
-                trainer.packer.logps
-                if trainer.packer is not None
-                else trainer._base_logps
-                if lora
-                else trainer.logps
-            ),
+            "train_step": trainer.actor.train_step,
+            "ref_logps": trainer.reference.packed_logps or trainer.reference.logps,
             "sampler": seen["sampler"],
         }
         assert set(built) == set(recorded)

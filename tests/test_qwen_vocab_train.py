@@ -89,13 +89,13 @@ def _train(cfg):
 
 
 def _check_run(trainer, steps: list[dict], run: Path) -> None:
-    assert trainer.tokenizer.stop_ids == (IM_END, ENDOFTEXT)
+    assert trainer.data.tokenizer.stop_ids == (IM_END, ENDOFTEXT)
     import jax
 
     shapes = {leaf.shape for leaf in jax.tree.leaves(trainer.params)}
     assert (MODEL_VOCAB, 64) in shapes  # the tied embedding: every row of Qwen2.5's table
     assert json.loads((run / "config.json").read_text())["model"]["dtype"] == "bfloat16"
-    prompts = trainer.train_set
+    prompts = trainer.data.train_set
     assert prompts.ids_nP.shape == (8, P) and prompts.truncated == 0
     for ids, valid in zip(prompts.ids_nP, prompts.valid_nP):
         row = ids[valid.astype(bool)]
@@ -129,16 +129,16 @@ def same_tokens_on_both_sides(url: str, trainer) -> None:
     from cppo_jax.rollout.vllm_client import VLLMClient
 
     client = VLLMClient(url)
-    valid = trainer.train_set.valid_nP[0].astype(bool)
-    ids = [int(t) for t in trainer.train_set.ids_nP[0][valid]]
-    text = trainer.tokenizer.decode(ids)
+    valid = trainer.data.train_set.valid_nP[0].astype(bool)
+    ids = [int(t) for t in trainer.data.train_set.ids_nP[0][valid]]
+    text = trainer.data.tokenizer.decode(ids)
     common = {"model": client.model_name(), "max_tokens": C, "temperature": 0.0}
     common |= {"return_token_ids": True, "skip_special_tokens": False}
     out = client.request("POST", "/v1/completions", {"prompt": text, **common}, what="text prompt")
     (choice,) = out["choices"]
     assert choice["prompt_token_ids"] == ids
     completion = choice["token_ids"]
-    assert len(completion) > 0 and choice["text"] == trainer.tokenizer.decode(completion)
+    assert len(completion) > 0 and choice["text"] == trainer.data.tokenizer.decode(completion)
     out = client.request("POST", "/v1/completions", {"prompt": ids, **common}, what="id prompt")
     assert out["choices"][0]["token_ids"] == completion  # greedy: the same whichever way it came
     client.close()
@@ -170,7 +170,7 @@ def test_gsm8k_config_through_a_vllm_server(tmp_path, qwen_model_dir):
         trainer, steps, run = _train(cfg)
         same_tokens_on_both_sides(server.url, trainer)
     _check_run(trainer, steps, run)
-    assert trainer.backend.serve_dtype == "bfloat16"
+    assert trainer.rollout.backend.serve_dtype == "bfloat16"
     nbytes = push_bytes(read_hf_config(qwen_model_dir), "bfloat16")  # the tied lm_head written too
     assert nbytes > 2 * 2 * MODEL_VOCAB * 64
     for m in steps:

@@ -198,7 +198,7 @@ def test_a_run_with_filter_groups_logs_what_it_dropped(tmp_path, arith_model_dir
     )
     trainer, _ = run_trainer(cfg)
     assert (trainer.shapes.Q, trainer.shapes.U, trainer.shapes.M) == (6, 4, 8)
-    rows = [m for m in read_metrics(trainer.out_dir) if "filter/dropped" in m]
+    rows = [m for m in read_metrics(trainer.host.out_dir) if "filter/dropped" in m]
     assert len(rows) == cfg.trainer.steps
     for m in rows:
         assert m["cppo/questions"] == 6 and m["cppo/questions_trained"] == 4

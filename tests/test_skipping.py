@@ -3,6 +3,7 @@ exploration, exact resume (unit and a real trainer run), metrics, config errors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -204,8 +205,13 @@ def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
         )
         trainer = Trainer(cfg)
         if overlap:
-            trainer.backend = RecordingBackend(EmbeddedBackend(trainer.graphdef, trainer.sp), 0.2)
-        sk, events = trainer.skipper, []
+            trainer.rollout = dataclasses.replace(
+                trainer.rollout,
+                backend=RecordingBackend(
+                    EmbeddedBackend(trainer.actor.graphdef, trainer.rollout.sp), 0.2
+                ),
+            )
+        sk, events = trainer.data.skipper, []
         draw, record = sk.draw, sk.record
 
         def spy_draw():  # the real draw, noted (the step it is for: sk.next_step)
@@ -271,23 +277,23 @@ def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
             trainer.train()
         finally:
             trainer.close()
-        return trainer.skipper.state_dict(), trainer.num_tokens
+        return trainer.data.skipper.state_dict(), trainer.num_tokens
 
     whole = finish(make("whole", 4))
     two = finish(make("two", 2))
     cut = make("cut", 4, "trainer.max_nan_streak=1")
-    inner = cut.train_step
+    inner = cut.actor.train_step
 
     def poisoned(params, opt_state, batch):  # step 2's update only (params_step: done)
         if cut.params_step == 2:
             batch = batch._replace(adv_M=batch.adv_M * jnp.nan)
         return inner(params, opt_state, batch)
 
-    cut.train_step = poisoned
+    cut.actor = dataclasses.replace(cut.actor, train_step=poisoned)
     with pytest.raises(NonFiniteError, match="at step 3"):
         cut.train()
     cut.close()
-    _, meta = Checkpointer(cut.out_dir / "checkpoints").restore(
+    _, meta = Checkpointer(cut.host.out_dir / "checkpoints").restore(
         None, {"params": cut.params, "opt_state": cut.opt_state}
     )
     assert meta["step"] == 2

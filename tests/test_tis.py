@@ -8,6 +8,7 @@ log-probs recomputed here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -229,19 +230,21 @@ def test_config_accepts_caps_and_refuses_vllm_logprobs_at_another_temperature():
 def _spy(trainer):
     """Record (params before the step's updates, batch) of every train_step call (one a step), as
     host copies."""
-    seen, inner = [], trainer.train_step
+    seen, inner = [], trainer.actor.train_step
 
     def spy(params, opt_state, batch):
         params_host = jax.tree.map(np.asarray, params)  # before the update donates them
         seen.append((params_host, jax.tree.map(np.asarray, batch)))
         return inner(params, opt_state, batch)
 
-    trainer.train_step = spy
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
     return seen
 
 
 def _rows(trainer):
-    return [json.loads(x) for x in (trainer.out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(x) for x in (trainer.host.out_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def test_embedded_sampler_weights_are_one(tmp_path, arith_model_dir):
@@ -261,7 +264,7 @@ def test_embedded_sampler_weights_are_one(tmp_path, arith_model_dir):
     assert len(seen) == 2
     for params, batch in seen:
         assert batch.old_logp_MC is None  # mu = 1: the old policy is the current one, in the step
-        now = np.asarray(trainer.logps(params, batch.tokens_MT, batch.valid_MT))
+        now = np.asarray(trainer.actor.logps(params, batch.tokens_MT, batch.valid_MT))
         on = batch.mask_MC > 0
         w = np.exp(now - batch.behav_logp_MC)[on]
         assert on.sum() > 0 and np.max(np.abs(w - 1)) <= tol, np.max(np.abs(w - 1))
@@ -292,7 +295,7 @@ def test_overlap_corrects_the_stale_batch_by_truncated_is(tmp_path, arith_model_
             np.testing.assert_array_equal(a, b)
         tokens, valid = batch.tokens_MT, batch.valid_MT
         behav, old = (
-            np.asarray(trainer.logps(p, tokens, valid)) for p in (sampled_by[s], starts[s])
+            np.asarray(trainer.actor.logps(p, tokens, valid)) for p in (sampled_by[s], starts[s])
         )
         on = batch.mask_MC > 0
         np.testing.assert_array_equal(batch.behav_logp_MC, behav)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -125,7 +126,7 @@ def test_outputs_metrics_and_compilations(tmp_path, arith_model_dir):
         "trainer.eval_every=5",
     )
     trainer, summary = run_trainer(cfg)
-    run_dir = trainer.out_dir
+    run_dir = trainer.host.out_dir
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 11))
     for key in REQUIRED_METRICS:
@@ -161,13 +162,13 @@ def test_grpo_and_cppo_share_the_path_and_the_trained_shape(tmp_path, arith_mode
         )
         trainer = Trainer(cfg)
         seen = []
-        inner = trainer.train_step
+        inner = trainer.actor.train_step
 
         def spy(params, opt_state, batch, inner=inner, seen=seen):
             seen.append(jax.tree.map(lambda x: x.shape, batch))
             return inner(params, opt_state, batch)
 
-        trainer.train_step = spy
+        trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
         metrics = trainer.step(0)
         trainer.close()
         shapes[name] = (seen[0], metrics["cppo/questions"])
@@ -208,24 +209,30 @@ def test_nonfinite_loss_skips_updates_then_stops_with_state_saved(tmp_path, arit
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=6", "trainer.max_nan_streak=2")
     trainer = Trainer(cfg)
     before = jax.tree.map(np.asarray, trainer.params)
-    inner = trainer.train_step
+    inner = trainer.actor.train_step
 
     def poisoned(params, opt_state, batch):
         return inner(params, opt_state, batch._replace(adv_M=batch.adv_M * jnp.nan))
 
-    trainer.train_step = poisoned
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=poisoned)
     frozen_before = gc.get_freeze_count()
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
         trainer.train()
     assert gc.get_freeze_count() == frozen_before  # a failed run unfreezes its objects too
     trainer.close()
-    rows = read_metrics(trainer.out_dir) if (trainer.out_dir / "metrics.jsonl").exists() else []
-    events = [json.loads(x) for x in (trainer.out_dir / "events.jsonl").read_text().splitlines()]
+    rows = (
+        read_metrics(trainer.host.out_dir)
+        if (trainer.host.out_dir / "metrics.jsonl").exists()
+        else []
+    )
+    events = [
+        json.loads(x) for x in (trainer.host.out_dir / "events.jsonl").read_text().splitlines()
+    ]
     assert sum(e["event"] == "nonfinite_update" for e in events) == 2
     assert all(r["update_skipped"] == 1.0 for r in rows)
     after = jax.tree.map(np.asarray, trainer.params)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
-    ckpt = Checkpointer(trainer.out_dir / "checkpoints")
+    ckpt = Checkpointer(trainer.host.out_dir / "checkpoints")
     assert ckpt.latest_step() is not None
     state, _ = ckpt.restore(None, {"params": trainer.params, "opt_state": trainer.opt_state})
     restored = jax.tree.map(np.asarray, state["params"])
@@ -245,8 +252,8 @@ def test_bad_dataset_rows_are_counted_or_rejected_with_line_number(tmp_path, ari
         tmp_path, arith_model_dir, "data.task=gsm8k", f"data.train={path}", "trainer.steps=1"
     )
     trainer = Trainer(cfg)
-    assert len(trainer.train_set) == 4
-    assert trainer.data_stats["bad_rows"] == 4
+    assert len(trainer.data.train_set) == 4
+    assert trainer.data.stats["bad_rows"] == 4
     trainer.close()
     strict = apply_overrides(cfg, ["data.bad_rows=error", "trainer.run_name=strict"])
     with pytest.raises(ValueError, match="line 2"):
@@ -303,9 +310,9 @@ def test_trains_from_a_users_jsonl_with_its_own_columns_and_from_parquet(tmp_pat
         )
         trainer = Trainer(cfg)
         try:
-            answers = sorted(ex["answer"] for ex in trainer.train_set.examples)
+            answers = sorted(ex["answer"] for ex in trainer.data.train_set.examples)
             assert answers == sorted(str(a + b) for _, a, b in people), name
-            assert trainer.data_stats["bad_rows"] == 0
+            assert trainer.data.stats["bad_rows"] == 0
             metrics = trainer.step(0)
             assert metrics["cppo/kept"] > 0 and math.isfinite(metrics["loss"]), name
         finally:
@@ -404,11 +411,11 @@ def test_profile_window_traces_every_phase_and_dumps_hlo(tmp_path, arith_model_d
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=3", "trainer.profile_steps=[2,3]")
     trainer, _ = run_trainer(cfg)
     phases = ["rollout", "reward", "ref_logps", "old_logps", "update", "weight_sync"]
-    found = profile.trace_contains(trainer.out_dir / "profile", phases)
+    found = profile.trace_contains(trainer.host.out_dir / "profile", phases)
     assert all(found.values()), found
-    hlo = list((trainer.out_dir / "profile" / "hlo").glob("train_step*"))
+    hlo = list((trainer.host.out_dir / "profile" / "hlo").glob("train_step*"))
     assert hlo and hlo[0].stat().st_size > 1000
-    assert "xla compilations" in (trainer.out_dir / "compiled_programs.md").read_text().lower()
+    assert "xla compilations" in (trainer.host.out_dir / "compiled_programs.md").read_text().lower()
 
 
 # ----- fidelity to the released code (issue 18) -----
@@ -444,7 +451,7 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
         assert len(set(lengths.tolist())) > 1 and lengths.max() < sh.P  # left padding, ragged
         tokens_NT = jnp.concatenate([jnp.repeat(rollout.prompt_QP, sh.G, axis=0), s.tokens_NC], 1)
         valid_NT = jnp.concatenate([jnp.repeat(rollout.pvalid_QP, sh.G, axis=0), s.valid_NC], 1)
-        train_NC = np.asarray(trainer.logps(trainer.params, tokens_NT, valid_NT))
+        train_NC = np.asarray(trainer.actor.logps(trainer.params, tokens_NT, valid_NT))
         sampled_NC = np.asarray(s.logp_NC)
         valid_NC = np.asarray(s.valid_NC)
         scale = max(1.0, float(np.abs(sampled_NC[valid_NC]).max()))
@@ -454,7 +461,7 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
 
         # The step: spy on the train program and the log-prob program.
         calls, policy_logps = [], []
-        inner_step, inner_logps = trainer.train_step, trainer.logps
+        inner_step, inner_logps = trainer.actor.train_step, trainer.actor.logps
 
         def spy(params, opt_state, batch):
             # Host copies of the state the updates start from (before it is donated).
@@ -465,7 +472,8 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
             policy_logps.append(params is trainer.params)
             return inner_logps(params, *args)
 
-        trainer.train_step, trainer.logps = spy, logps_spy
+        trainer.actor = dataclasses.replace(trainer.actor, train_step=spy, logps=logps_spy)
+        trainer.reference = dataclasses.replace(trainer.reference, logps=logps_spy)
         row = trainer.step(0)
         assert len(calls) == 1  # both updates in one program
         assert not any(policy_logps)  # no separate old-policy forward: only the reference's
@@ -475,7 +483,10 @@ def test_mu2_reuses_the_batch_with_pre_update_old_logps_and_sampler_logps_match(
         # (the pre-update params' log-probs) as the old policy.
         one = jax.jit(
             functools.partial(
-                step_lib.one_update, graphdef=trainer.graphdef, tx=trainer.tx, spec=trainer.spec
+                step_lib.one_update,
+                graphdef=trainer.actor.graphdef,
+                tx=trainer.actor.tx,
+                spec=trainer.actor.spec,
             )
         )
         p1, o1, _, first_NC = one(params, opt_state, batch)
@@ -500,13 +511,13 @@ def test_one_train_program_a_step_whatever_mu(tmp_path, arith_model_dir):
     """mu = 3: each step calls the train program once, and it compiles once for the run."""
     cfg = small_config(tmp_path, arith_model_dir, "cppo.mu=3", "trainer.steps=2")
     trainer = Trainer(cfg)
-    calls, inner = [], trainer.train_step
+    calls, inner = [], trainer.actor.train_step
 
     def spy(*args):
         calls.append(len(args))
         return inner(*args)
 
-    trainer.train_step = spy
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
     try:
         rows = [trainer.step(s) for s in range(2)]
     finally:
@@ -602,7 +613,7 @@ def test_model_attention_reaches_the_trainers_model(tmp_path, arith_model_dir):
     cfg = small_config(tmp_path, arith_model_dir, "model.attention=xla", "trainer.steps=1")
     trainer = Trainer(cfg)
     try:
-        assert nnx.merge(trainer.graphdef, trainer.params).cfg.attention == "xla"
+        assert nnx.merge(trainer.actor.graphdef, trainer.params).cfg.attention == "xla"
     finally:
         trainer.close()
 
@@ -614,7 +625,7 @@ def test_reference_is_a_compute_dtype_copy_with_the_policys_logps(tmp_path, arit
     cfg = small_config(tmp_path, arith_model_dir, "model.dtype=bfloat16", "trainer.steps=1")
     trainer = Trainer(cfg)
     try:
-        policy, ref = jax.tree.leaves(trainer.params), jax.tree.leaves(trainer.ref_params)
+        policy, ref = jax.tree.leaves(trainer.params), jax.tree.leaves(trainer.reference.params)
         assert {x.dtype for x in policy} == {jnp.dtype(jnp.float32)}
         assert {x.dtype for x in ref} == {jnp.dtype(jnp.bfloat16)}
         assert [x.sharding for x in ref] == [x.sharding for x in policy]
@@ -622,11 +633,11 @@ def test_reference_is_a_compute_dtype_copy_with_the_policys_logps(tmp_path, arit
             np.testing.assert_array_equal(np.asarray(r), np.asarray(p.astype(jnp.bfloat16)))
         sh = trainer.shapes
         rng = np.random.default_rng(0)
-        vocab = nnx.merge(trainer.graphdef, trainer.params).cfg.vocab_size
+        vocab = nnx.merge(trainer.actor.graphdef, trainer.params).cfg.vocab_size
         tokens_MT = jnp.asarray(rng.integers(1, vocab, (sh.M, sh.P + sh.C)), jnp.int32)
         valid_MT = jnp.ones((sh.M, sh.P + sh.C), bool)
-        want = np.asarray(trainer.logps(trainer.params, tokens_MT, valid_MT))
-        got = np.asarray(trainer.logps(trainer.ref_params, tokens_MT, valid_MT))
+        want = np.asarray(trainer.actor.logps(trainer.params, tokens_MT, valid_MT))
+        got = np.asarray(trainer.actor.logps(trainer.reference.params, tokens_MT, valid_MT))
         np.testing.assert_array_equal(got, want)
     finally:
         trainer.close()

@@ -412,20 +412,20 @@ class TestTiedServer:
         server, model_dir, _ = tied
         cfg = _trainer_config(tmp_path, model_dir, server.url, 2)
         trainer = Trainer(apply_overrides(cfg, ["cppo.tis_cap=2"]))
-        seen, inner = [], trainer.train_step
+        seen, inner = [], trainer.actor.train_step
 
         def spy(params, opt_state, batch):
             seen.append((jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, batch)))
             return inner(params, opt_state, batch)
 
-        trainer.train_step = spy
+        trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
         try:
             history = [trainer.step(s) for s in range(2)]
         finally:
             trainer.close()
         worst = 0.0
         for (params, batch), m in zip(seen, history):
-            now = np.asarray(trainer.logps(params, batch.tokens_MT, batch.valid_MT))
+            now = np.asarray(trainer.actor.logps(params, batch.tokens_MT, batch.valid_MT))
             on = batch.mask_MC > 0
             log_w = (now - batch.behav_logp_MC)[on]
             worst = max(worst, float(np.max(np.abs(log_w))))
@@ -460,7 +460,7 @@ class TestTiedServer:
         assert server.url in str(info.value) and "running" in str(info.value)
         assert elapsed < 30
         # The finished step was checkpointed before the error propagated, and it loads.
-        ckpt_dir = trainer.out_dir / "checkpoints"
+        ckpt_dir = trainer.host.out_dir / "checkpoints"
         assert f"checkpoint of step 1 saved under {ckpt_dir}" in str(info.value)
         _, meta = Checkpointer(ckpt_dir).restore(None, trainer.state())
         assert meta["step"] == 1

@@ -396,7 +396,7 @@ class TestProtocolRun:
         rows: list[dict] = []
         try:
             trainer.train(progress=rows.append)
-            backend = trainer.backend
+            backend = trainer.rollout.backend
             pushes = [m for m in rows if "weight_sync/full" in m]
             assert [m["weight_sync/full"] for m in pushes] == [0.0, 0.0, 1.0, 0.0], pushes
             sparse = [m for m in pushes if m["weight_sync/full"] == 0.0]

@@ -55,6 +55,8 @@ def rewind(trainer, run_dir: Path, params, opt_state, *overrides: str) -> None:
 
     `overrides` change `trainer.*` keys that shape nothing compiled (steps, checkpoint_every,
     max_nan_streak, ...), applied to the config the Trainer was built with."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -66,12 +68,15 @@ def rewind(trainer, run_dir: Path, params, opt_state, *overrides: str) -> None:
         trainer._built_cfg = trainer.cfg
     trainer.cfg = apply_overrides(trainer._built_cfg, list(overrides))
     trainer.num_steps = trainer.cfg.trainer.steps
-    trainer.log.close()
-    trainer.ckpt.close()
+    trainer.host.log.close()
+    trainer.host.ckpt.close()
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer.out_dir = run_dir
-    trainer.log = RunLog(run_dir, tensorboard=False)
-    trainer.ckpt = Checkpointer(run_dir / "checkpoints", keep=trainer.cfg.trainer.keep_checkpoints)
+    trainer.host = dataclasses.replace(
+        trainer.host,
+        out_dir=run_dir,
+        log=RunLog(run_dir, tensorboard=False),
+        ckpt=Checkpointer(run_dir / "checkpoints", keep=trainer.cfg.trainer.keep_checkpoints),
+    )
     # Copies: the train step donates its inputs.
     trainer.params = jax.tree.map(jnp.copy, params)
     trainer.opt_state = jax.tree.map(jnp.copy, opt_state)

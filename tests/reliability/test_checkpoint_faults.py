@@ -111,7 +111,7 @@ def _file_size_limit(nbytes: int):
 def test_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(shared_trainer, tmp_path):
     trainer, init = shared_trainer
     rewind(trainer, tmp_path / "run", *init, "trainer.steps=4", "trainer.checkpoint_every=1")
-    inner = trainer.ckpt.save
+    inner = trainer.host.ckpt.save
 
     def save(step, state, meta):
         if step == 2:
@@ -119,15 +119,17 @@ def test_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(shared
                 return inner(step, state, meta)
         return inner(step, state, meta)
 
-    trainer.ckpt.save = save
-    ckpt_dir = trainer.out_dir / "checkpoints"
+    trainer.host.ckpt.save = save
+    ckpt_dir = trainer.host.out_dir / "checkpoints"
     with pytest.raises(CheckpointError) as info:
         trainer.train()
     msg = str(info.value)
     assert f"writing checkpoint 2 under {ckpt_dir} failed" in msg and "File too large" in msg
     assert "earlier checkpoints are untouched: [1]" in msg
-    assert metrics_steps(trainer.out_dir) == [1, 2]  # stopped: step 3 never ran
-    events = [json.loads(x) for x in (trainer.out_dir / "events.jsonl").read_text().splitlines()]
+    assert metrics_steps(trainer.host.out_dir) == [1, 2]  # stopped: step 3 never ran
+    events = [
+        json.loads(x) for x in (trainer.host.out_dir / "events.jsonl").read_text().splitlines()
+    ]
     assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [2]
     ckpt = Checkpointer(ckpt_dir)
     assert ckpt.all_steps() == [1]

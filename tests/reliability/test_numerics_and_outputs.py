@@ -32,7 +32,7 @@ def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(
     trainer, init = shared_trainer
     run_dir = tmp_path / "run"
     rewind(trainer, run_dir, *init)
-    score = trainer.rewards.score
+    score = trainer.host.rewards.score
     poison = {2: np.nan, 4: np.inf, 5: -np.inf}  # 1-based steps; step 3 is good in between
     calls = {"train": 0}
     params_after = {}
@@ -50,7 +50,7 @@ def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(
     def progress(metrics):
         params_after[int(metrics["step"])] = _leaves(trainer.params)
 
-    monkeypatch.setattr(trainer.rewards, "score", scored)
+    monkeypatch.setattr(trainer.host.rewards, "score", scored)
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row") as info:
         trainer.train(progress=progress)
     assert "max_nan_streak" in str(info.value)
@@ -77,7 +77,7 @@ def test_special_token_and_max_length_completions_score_and_log(
     trainer, init = shared_trainer
     run_dir = tmp_path / "run"
     rewind(trainer, run_dir, *init, "trainer.steps=2")
-    tok, sh = trainer.tokenizer, trainer.shapes
+    tok, sh = trainer.data.tokenizer, trainer.shapes
     N, C = sh.Q * sh.G, sh.C
     start_id = tok.hf.convert_tokens_to_ids("<|im_start|>")
     tokens = np.full((N, C), tok.pad_id, np.int32)
@@ -99,9 +99,9 @@ def test_special_token_and_max_length_completions_score_and_log(
         jnp.asarray(finished),
         jnp.int32(C),
     )
-    generate = trainer.backend.generate
+    generate = trainer.rollout.backend.generate
     monkeypatch.setattr(
-        trainer.backend,
+        trainer.rollout.backend,
         "generate",
         lambda params, prompt_QP, *a: (
             hostile if prompt_QP.shape[0] == sh.Q else generate(params, prompt_QP, *a)

@@ -79,7 +79,7 @@ def setup(tmp_path_factory, arith_model_dir):
     # The fake cannot compute this model's log-probs: the probe check passes unless a case restores it.
     mp.setattr(VLLMBackend, "verify", lambda self, params, step=None: 0.0)
     trainer = Trainer(cfg)
-    trainer.backend.client.backoff_s = 0.05
+    trainer.rollout.backend.client.backoff_s = 0.05
     init = jax.tree.map(lambda x: x.copy(), (trainer.params, trainer.opt_state))
     yield fake, trainer, init, tmp, real_verify, mp
     trainer.close()
@@ -113,14 +113,14 @@ def _run_with_fault_after_step_1(setup, name, fault, monkey=None):
 def _drain(trainer) -> None:
     """Wait for the other questions' requests still in flight when the first one failed (the error does
     not wait for them), so that they do not spill into the next case's counts."""
-    client = trainer.backend.client
+    client = trainer.rollout.backend.client
     if client._pool is not None:
         client._pool.shutdown(wait=True)
         client._pool = None
 
 
 def _assert_stopped_with_checkpoint(trainer, run_dir, err, step: int):
-    assert trainer.backend.url in str(err)
+    assert trainer.rollout.backend.url in str(err)
     assert f"checkpoint of step {step} saved under {run_dir / 'checkpoints'}" in str(err)
     assert metrics_steps(run_dir) == [1]  # nothing logged (or trained on) from a bad batch
     assert [e["step"] for e in read_events(run_dir) if e["event"] == "rollout_server_error"] == [
@@ -163,8 +163,8 @@ def test_stale_weights_after_a_push_stop_the_run_before_any_rollout(setup):
     # The last request was the probe that caught it: no rollout from the stale server followed.
     last = [r for r in fake.requests if r[1] == "/v1/completions"][-1]
     assert last[3].get("prompt_logprobs") is not None
-    assert trainer.backend.unconfirmed is not None
-    trainer.backend.unconfirmed = None  # for the next case
+    assert trainer.rollout.backend.unconfirmed is not None
+    trainer.rollout.backend.unconfirmed = None  # for the next case
 
 
 def test_transient_5xx_is_retried_and_the_run_finishes(setup):
@@ -191,13 +191,13 @@ def test_server_down_at_start_is_a_fast_clear_error(setup):
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     rewind(trainer, tmp / "down", *init)
-    real = trainer.backend.client
-    trainer.backend.client = VLLMClient(url, timeout_s=1.0, backoff_s=0.05)
-    trainer.backend.synced_step = None
+    real = trainer.rollout.backend.client
+    trainer.rollout.backend.client = VLLMClient(url, timeout_s=1.0, backoff_s=0.05)
+    trainer.rollout.backend.synced_step = None
     try:
         with pytest.raises(RolloutServerError) as info:
             trainer.train()
     finally:
-        trainer.backend.client = real
+        trainer.rollout.backend.client = real
     assert url in str(info.value) and "running" in str(info.value)
     assert metrics_steps(tmp / "down") == []  # nothing trained, nothing to lose

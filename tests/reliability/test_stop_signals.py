@@ -77,7 +77,7 @@ def test_sigint_in_process_saves_the_finished_step(shared_trainer, tmp_path):
     assert info.value.exit_code == 130 and info.value.step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # every output in the run folder
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored to what they were
-    state, meta = Checkpointer(trainer.out_dir / "checkpoints").restore(None, trainer.state())
+    state, meta = Checkpointer(trainer.host.out_dir / "checkpoints").restore(None, trainer.state())
     assert meta["step"] == 2
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(trainer.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
