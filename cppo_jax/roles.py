@@ -55,6 +55,8 @@ def check_vocab(tokenizer: Tokenizer, model_vocab: int, model_path: str) -> None
 
 @dataclasses.dataclass(frozen=True)
 class Data:
+    """The prompts of a run and which questions each step draws."""
+
     tokenizer: Tokenizer
     train_set: pipeline.PromptSet
     val_set: pipeline.PromptSet | None
@@ -95,6 +97,8 @@ def load_model(cfg: Config, path: str, mesh, tokenizer: Tokenizer) -> nnx.Module
 
 @dataclasses.dataclass(frozen=True)
 class Actor:
+    """The trained policy's programs; its state (params, opt_state) is passed in."""
+
     graphdef: nnx.GraphDef  # the model without adapters: the sampler's, evaluation's, exports'
     model_cfg: object  # its TransformerConfig (with LoRA: with the adapters)
     model_path: str  # the Hugging Face folder the run starts from (exports keep its fields)
@@ -172,6 +176,8 @@ def build_actor(cfg: Config, model, shapes: cppo.Shapes, mesh, num_steps: int, m
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
+    """The reference policy of the KL term: fixed weights and their log-prob program."""
+
     params: object  # forward-only copy of the initial params; with LoRA the actor's frozen base
     logps: Callable  # (params, tokens_MT, valid_MT) -> logp_MC
     packed_logps: Callable | None  # trainer.pack: (params, PackedBatch) -> logp_MC
@@ -202,6 +208,8 @@ def build_reference(
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
+    """The sampler of the run: draws a step's completions, takes the policy's new weights."""
+
     backend: object  # `rollout.backend.RolloutBackend`: embedded sampler or vLLM server
     sp: object  # its sampling settings (`programs.sampling_params`)
     mesh: object
@@ -260,6 +268,8 @@ def run_folder(cfg: Config) -> tuple[Path, Path | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Host:
+    """The run's host side: its folder, the reward workers, the log, checkpoints, profiler."""
+
     out_dir: Path
     earlier_run: Path | None  # where an earlier run in this folder was moved (a fresh run)
     main: bool  # process 0 writes logs and exports

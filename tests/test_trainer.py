@@ -334,19 +334,22 @@ def test_a_fresh_run_in_a_used_folder_sets_the_earlier_run_aside(tmp_path, arith
     checkpoints; the earlier run is kept whole beside it, under the first free `.earlier-<n>`."""
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=2", "trainer.checkpoint_every=1")
     first, _ = run_trainer(cfg)
-    first_metrics = (first.out_dir / "metrics.jsonl").read_text()
+    first_metrics = (first.host.out_dir / "metrics.jsonl").read_text()
     second, _ = run_trainer(cfg)
-    assert second.earlier_run == tmp_path / "run.earlier-1"
+    assert second.host.earlier_run == tmp_path / "run.earlier-1"
     assert (tmp_path / "run.earlier-1" / "metrics.jsonl").read_text() == first_metrics
     assert Checkpointer(tmp_path / "run.earlier-1" / "checkpoints").all_steps() == [1, 2]
-    assert [r["step"] for r in read_metrics(second.out_dir)] == [1, 2]  # not appended to the first
-    assert Checkpointer(second.out_dir / "checkpoints").all_steps() == [1, 2]
+    assert [r["step"] for r in read_metrics(second.host.out_dir)] == [
+        1,
+        2,
+    ]  # not appended to the first
+    assert Checkpointer(second.host.out_dir / "checkpoints").all_steps() == [1, 2]
     third = Trainer(cfg)
     third.close()
-    assert third.earlier_run == tmp_path / "run.earlier-2"
+    assert third.host.earlier_run == tmp_path / "run.earlier-2"
     resumed = Trainer(apply_overrides(cfg, ["trainer.resume=true"]))  # a run to continue: kept
     resumed.close()
-    assert resumed.earlier_run is None
+    assert resumed.host.earlier_run is None
 
 
 def _launch(config_file: Path, *overrides: str, **kw) -> subprocess.Popen:
