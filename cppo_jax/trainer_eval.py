@@ -1,9 +1,10 @@
 """The trainer's evaluations: held-out accuracy, validation with the best policy kept, the run's summary.
 
-Functions of a `cppo_jax.trainer.Trainer` (`trainer` below: its current params, backend, prompt sets,
-reward pool and log); the trainer's `evaluate` and `train` call them. Every question of the split is
-scored (the last batch is padded by wrapping, the padding dropped) under each evaluation rule of the task
-(`rewards.registry.TASK_EVAL`): `accuracy_<rule>` is the share of questions the rule scores above 0.
+Functions of a `cppo_jax.trainer.Trainer` (`trainer` below: its current params and its roles: the
+rollout's backend, the data's prompt sets, the host's reward pool and log); the trainer's `evaluate`
+and `train` call them. Every question of the split is scored (the last batch is padded by wrapping,
+the padding dropped) under each evaluation rule of the task (`rewards.registry.TASK_EVAL`):
+`accuracy_<rule>` is the share of questions the rule scores above 0.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 sampled) and validate, then the steps, each logged, with an evaluation every `trainer.eval_every` steps
 (validation when a validation split is held out) and a checkpoint every `trainer.checkpoint_every`; then
 the last checkpoint, validation, the final policy as a Hugging Face folder `export/`, evaluation and the
-run's files (`trainer_eval.write_summary`).
+run's files (`trainer_eval.write_summary`). `save` and `maybe_resume` write and read the checkpoints:
+the trained state (`Trainer.state`) and the counters, the skipper's state and what the params are (LoRA
+adapters or a full model's weights).
 
 A SIGTERM/SIGINT (`cppo_jax.stopping`) stops at the next step boundary with a checkpoint; a rollout-server
 failure stops with a checkpoint of the last finished update (`guarded_step`).
