@@ -55,7 +55,12 @@ METHODS = {
     "CPPO + zero-variance filter": (P, ["cppo.filter_groups=true", "cppo.filter_oversample=1.5"]),
     "CPPO + GRESO": (P, ["data.skip_zero_variance=true"]),
     "CPPO + overlap + TIS": (P, ["rollout.backend=vllm", "rollout.overlap=1", "cppo.tis_cap=2"]),
+    "DPPO (completions)": (P, ["cppo.metric=dppo"]),
+    "DPPO (prompts + completions)": (0.75, ["cppo.metric=dppo", "cppo.prompt_rate=0.5"]),
 }
+# Rows whose steps are those of another pruning rate: DPPO's prompt pruning at p = 0.75 and
+# r_q = 0.5 rolls out CPPO's 32 questions per step and trains 16 of them, k = 4 each (64 rows).
+STEPS_P = {"DPPO (prompts + completions)": P}
 WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
 DEFAULT_METHODS = [m for m in METHODS if "overlap" not in m]  # overlap needs a vLLM server
 
@@ -195,7 +200,9 @@ def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, a
         + f" ({runs[0]['test_n']} held-out questions).",
         f"- Training: `configs/tiny_cpu.py` settings, G = {args.G}, {args.C} new tokens; "
         f"{args.num_train} training questions, {args.epochs} passes; GRPO b = {args.b} questions per "
-        f"step; the pruned rows p = {P} with allocation (k = 2 of 16 trained per question), the same "
+        f"step; the pruned rows p = {P} with allocation (k = 2 of 16 trained per question; DPPO "
+        "(prompts + completions): p = 0.75 and r_q = 0.5, 16 of the 32 questions rolled out with "
+        "k = 4), the same "
         "steps. Accuracy: held-out greedy (mean +- sd over seeds) and sampled (temperature 1) after "
         "training. Training CPU s: the process's CPU seconds in its steps, compilation removed. "
         "Generation s: wall seconds in rollout. To GRPO's accuracy: training CPU seconds at the "
@@ -281,7 +288,10 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
                     "evaluate_before": seed == args.seeds[0],
                     "out_dir": str(work / "runs"),
                     "name": f"{method.split()[0]}_{len(specs)}",
-                    "overrides": [*overrides, f"trainer.steps={_steps(args, p)}"],
+                    "overrides": [
+                        *overrides,
+                        f"trainer.steps={_steps(args, STEPS_P.get(method, p))}",
+                    ],
                 }
             )
 

@@ -33,8 +33,8 @@ BACKENDS = ("embedded", "vllm")
 # rollout.weight_sync: how the vLLM backend pushes weights (docs/vllm.md, "Weight sync routes")
 WEIGHT_SYNCS = ("auto", "file", "protocol")
 # cppo.metric: what is pruned
-METRICS = ("smallest", "largest", "random", "max_variance", "proportional")
-GROUP_METRICS = ("max_variance", "proportional")  # rules within each question's group only
+METRICS = ("smallest", "largest", "random", "max_variance", "proportional", "dppo")
+GROUP_METRICS = ("max_variance", "proportional", "dppo")  # rules within each question's group only
 SCOPES = ("question", "slice", "batch")  # cppo.scope: over what the top-k runs
 # Names that changed, still read (with a FutureWarning): a saved config.json or an old override keeps working.
 RENAMED_KEYS = {"cppo.processes": "cppo.slices"}  # key -> its name now
@@ -294,6 +294,7 @@ class CPPOConfig:
     filter_groups: bool = False  # train the groups with reward variance first (DAPO, static)
     filter_oversample: float = 2.0  # filter_groups: roll out floor(this * trained) questions
     tis_cap: float = 0.0  # truncated importance sampling: cap of pi_old / pi_sampler; 0: off
+    prompt_rate: float = 0.0  # metric="dppo": DPPO's r_q, the rolled-out questions not trained
 
     def __post_init__(self):
         _check(self.num_generations >= 2, "cppo.num_generations", self.num_generations, ">= 2")
@@ -315,6 +316,18 @@ class CPPOConfig:
             self.filter_oversample >= 1, "cppo.filter_oversample", self.filter_oversample, ">= 1"
         )
         _check(self.slices >= 1, "cppo.slices", self.slices, ">= 1")
+        _check(0 <= self.prompt_rate < 1, "cppo.prompt_rate", self.prompt_rate, "in [0, 1)")
+        if self.prompt_rate and self.metric != "dppo":
+            raise ConfigError(
+                f"config key 'cppo.prompt_rate' = {self.prompt_rate} prunes questions by DPPO's "
+                f"rule: it needs cppo.metric='dppo', not {self.metric!r}"
+            )
+        if self.metric == "dppo" and self.filter_groups:
+            raise ConfigError(
+                "config key 'cppo.filter_groups' = True is refused with cppo.metric='dppo': its "
+                "deterministic choice of groups would bias DPPO's estimator (DPPO never trains a "
+                "zero-variance group when it prunes questions: use cppo.prompt_rate instead)"
+            )
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
         if self.loss_type == "dapo":
             raise ConfigError(

@@ -77,7 +77,7 @@ def test_source_is_read_for_comments_and_rules():
     rules = docs_gen.validation_rules(CPPOConfig)
     assert rules["cppo.pruning_rate"] == ["in [0, 1)"]
     assert rules["cppo.metric"] == [
-        "one of `smallest`, `largest`, `random`, `max_variance`, `proportional`"
+        "one of `smallest`, `largest`, `random`, `max_variance`, `proportional`, `dppo`"
     ]
     assert "mesh.fsdp" in docs_gen.validation_rules(
         MeshConfig
