@@ -157,6 +157,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "sampled": sampled,
             "sampled_sd": sampled_sd,
         }
+        row["measured"] = ", ".join(sorted({r.get("date", "?") for r in sel}))
         for key in ("train_cpu_s", "train_s", "generate_s", "skipped", "dropped"):
             row[key] = statistics.mean(r[key] for r in sel)
         rows.append(row)
@@ -172,7 +173,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         row["reached"] = sum(h is not None for h in reached)
         hits = [h for h in reached if h is not None]
         row["to_grpo_cpu_s"] = statistics.mean(hits) if hits else None
-        row["speedup_cpu"] = grpo["train_cpu_s"] / row["train_cpu_s"]
+        if row["measured"] == grpo["measured"]:  # CPU seconds of other days do not compare
+            row["speedup_cpu"] = grpo["train_cpu_s"] / row["train_cpu_s"]
     return rows
 
 
@@ -209,18 +211,18 @@ def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, a
         "first of 4 evaluation points at or above GRPO's final mean greedy accuracy (mean over the "
         "seeds that reach it; their count in brackets).",
         "",
-        "| method | Q rolled out | U trained | rows trained | steps | accuracy | sampled | "
+        "| method | measured | Q rolled out | U trained | rows trained | steps | accuracy | sampled | "
         "training CPU s | less CPU than GRPO | training wall s | generation s | to GRPO's "
         "accuracy (CPU s) | skipped / dropped questions |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         reach = "n/a" if r.get("reached") is None else "not reached"
         if r["to_grpo_cpu_s"] is not None:
             reach = f"{r['to_grpo_cpu_s']:.1f} ({r['reached']}/{len(r['seeds'])})"
-        speed = f"{r['speedup_cpu']:.2f}x" if "speedup_cpu" in r else "n/a"
+        speed = f"{r['speedup_cpu']:.2f}x" if "speedup_cpu" in r else "n/a (other day)"
         lines.append(
-            f"| {r['method']} | {r['Q']} | {r['U']} | {r['M']} | {r['steps']} | "
+            f"| {r['method']} | {r['measured']} | {r['Q']} | {r['U']} | {r['M']} | {r['steps']} | "
             f"{_pct(r['accuracy'], r['accuracy_sd'])} | {_pct(r['sampled'], r['sampled_sd'])} | "
             f"{r['train_cpu_s']:.1f} | {speed} | {r['train_s']:.1f} | {r['generate_s']:.1f} | "
             f"{reach} | {r['skipped']:.0f} / {r['dropped']:.0f} |"
@@ -304,7 +306,7 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
         max_workers=1 if args.in_process else args.jobs
     ) as pool:
         for future in concurrent.futures.as_completed([pool.submit(one, s) for s in specs]):
-            r = future.result()
+            r = dict(future.result(), date=info["date"])
             runs.append(r)
             raw.write_text(json.dumps({"runs": runs, "info": info}, indent=1) + "\n")
             print(

@@ -229,8 +229,12 @@ def test_selection_quick(tmp_path):
     filtered = next(run for run in raw["runs"] if run["method"] == methods[2])
     assert filtered["dropped"] >= 0 and filtered["Q"] == 24
     report = (tmp_path / "selection.md").read_text()
-    table = _table_rows(report, "| method | Q rolled out |")
+    table = _table_rows(report, "| method | measured | Q rolled out |")
     assert [row[0] for row in table] == methods
+    # each run carries its day: CPU seconds of runs measured on other days are not compared
+    assert (
+        {row[1] for row in table} == {raw["info"]["date"]} == {run["date"] for run in raw["runs"]}
+    )
     assert (tmp_path / "selection.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
