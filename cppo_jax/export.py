@@ -26,7 +26,8 @@ from flax import nnx
 
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import from_dict
 from cppo_jax.models import lora_state
 from cppo_jax.models.hf_io import load_hf, read_hf_config, save_hf

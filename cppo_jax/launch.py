@@ -23,7 +23,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
 from cppo_jax.config_io import load_config
 
 MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cppo_jax.config import PROMPT_FORMATS, DataConfig
+from cppo_jax.config import DataConfig
+from cppo_jax.config_choices import PROMPT_FORMATS
 from cppo_jax.rewards.registry import TASK_EVAL
 from cppo_jax.tasks.prompts import plain_prompt, resolve_system_prompt
 

@@ -19,7 +19,8 @@ from flax import nnx
 
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
 from cppo_jax.logp_sources import LogpSources
 from cppo_jax.logp_sources import logp_sources as sources_of

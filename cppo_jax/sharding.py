@@ -21,7 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cppo_jax.config import MESH_AXES, ConfigError, MeshConfig
+from cppo_jax.config_choices import ConfigError
+from cppo_jax.config_run import MESH_AXES, MeshConfig
 
 DATA_AXES = ("data", "fsdp")  # the axes questions (and so sequences) are split over
 

@@ -176,7 +176,7 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
 
     from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config import ConfigError
+    from cppo_jax.config_choices import ConfigError
     from cppo_jax.config_io import load_config, save_config
     from cppo_jax.models import load_hf
 

@@ -14,7 +14,8 @@ from flax import nnx
 
 from cppo_jax import packing
 from cppo_jax import step as step_lib
-from cppo_jax.config import LOSS_TYPES, CPPOConfig, OptimConfig
+from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.config_choices import LOSS_TYPES
 from cppo_jax.packed_rows import packed_batch
 
 try:
@@ -167,7 +168,8 @@ def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_pat
 
 
 def test_trainer_pack_is_refused_with_micro_batches():
-    from cppo_jax.config import ConfigError, TrainerConfig
+    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.config_run import TrainerConfig
 
     with pytest.raises(ConfigError, match="trainer.micro_batch"):
         TrainerConfig(pack=True, micro_batch=2)

@@ -17,8 +17,8 @@ import pytest
 
 from cppo_jax import layout, plan
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import MeshConfig
 from cppo_jax.config_io import load_config
+from cppo_jax.config_run import MeshConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]

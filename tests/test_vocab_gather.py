@@ -37,7 +37,8 @@ def _worker(target: str) -> dict:
     from cppo_jax import aot
     from cppo_jax import sharding as sharding_lib
     from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig, MeshConfig
+    from cppo_jax.config import CPPOConfig
+    from cppo_jax.config_run import MeshConfig
     from cppo_jax.models import TransformerConfig, init_model
 
     M, P, C = 8, 6, 5
