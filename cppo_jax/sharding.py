@@ -198,3 +198,16 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, names, x.shape))
+
+
+def gather_cast(w: jax.Array, names: tuple[str, ...], whole: tuple[str | None, ...], dtype):
+    """`w`, sharded by its logical `names`, cast to `dtype` on each device's shard, then laid out
+    by `whole` (gathered along the dims `whole` leaves unsharded).
+
+    The all-gather moves `dtype` bytes (a float32 matrix gathered and then cast held the whole
+    float32 copy), and the gradient comes back reduced in `dtype`, cast to w's dtype on the
+    shard. The identity without a mesh but for the cast.
+    """
+    if w.dtype != dtype:
+        w = constrain(w.astype(dtype), names)
+    return constrain(w, whole)

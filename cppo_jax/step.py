@@ -25,7 +25,6 @@ from flax import nnx
 from cppo_jax import loss as loss_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
-from cppo_jax.models.transformer import gather_cast
 from cppo_jax.packed_rows import PackedBatch, packed_completion_logps
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampler import positions_from_valid
@@ -82,7 +81,7 @@ def completion_logps(model, tokens_MT, valid_MT, spec: StepSpec, return_entropy:
     h_MCD = h_MTD[:, P - 1 :]
     # Cast to the compute dtype on the shard, then gathered over fsdp (D whole), split by
     # vocabulary: logits stay split by sequence.
-    w_DV = gather_cast(
+    w_DV = sharding_lib.gather_cast(
         model.unembed_weight(), ("embed", "vocab"), (None, "vocab"), model.cfg.compute_dtype
     )
     return loss_lib.token_logps_from_hidden(
