@@ -30,7 +30,8 @@ from cppo_jax.config import Config
 from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import from_dict
 from cppo_jax.models import lora_state
-from cppo_jax.models.hf_io import load_hf, read_hf_config, save_hf
+from cppo_jax.models.hf_io import load_hf, save_hf
+from cppo_jax.models.hf_read import read_hf_config
 from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.models.transformer import Transformer
 

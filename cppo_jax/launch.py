@@ -65,7 +65,8 @@ def _check_weights(folder: Path, key: str) -> None:
 
     from safetensors import safe_open
 
-    from cppo_jax.models.hf_io import INDEX_FILE, SINGLE_FILE, name_table, read_hf_config
+    from cppo_jax.models.hf_io import name_table
+    from cppo_jax.models.hf_read import INDEX_FILE, SINGLE_FILE, read_hf_config
 
     try:
         tcfg = read_hf_config(folder)
