@@ -38,7 +38,8 @@ import numpy as np
 
 from cppo_jax import selection
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import ADV_SCALES, GROUP_METRICS, METRICS, Config, ConfigError, CPPOConfig
+from cppo_jax.config import Config, CPPOConfig
+from cppo_jax.config_choices import ADV_SCALES, GROUP_METRICS, METRICS, ConfigError
 
 
 def _as_fraction(p) -> Fraction:

@@ -209,13 +209,12 @@ def _trainer_config(out_dir: Path, model_dir: Path, url: str, steps: int):
         Config,
         CPPOConfig,
         DataConfig,
-        LoggingConfig,
-        ModelConfig,
         OptimConfig,
         RewardConfig,
         RolloutConfig,
-        TrainerConfig,
     )
+    from cppo_jax.config_model import ModelConfig
+    from cppo_jax.config_run import LoggingConfig, TrainerConfig
 
     return Config(
         model=ModelConfig(init_checkpoint=str(model_dir)),

@@ -19,7 +19,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cppo_jax.config import ConfigError, RolloutConfig
+from cppo_jax.config import RolloutConfig
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.rollout.vllm_http import RolloutServerError
 from cppo_jax.rollout.weight_transfer import SHM_BACKEND, ProtocolPusher, changed_indices
 
