@@ -181,10 +181,10 @@ def _perturb(params, seed: int, scale: float = 0.05, only: str | None = None):
 def _probe_logps(backend, params) -> np.ndarray:
     import jax.numpy as jnp
 
-    from cppo_jax.rollout.vllm_backend import _probe_fn
+    from cppo_jax.rollout.vllm_probe import probe_fn
 
     ids = backend.probe_ids(params)
-    lp_TV = np.asarray(_probe_fn(backend.graphdef)(params, jnp.asarray(ids, jnp.int32)))
+    lp_TV = np.asarray(probe_fn(backend.graphdef)(params, jnp.asarray(ids, jnp.int32)))
     return lp_TV[np.arange(len(ids) - 1), ids[1:]]
 
 
