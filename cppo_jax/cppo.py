@@ -38,7 +38,8 @@ import numpy as np
 
 from cppo_jax import dppo, selection
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import ADV_SCALES, GROUP_METRICS, METRICS, Config, ConfigError, CPPOConfig
+from cppo_jax.config import Config, CPPOConfig
+from cppo_jax.config_choices import ADV_SCALES, GROUP_METRICS, METRICS, ConfigError
 
 
 def _as_fraction(p) -> Fraction:
@@ -157,10 +158,9 @@ def keep_indices(
     metric: "smallest" drops the smallest |A| (keeps the k largest), "largest" drops the largest
     |A| (keeps the k smallest), "random" keeps k uniformly without replacement (needs rng),
     "max_variance" keeps the k whose advantages (so rewards: one affine map per group) vary most,
-    "proportional" draws k with replacement with probability |A| / sum |A| (needs rng; train them
-    with `selection.proportional_advantages`), "dppo" k distinct, g with probability ~ |A_g|
-    (module `dppo`). Ties in |A| keep the lower index first. k is a static Python int.
-    """
+    "proportional" k with replacement, with probability |A| / sum |A|, "dppo" k distinct, with
+    probability ~ |A| (both need rng; train them with `selection.proportional_advantages`,
+    `dppo.trained_advantages`). Ties in |A| keep the lower index first. k: a static Python int."""
     if adv_QG.ndim != 2:
         raise ValueError(f"adv_QG must be [Q, G], got shape {adv_QG.shape}")
     G = adv_QG.shape[1]

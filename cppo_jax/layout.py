@@ -14,7 +14,9 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config import BF16_MIN_LR, MESH_AXES, Config
+from cppo_jax.config import Config
+from cppo_jax.config_choices import BF16_MIN_LR
+from cppo_jax.config_run import MESH_AXES
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation

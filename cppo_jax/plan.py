@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 
 from cppo_jax import layout, pipeline
-from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, MeshConfig
+from cppo_jax.config import Config
+from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
+from cppo_jax.config_run import MeshConfig
 from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
 from cppo_jax.models.known import ModelSize, config_model_size, transformer_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer

@@ -71,7 +71,8 @@ def test_check_fails_on_drift_and_generation_names_the_problem(tmp_path, monkeyp
 
 
 def test_source_is_read_for_comments_and_rules():
-    from cppo_jax.config import CPPOConfig, DataConfig, MeshConfig
+    from cppo_jax.config import CPPOConfig, DataConfig
+    from cppo_jax.config_run import MeshConfig
 
     assert "held out of train" in docs_gen.field_comments(DataConfig)["val_size"]
     rules = docs_gen.validation_rules(CPPOConfig)

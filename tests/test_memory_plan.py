@@ -18,7 +18,7 @@ import pytest
 
 from cppo_jax import layout, plan
 from cppo_jax import step as step_lib
-from cppo_jax.models.hf_io import read_hf_config
+from cppo_jax.models.hf_read import read_hf_config
 from cppo_jax.trainer import Trainer
 from tests.conftest import build_arith_model_dir
 from tests.test_trainer import small_config

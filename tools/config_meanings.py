@@ -196,7 +196,7 @@ MEANINGS: dict[str, str] = {
     "optim.eps": "Adam's epsilon.",
     "optim.grad_clip": "Clip the gradient's global norm to this; 0: off.",
     "optim.allow_bf16_underflow": "Train with `model.param_dtype=bfloat16` at an `optim.lr` under "
-    "0.02 x 2^-9 = 3.9e-5 (`config.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
+    "0.02 x 2^-9 = 3.9e-5 (`config_choices.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
     "step) is then under half the bf16 spacing of every weight of magnitude 0.02 or more, so it "
     "rounds away and the weights do not move.",
     # mesh
