@@ -21,6 +21,7 @@ from cppo_jax.config_choices import (
     BF16_MIN_LR,
     BF16_TYPICAL_WEIGHT,
     GROUP_METRICS,
+    LORA_PUSHES,
     LOSS_TYPES,
     METRICS,
     PROMPT_FORMATS,
@@ -104,10 +105,12 @@ class RolloutConfig:
     overlap: int = 0
     weight_sync: str = "auto"
     full_push_every: int = 10
+    lora_push: str = "auto"  # model.lora with vLLM: push the adapter only, or merged weights
 
     def __post_init__(self):
         _choice("rollout.backend", self.backend, BACKENDS)
         _choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _choice("rollout.lora_push", self.lora_push, LORA_PUSHES)
         _check(self.full_push_every >= 1, "rollout.full_push_every", self.full_push_every, ">= 1")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")

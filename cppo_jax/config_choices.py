@@ -29,6 +29,8 @@ ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
 BACKENDS = ("embedded", "vllm")
 # rollout.weight_sync: how the vLLM backend pushes weights (docs/vllm.md, "Weight sync routes")
 WEIGHT_SYNCS = ("auto", "file", "protocol")
+# rollout.lora_push: what a LoRA run pushes to vLLM (docs/vllm.md, "LoRA runs")
+LORA_PUSHES = ("auto", "adapter", "merged")
 # cppo.metric: what is pruned
 METRICS = ("smallest", "largest", "random", "max_variance", "proportional", "dppo")
 GROUP_METRICS = ("max_variance", "proportional", "dppo")  # rules within each question's group only

@@ -186,6 +186,11 @@ class Trainer:
                 self.graphdef, self.tx, self.spec, self.mesh, self.frozen, self.shapes.M
             )
             self._merge = jax.jit(lora_lib.merge_weights, static_argnums=2)
+            if hasattr(
+                self.backend, "attach_lora"
+            ):  # vLLM: adapter-only pushes (rollout.lora_push)
+                parts = (self.train_graphdef, self.frozen, lambda: self.params, self.model_path)
+                self.backend.attach_lora(*parts)
 
         # Rewards (the training ones, plus each evaluation rule, run only when evaluating), logs, checkpoints.
         # Metrics name a reward by its registered name, else by its function's name (as TRL).

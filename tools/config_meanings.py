@@ -118,6 +118,12 @@ MEANINGS: dict[str, str] = {
     "rollout.full_push_every": "With `rollout.weight_sync` = protocol: every this many pushes one is full, "
     "the others send only the elements whose serving-dtype value changed since the last confirmed push; "
     "a refused check forces a full push. 1: every push is full.",
+    "rollout.lora_push": "With `model.lora.enabled` and the vLLM backend: `adapter` pushes only the "
+    "adapters (a PEFT folder of float32 A and B, about 1/50 to 1/200 of the merged bf16 weights), loaded "
+    "under a new name `cppo-lora-<n>` per push so the prefix cache never mixes versions; the server must "
+    "run with `--enable-lora --max-lora-rank` >= `model.lora.rank` (VLLM_LORA_RANK, launch/vllm_server.sh). "
+    "`merged` pushes the merged weights by `rollout.weight_sync` (any server; needed with several "
+    "trainer processes). `auto`: adapter when the server has LoRA enabled, else merged (docs/lora.md).",
     "rollout.overlap": "1: generate the next step's completions (with the current weights) while the "
     "current step trains; they are trained on one update later, with the sampling weights' log-probs "
     "as the old policy. vLLM backend only.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ __all__ = [
     "default_probe_ids",
     "probe_fn",
     "probe_tolerance",
+    "push_bytes",
     "serving_graphdef",
 ]
 
@@ -94,3 +96,13 @@ def serving_graphdef(model_cfg, dtype: str):
         )
     cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype, remat=False)
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
+
+
+def push_bytes(model_cfg, dtype: str) -> int:
+    """Bytes of tensor data one push writes for a model of config `model_cfg` in `dtype` (the safetensors
+    header, a few KB, aside): every parameter, plus the `lm_head.weight` copy of a tied embedding."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    if model_cfg.tie_word_embeddings:
+        n += model_cfg.vocab_size * model_cfg.hidden_size
+    return n * jnp.dtype(DTYPES[dtype]).itemsize
