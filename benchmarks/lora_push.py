@@ -94,7 +94,7 @@ def measure(
                 probe_tol=probe_tol,
             )
             backend = VLLMBackend(cfg, graphdef, sp, work / f"{name}_{route}")
-            backend.attach_lora(train_graphdef, frozen, lambda: latest[-1], model_dir)
+            backend.attach_lora(train_graphdef, frozen, lambda: latest[-1])
             out = []
             for i, version in enumerate(versions):  # the first push compiles the probe: not counted
                 latest[-1] = version

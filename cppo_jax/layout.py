@@ -206,11 +206,8 @@ def memory_plan(
     forward_copy = sum(_shard_bytes(shape, names, axis, cb) for _, shape, names in shapes)
     trained = params
     if adapters:  # LoRA: the adapters are trained, the base is frozen in the compute dtype
-        trained = sum(
-            _shard_bytes(shape, names, axis, pb)
-            for path, shape, names in _param_shapes(tcfg)
-            if path in adapters
-        )
+        ad = [s for s in _param_shapes(tcfg) if s[0] in adapters]
+        trained = sum(_shard_bytes(shape, names, axis, pb) for _, shape, names in ad)
         pb = cb  # the base's weights, gathered below, are in the compute dtype
     # FSDP gathers a weight whole along fsdp where it is used: one layer and the vocabulary matrices.
     no_fsdp = {**axis, "fsdp": 1}

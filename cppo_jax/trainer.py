@@ -99,9 +99,7 @@ class Trainer:
             save_config(cfg, self.out_dir / "config.json")
         self.shapes = cppo.shapes_of(cfg)
         path = str(model_path or cfg.model.init_checkpoint or cfg.model.path)
-        self.model_path = (
-            path  # the Hugging Face folder the run starts from (exports keep its fields)
-        )
+        self.model_path = path  # the HF folder the run starts from (exports keep its fields)
         self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer or path)
         # The mesh: questions split whole over (data, fsdp); params sharded by the rules.
         self.mesh = sharding_lib.make_mesh(cfg.mesh)
@@ -186,11 +184,8 @@ class Trainer:
                 self.graphdef, self.tx, self.spec, self.mesh, self.frozen, self.shapes.M
             )
             self._merge = jax.jit(lora_lib.merge_weights, static_argnums=2)
-            if hasattr(
-                self.backend, "attach_lora"
-            ):  # vLLM: adapter-only pushes (rollout.lora_push)
-                parts = (self.train_graphdef, self.frozen, lambda: self.params, self.model_path)
-                self.backend.attach_lora(*parts)
+            if hasattr(self.backend, "attach_lora"):  # vLLM: adapter pushes, rollout.lora_push
+                self.backend.attach_lora(self.train_graphdef, self.frozen, lambda: self.params)
 
         # Rewards (the training ones, plus each evaluation rule, run only when evaluating), logs, checkpoints.
         # Metrics name a reward by its registered name, else by its function's name (as TRL).

@@ -124,10 +124,10 @@ class VLLMBackend:
         self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
         self._lora_parts, self._lora_resolved = None, False
 
-    def attach_lora(self, train_graphdef, frozen, adapters_fn, base_model="") -> None:
+    def attach_lora(self, train_graphdef, frozen, adapters_fn) -> None:
         """A LoRA run: pushes may send the adapters only (`rollout.lora_push`, `vllm_lora.py`).
         `adapters_fn()` gives the current adapters on `frozen`, the base the server started from."""
-        self._lora_parts = (train_graphdef, frozen, adapters_fn, base_model)
+        self._lora_parts = (train_graphdef, frozen, adapters_fn)
 
     def adapter_push(self) -> bool:
         """Whether pushes send the adapters (resolved at the first push; `auto` asks the server)."""

@@ -86,7 +86,7 @@ def make_lora_pusher(
             url=client.url,
         )
     claim_push_folder(weights_dir)
-    return LoraPusher(client, weights_dir / "lora", *parts)
+    return LoraPusher(client, weights_dir / "lora", *parts, base_model=client.model_name())
 
 
 class LoraPusher:
@@ -94,7 +94,7 @@ class LoraPusher:
 
     `train_graphdef`: the LoRA model's graph; `frozen`: its base (the server's own weights);
     `adapters_fn()`: the current adapters (an nnx.State of `LoRAParam`s); `base_model`: recorded in
-    `adapter_config.json`.
+    `adapter_config.json` (the server's name of its base model, its folder).
     """
 
     def __init__(
