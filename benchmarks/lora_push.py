@@ -125,8 +125,8 @@ def report(rows: list[dict], load: tuple[str, str]) -> str:
         "confirmed by the probe check; the first push of each way compiles the check and is not "
         f"counted). Pushes through /dev/shm. 1-minute load average {load[0]} before and {load[1]} "
         "after: the 2-core machine was shared with other jobs. The check's tolerance is derived from "
-        "the dtype except where the table says otherwise (bf16: the derived tolerance refuses right "
-        "merged pushes of these random models by a few percent, docs/vllm.md 'Tests').",
+        "the dtype (in bf16 plus the model's own rounding noise) unless the table gives an absolute "
+        "one (`--bf16-probe-tol`).",
         "",
         "| model | dtype (check tolerance) | rank | adapter params | push | bytes | write (s) "
         "| server load (s) | check (s) | total (s) |",
