@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import step as step_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.models.transformer import Transformer
@@ -55,7 +56,7 @@ def _logps_fn(graphdef, sh, temperature: float = 1.0):
     spec = step_lib.StepSpec.make(
         CPPOConfig(num_generations=sh.G, beta=0.04), sh.P, sh.C, temperature
     )
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-6), 1000)
+    tx = optimizer_lib.make_optimizer(OptimConfig(lr=1e-6), 1000)
     return step_lib.compiled(graphdef, tx, spec)[1]
 
 

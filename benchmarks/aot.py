@@ -87,8 +87,8 @@ def plan_programs(row: dict) -> dict[str, int]:
     """The current plan's figure per program for a stored case (its mesh and micro-batch)."""
     import dataclasses
 
-    from cppo_jax.config import MeshConfig
     from cppo_jax.config_io import load_config
+    from cppo_jax.config_run import MeshConfig
     from cppo_jax.cppo import shapes_of
     from cppo_jax.program_memory import program_bytes
     from cppo_jax.programs import model_config

@@ -40,6 +40,7 @@ def measure(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax import step as step_lib
     from cppo_jax.config import CPPOConfig, OptimConfig
     from cppo_jax.models import TransformerConfig, init_model
@@ -62,7 +63,7 @@ def measure(spec: dict) -> dict:
     Q, G, P, C = 2, 16, spec["prompt"], spec["completion"]
     graphdef, params = nnx.split(init_model(cfg, seed=0))
     spec_ = step_lib.StepSpec.make(CPPOConfig(num_generations=G, beta=0.04), P, C, 1.0)
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-5), 100)
+    tx = optimizer_lib.make_optimizer(OptimConfig(lr=1e-5), 100)
     train_step, logps = step_lib.compiled(graphdef, tx, spec_)
     opt_state = tx.init(params)
     rng = np.random.default_rng(0)

@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 from benchmarks import _gpu_numerics as numerics  # noqa: E402
 from cppo_jax import layout  # noqa: E402
+from cppo_jax import optimizer as optimizer_lib  # noqa: E402
 from cppo_jax import step as step_lib  # noqa: E402
 from cppo_jax.aot import ProgramMemory  # noqa: E402
 from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
@@ -316,7 +317,7 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
         rows = sh.Q * k
         mb = sh.micro_batch if rows > sh.micro_batch else 0
         spec = step_lib.StepSpec.make(algo, sh.P, sh.C, 1.0, micro_batch=mb)
-        tx = step_lib.make_optimizer(optim, 1000)
+        tx = optimizer_lib.make_optimizer(optim, 1000)
         train_step, logps = step_lib.compiled(graphdef, tx, spec)
         p_copy = jax.tree.map(jnp.copy, params)
         opt_state = tx.init(p_copy)

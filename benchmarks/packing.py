@@ -108,6 +108,7 @@ def run_p(p: float, args, lengths, model_cfg) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax import packing
     from cppo_jax import step as step_lib
     from cppo_jax.config import CPPOConfig, OptimConfig
@@ -122,7 +123,9 @@ def run_p(p: float, args, lengths, model_cfg) -> dict:
     R = max(packing.rows_for(v.sum(axis=1), L) for _, v, _ in drawn)
     graphdef, params0 = nnx.split(init_model(model_cfg, seed=0))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=2), P, C, 1.0)
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-5, schedule="constant", warmup_ratio=0.0), 99)
+    tx = optimizer_lib.make_optimizer(
+        OptimConfig(lr=1e-5, schedule="constant", warmup_ratio=0.0), 99
+    )
     train_step, ref_padded = step_lib.compiled(graphdef, tx, spec)
     ref_packed = jax.jit(
         lambda params, b: packed_completion_logps(nnx.merge(graphdef, params), b, spec)

@@ -119,13 +119,12 @@ def bench_config(spec: dict):
         Config,
         CPPOConfig,
         DataConfig,
-        LoggingConfig,
-        ModelConfig,
         OptimConfig,
         RewardConfig,
         RolloutConfig,
-        TrainerConfig,
     )
+    from cppo_jax.config_model import ModelConfig
+    from cppo_jax.config_run import LoggingConfig, TrainerConfig
 
     steps = spec["warmup"] + spec["steps"]
     return Config(

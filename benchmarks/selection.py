@@ -55,7 +55,12 @@ METHODS = {
     "CPPO + zero-variance filter": (P, ["cppo.filter_groups=true", "cppo.filter_oversample=1.5"]),
     "CPPO + GRESO": (P, ["data.skip_zero_variance=true"]),
     "CPPO + overlap + TIS": (P, ["rollout.backend=vllm", "rollout.overlap=1", "cppo.tis_cap=2"]),
+    "DPPO (completions)": (P, ["cppo.metric=dppo"]),
+    "DPPO (prompts + completions)": (0.75, ["cppo.metric=dppo", "cppo.prompt_rate=0.5"]),
 }
+# Rows whose steps are those of another pruning rate: DPPO's prompt pruning at p = 0.75 and
+# r_q = 0.5 rolls out CPPO's 32 questions per step and trains 16 of them, k = 4 each (64 rows).
+STEPS_P = {"DPPO (prompts + completions)": P}
 WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
 DEFAULT_METHODS = [m for m in METHODS if "overlap" not in m]  # overlap needs a vLLM server
 
@@ -152,6 +157,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "sampled": sampled,
             "sampled_sd": sampled_sd,
         }
+        row["measured"] = ", ".join(sorted({r.get("date", "?") for r in sel}))
         for key in ("train_cpu_s", "train_s", "generate_s", "skipped", "dropped"):
             row[key] = statistics.mean(r[key] for r in sel)
         rows.append(row)
@@ -167,7 +173,8 @@ def summarize(runs: list[dict]) -> list[dict]:
         row["reached"] = sum(h is not None for h in reached)
         hits = [h for h in reached if h is not None]
         row["to_grpo_cpu_s"] = statistics.mean(hits) if hits else None
-        row["speedup_cpu"] = grpo["train_cpu_s"] / row["train_cpu_s"]
+        if row["measured"] == grpo["measured"]:  # CPU seconds of other days do not compare
+            row["speedup_cpu"] = grpo["train_cpu_s"] / row["train_cpu_s"]
     return rows
 
 
@@ -195,25 +202,27 @@ def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, a
         + f" ({runs[0]['test_n']} held-out questions).",
         f"- Training: `configs/tiny_cpu.py` settings, G = {args.G}, {args.C} new tokens; "
         f"{args.num_train} training questions, {args.epochs} passes; GRPO b = {args.b} questions per "
-        f"step; the pruned rows p = {P} with allocation (k = 2 of 16 trained per question), the same "
+        f"step; the pruned rows p = {P} with allocation (k = 2 of 16 trained per question; DPPO "
+        "(prompts + completions): p = 0.75 and r_q = 0.5, 16 of the 32 questions rolled out with "
+        "k = 4), the same "
         "steps. Accuracy: held-out greedy (mean +- sd over seeds) and sampled (temperature 1) after "
         "training. Training CPU s: the process's CPU seconds in its steps, compilation removed. "
         "Generation s: wall seconds in rollout. To GRPO's accuracy: training CPU seconds at the "
         "first of 4 evaluation points at or above GRPO's final mean greedy accuracy (mean over the "
         "seeds that reach it; their count in brackets).",
         "",
-        "| method | Q rolled out | U trained | rows trained | steps | accuracy | sampled | "
+        "| method | measured | Q rolled out | U trained | rows trained | steps | accuracy | sampled | "
         "training CPU s | less CPU than GRPO | training wall s | generation s | to GRPO's "
         "accuracy (CPU s) | skipped / dropped questions |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         reach = "n/a" if r.get("reached") is None else "not reached"
         if r["to_grpo_cpu_s"] is not None:
             reach = f"{r['to_grpo_cpu_s']:.1f} ({r['reached']}/{len(r['seeds'])})"
-        speed = f"{r['speedup_cpu']:.2f}x" if "speedup_cpu" in r else "n/a"
+        speed = f"{r['speedup_cpu']:.2f}x" if "speedup_cpu" in r else "n/a (other day)"
         lines.append(
-            f"| {r['method']} | {r['Q']} | {r['U']} | {r['M']} | {r['steps']} | "
+            f"| {r['method']} | {r['measured']} | {r['Q']} | {r['U']} | {r['M']} | {r['steps']} | "
             f"{_pct(r['accuracy'], r['accuracy_sd'])} | {_pct(r['sampled'], r['sampled_sd'])} | "
             f"{r['train_cpu_s']:.1f} | {speed} | {r['train_s']:.1f} | {r['generate_s']:.1f} | "
             f"{reach} | {r['skipped']:.0f} / {r['dropped']:.0f} |"
@@ -281,7 +290,10 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
                     "evaluate_before": seed == args.seeds[0],
                     "out_dir": str(work / "runs"),
                     "name": f"{method.split()[0]}_{len(specs)}",
-                    "overrides": [*overrides, f"trainer.steps={_steps(args, p)}"],
+                    "overrides": [
+                        *overrides,
+                        f"trainer.steps={_steps(args, STEPS_P.get(method, p))}",
+                    ],
                 }
             )
 
@@ -294,7 +306,7 @@ def measure(args, raw: Path) -> tuple[list[dict], dict]:
         max_workers=1 if args.in_process else args.jobs
     ) as pool:
         for future in concurrent.futures.as_completed([pool.submit(one, s) for s in specs]):
-            r = future.result()
+            r = dict(future.result(), date=info["date"])
             runs.append(r)
             raw.write_text(json.dumps({"runs": runs, "info": info}, indent=1) + "\n")
             print(

@@ -5,7 +5,7 @@ The 20.7M-parameter float32 model of benchmarks/phase_speedup.py (random weights
 gradient clip on), four jitted programs timed side by side in one process:
 
 - `train step`: `step.compiled(...)`'s train step, params and optimizer state donated (as the trainer);
-- `update only`: the same step without the loss and gradient (`step.apply_update` on given gradients:
+- `update only`: the same step without the loss and gradient (`optimizer.apply_update` on given gradients:
   the clip, the finiteness check, AdamW and the skip), donated the same way;
 - `optax update (before)`: the update as `train_step` did it before it was fused (optax's
   `clip_by_global_norm` + `adamw` chain, `apply_updates`, a finiteness pass over the gradients, a
@@ -72,6 +72,7 @@ def build(quick: bool):
     from flax import nnx
 
     from benchmarks import phase_speedup
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax import step as step_lib
     from cppo_jax.config import CPPOConfig, OptimConfig
     from cppo_jax.models import init_model
@@ -81,7 +82,9 @@ def build(quick: bool):
     graphdef, params = nnx.split(model)
     n_params = int(sum(x.size for x in jax.tree.leaves(params)))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0)
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-6, schedule="constant", warmup_ratio=0.0), 100)
+    tx = optimizer_lib.make_optimizer(
+        OptimConfig(lr=1e-6, schedule="constant", warmup_ratio=0.0), 100
+    )
     vocab = mcfg.vocab_size
     keys = jax.random.split(jax.random.key(0), 4)
     tokens = jax.random.randint(keys[0], (M, P + C), 3, vocab, dtype=jnp.int32)
@@ -124,6 +127,7 @@ def run(args) -> dict:
     import jax
 
     from benchmarks import _common
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax import step as step_lib
 
     load_before = _common.load_average()
@@ -134,7 +138,7 @@ def run(args) -> dict:
     loss, _, grads, _ = grads_fn(params, batch)
     grads = jax.block_until_ready(grads)
     step, _ = step_lib.compiled(graphdef, tx, spec)
-    update = jax.jit(functools.partial(step_lib.apply_update, tx=tx), donate_argnums=(0, 1))
+    update = jax.jit(functools.partial(optimizer_lib.apply_update, tx=tx), donate_argnums=(0, 1))
     before = jax.jit(functools.partial(optax_update, tx=tx), donate_argnums=(0, 1))
 
     rows = {}

@@ -171,13 +171,12 @@ def cppo_config(size: dict, model_dir: Path, out_dir: Path, name: str, pruning_r
         Config,
         CPPOConfig,
         DataConfig,
-        LoggingConfig,
-        ModelConfig,
         OptimConfig,
         RewardConfig,
         RolloutConfig,
-        TrainerConfig,
     )
+    from cppo_jax.config_model import ModelConfig
+    from cppo_jax.config_run import LoggingConfig, TrainerConfig
 
     return Config(
         model=ModelConfig(init_checkpoint=str(model_dir)),

@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 
 __all__ = [
     "AotError",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from cppo_jax.aot import Compiled, compile_program, compile_run, target_devices
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
     `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; when none does, or
     without a memory size, the layout of the smallest peak."""
     from cppo_jax import layout
-    from cppo_jax.config import MeshConfig
+    from cppo_jax.config_run import MeshConfig
     from cppo_jax.cppo import shapes_of
     from cppo_jax.program_memory import run_peak
     from cppo_jax.programs import model_config

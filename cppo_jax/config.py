@@ -2,187 +2,46 @@
 
 `Config` holds one section per concern (model, data, rollout, cppo, reward, optim, mesh, trainer, eval,
 logging). Every value a user can get wrong is checked in its section's `__post_init__`, and the error
-(`ConfigError`) names the key, the value and what is allowed. The allowed values of the choice keys are
-the constants below, which the modules that act on them import (one list each). Config files, overrides
-and `config.json` are read and written by `cppo_jax.config_io`. Host code: imports no JAX.
+(`ConfigError`) names the key, the value and what is allowed. The sections of data, rollout, cppo,
+reward and optim are here; the model's are in `cppo_jax.config_model`, the mesh's, trainer's, eval's and
+logging's in `cppo_jax.config_run`. The allowed values of the choice keys are the constants of
+`cppo_jax.config_choices`, which the modules that act on them import (one list each). Config files,
+overrides and `config.json` are read and written by `cppo_jax.config_io`. Host code: imports no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import warnings
-from typing import Any
 
-REQUIRED_PREFIX = "<required"  # a config value starting with this must be overridden before a run
+from cppo_jax.config_choices import (
+    ADV_SCALES,
+    ANSWER_FORMATS,
+    BACKENDS,
+    BF16_MIN_LR,
+    BF16_TYPICAL_WEIGHT,
+    GROUP_METRICS,
+    LORA_PUSHES,
+    LOSS_TYPES,
+    METRICS,
+    PROMPT_FORMATS,
+    RENAMED_SCOPES,
+    SCHEDULES,
+    SCOPES,
+    TASKS,
+    WEIGHT_SYNCS,
+    ConfigError,
+    _check,
+    _choice,
+    renamed,
+)
 
-# The allowed values of the choice keys (imported by the modules that act on them).
-TASKS = ("arith", "gsm8k", "math")  # data.task: prompt, rewards and answer format
-ARCHS = ("qwen2", "llama")
-DTYPES = ("float32", "bfloat16")
-# How a whole sequence attends (models.config.TransformerConfig.attention explains each).
-ATTENTION_KINDS = ("einsum", "xla", "cudnn", "splash")
-# model.remat: what each decoder layer keeps for its backward pass (tools/config_meanings.py says
-# what each keeps); the booleans of older configs name the two that ran before: true -> "full",
-# false -> "dots_saveable".
-REMAT_POLICIES = ("save_all", "full", "minimal", "dots_saveable")
-PROMPT_FORMATS = ("chat", "plain")
-ANSWER_FORMATS = ("auto", "boxed", "last_number", "whole")
-BACKENDS = ("embedded", "vllm")
-# rollout.weight_sync: how the vLLM backend pushes weights (docs/vllm.md, "Weight sync routes")
-WEIGHT_SYNCS = ("auto", "file", "protocol")
-# cppo.metric: what is pruned
-METRICS = ("smallest", "largest", "random", "max_variance", "proportional")
-GROUP_METRICS = ("max_variance", "proportional")  # rules within each question's group only
-SCOPES = ("question", "slice", "batch")  # cppo.scope: over what the top-k runs
-# Names that changed, still read (with a FutureWarning): a saved config.json or an old override keeps working.
-RENAMED_KEYS = {"cppo.processes": "cppo.slices"}  # key -> its name now
-RENAMED_SCOPES = {"process": "slice"}  # cppo.scope value -> its name now
-ADV_SCALES = ("group", "batch", "none")
-LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo")
-# With model.param_dtype=bfloat16, the smallest optim.lr an update survives: bf16 keeps 8 significant
-# bits, so a weight w is stored to a spacing of at least |w| 2^-8, and an update under half of it,
-# |w| 2^-9, rounds back to w. AdamW moves each weight by about lr per step; at the magnitude of a
-# typical weight (0.02: the N(0, 0.02) init of models/transformer.py and Hugging Face's
-# initializer_range) a smaller lr leaves every weight of at least that size unchanged.
-BF16_TYPICAL_WEIGHT = 0.02
-BF16_MIN_LR = BF16_TYPICAL_WEIGHT * 2**-9  # 3.9e-5
-SCHEDULES = ("cosine", "constant", "linear")
-EVAL_RULES = ("released", "strict")  # eval.rule: the two accuracy rules, always both reported
-# model.lora.targets: the decoder projections an adapter can be put on (attention's q, k, v, o and
-# the MLP's gate, up, down; PEFT's q_proj ... down_proj).
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-class ConfigError(ValueError):
-    """A config value, key or file is wrong; the message names the culprit."""
-
-
-def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"config key '{key}' = {value!r} is invalid: allowed {allowed}")
-
-
-def _choice(key: str, value: Any, options: tuple[str, ...]) -> None:
-    _check(value in options, key, value, "one of " + ", ".join(repr(o) for o in options))
-
-
-def renamed(old: str, new: str) -> None:
-    """Say (a FutureWarning, shown by default) that `old` is read as `new`, the name it has now."""
-    warnings.warn(
-        f"config: {old!r} is an old name, read as {new!r}; write {new!r}",
-        FutureWarning,
-        stacklevel=3,
-    )
-
-
-def remat_policy(value: str | bool) -> str | bool:
-    """`model.remat` with an older config's boolean (a file's, or an override's text) named."""
-    if isinstance(value, bool) or value in ("true", "false"):
-        return "full" if value in (True, "true") else "dots_saveable"
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class ArchConfig:
-    """Architecture of a randomly initialised model (used when `model.path` is empty)."""
-
-    arch: str = "qwen2"
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 512
-
-    def __post_init__(self):
-        _choice("model.arch.arch", self.arch, ARCHS)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
-            _check(getattr(self, name) > 0, f"model.arch.{name}", getattr(self, name), "> 0")
-        _check(
-            self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
-            "model.arch.num_kv_heads",
-            self.num_kv_heads,
-            f"a positive divisor of num_heads={self.num_heads}",
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """Low-rank adapters (LoRA) on the decoder's projections: W x + (alpha / rank) B A x, the base W
-    frozen and only A [in, rank], B [rank, out] (B zero at the start) trained. `enabled=false`
-    (default): full fine-tuning. The rank is also checked against each target's width when the
-    model is built (`models.lora.check`)."""
-
-    enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = LORA_TARGETS  # any of LORA_TARGETS
-    dropout: float = 0.0  # only 0 (the RL peers' setting): the forward is deterministic
-
-    def __post_init__(self):
-        object.__setattr__(self, "targets", tuple(self.targets))
-        _check(
-            isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0,
-            "model.lora.rank",
-            self.rank,
-            "a positive integer",
-        )
-        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "> 0")
-        _check(self.dropout == 0, "model.lora.dropout", self.dropout, "0 (no dropout)")
-        for t in self.targets:
-            _choice("model.lora.targets", t, LORA_TARGETS)
-        _check(
-            len(self.targets) > 0 and len(set(self.targets)) == len(self.targets),
-            "model.lora.targets",
-            self.targets,
-            "a non-empty list without repeats",
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    path: str = ""  # a local Hugging Face folder; never a hub name (nothing is downloaded)
-    tokenizer: str = ""  # defaults to `path`
-    init_checkpoint: str = ""  # a warm-start HF folder to start the policy (and reference) from
-    warm_start: str = ""  # an SFT config file that creates `init_checkpoint` when it is missing
-    arch: ArchConfig = ArchConfig()
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    remat: str | bool = (
-        "dots_saveable"  # REMAT_POLICIES; a boolean: true = full, false = dots_saveable
-    )
-    scan_layers: bool = True  # layers under one lax.scan (compiled once); false: unrolled
-    # The sampler's cached steps always use einsum; xla is jax.nn.dot_product_attention anywhere.
-    attention: str = "einsum"  # einsum (ours), cudnn (GPU kernel, bf16), splash (TPU), xla
-    lora: LoraConfig = LoraConfig()  # low-rank adapters on a frozen base (off by default)
-
-    def __post_init__(self):
-        _choice("model.dtype", self.dtype, DTYPES)
-        _choice("model.param_dtype", self.param_dtype, DTYPES)
-        _choice("model.attention", self.attention, ATTENTION_KINDS)
-        object.__setattr__(self, "remat", remat_policy(self.remat))
-        _choice("model.remat", self.remat, REMAT_POLICIES)
-        if self.attention == "cudnn" and self.dtype != "bfloat16":
-            raise ConfigError(
-                f"model.attention=cudnn needs model.dtype=bfloat16 (cuDNN's fused attention takes "
-                f"16-bit inputs), got model.dtype={self.dtype}"
-            )
-
-    @property
-    def start_folder(self) -> str:
-        """The folder the policy (and the reference) start from: `init_checkpoint`, else `path`."""
-        return self.init_checkpoint or self.path
-
-    @property
-    def tokenizer_folder(self) -> str:
-        return self.tokenizer or self.start_folder
+# Config files (configs/*.py, the notebooks) import every section from this module, the documented way
+# to write a config: the sections defined elsewhere are re-exported (`X as X`) for them.
+from cppo_jax.config_model import ArchConfig as ArchConfig
+from cppo_jax.config_model import LoraConfig as LoraConfig
+from cppo_jax.config_model import ModelConfig
+from cppo_jax.config_run import EvalConfig, LoggingConfig, MeshConfig, TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,10 +105,12 @@ class RolloutConfig:
     overlap: int = 0
     weight_sync: str = "auto"
     full_push_every: int = 10
+    lora_push: str = "auto"  # model.lora with vLLM: push the adapter only, or merged weights
 
     def __post_init__(self):
         _choice("rollout.backend", self.backend, BACKENDS)
         _choice("rollout.weight_sync", self.weight_sync, WEIGHT_SYNCS)
+        _choice("rollout.lora_push", self.lora_push, LORA_PUSHES)
         _check(self.full_push_every >= 1, "rollout.full_push_every", self.full_push_every, ">= 1")
         _check(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "> 0")
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
@@ -294,6 +155,7 @@ class CPPOConfig:
     filter_groups: bool = False  # train the groups with reward variance first (DAPO, static)
     filter_oversample: float = 2.0  # filter_groups: roll out floor(this * trained) questions
     tis_cap: float = 0.0  # truncated importance sampling: cap of pi_old / pi_sampler; 0: off
+    prompt_rate: float = 0.0  # metric="dppo": DPPO's r_q, the rolled-out questions not trained
 
     def __post_init__(self):
         _check(self.num_generations >= 2, "cppo.num_generations", self.num_generations, ">= 2")
@@ -315,6 +177,18 @@ class CPPOConfig:
             self.filter_oversample >= 1, "cppo.filter_oversample", self.filter_oversample, ">= 1"
         )
         _check(self.slices >= 1, "cppo.slices", self.slices, ">= 1")
+        _check(0 <= self.prompt_rate < 1, "cppo.prompt_rate", self.prompt_rate, "in [0, 1)")
+        if self.prompt_rate and self.metric != "dppo":
+            raise ConfigError(
+                f"config key 'cppo.prompt_rate' = {self.prompt_rate} prunes questions by DPPO's "
+                f"rule: it needs cppo.metric='dppo', not {self.metric!r}"
+            )
+        if self.metric == "dppo" and self.filter_groups:
+            raise ConfigError(
+                "config key 'cppo.filter_groups' = True is refused with cppo.metric='dppo': its "
+                "deterministic choice of groups would bias DPPO's estimator (DPPO never trains a "
+                "zero-variance group when it prunes questions: use cppo.prompt_rate instead)"
+            )
         _choice("cppo.adv_scale", self.adv_scale, ADV_SCALES)
         if self.loss_type == "dapo":
             raise ConfigError(
@@ -383,152 +257,6 @@ class OptimConfig:
         _check(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio, "in [0, 1)")
         _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
         _check(self.grad_clip >= 0, "optim.grad_clip", self.grad_clip, ">= 0 (0 is off)")
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Axis sizes of the device mesh; -1 means "the rest of the devices"."""
-
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-
-    def __post_init__(self):
-        sizes = (self.data, self.fsdp, self.tensor)
-        for name, size in zip(("data", "fsdp", "tensor"), sizes):
-            _check(size == -1 or size >= 1, f"mesh.{name}", size, ">= 1 or -1 (the rest)")
-        _check(sizes.count(-1) <= 1, "mesh", sizes, "at most one axis of size -1")
-
-    def sizes(self, num_devices: int) -> dict[str, int]:
-        """The axis sizes on `num_devices` devices, -1 resolved to the rest (what the mesh of a run
-        and of a plan get); a `ConfigError` naming the keys when they do not fit the devices."""
-        sizes = dataclasses.asdict(self)  # axis name -> size, in the mesh's order
-        fixed = math.prod(v for v in sizes.values() if v != -1)
-        given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
-        if -1 in sizes.values():
-            if num_devices % fixed:
-                raise ConfigError(
-                    f"{given}: the fixed axes ({fixed} devices) do not divide the {num_devices} "
-                    f"devices; choose mesh sizes whose product divides {num_devices}"
-                )
-            return {k: (num_devices // fixed if v == -1 else v) for k, v in sizes.items()}
-        if fixed != num_devices:
-            raise ConfigError(
-                f"{given} = {fixed} devices, but there are {num_devices}; set the sizes so their "
-                f"product is {num_devices} (one of them may be -1: the rest)"
-            )
-        return sizes
-
-
-MESH_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))  # the mesh's axes, in order
-
-_REMOTE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # gs://, s3://, hdfs://, file://, ...
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    steps: int = 0  # 0: one pass over the training questions
-    seed: int = 0
-    out_dir: str = "runs"
-    run_name: str = "run"
-    resume: bool = False
-    checkpoint_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    eval_every: int = 0  # 0: only before and after training
-    eval_size: int = 0  # 0: the whole test split
-    micro_batch: int = 0  # sequences per forward/backward; 0: all kept sequences at once
-    # Packed rows (cppo_jax/packing.py): the kept sequences' real tokens placed into pack_rows rows
-    # of pack_len tokens (first-fit decreasing), one segment each; static per run.
-    pack: bool = False
-    pack_rows: int = 0  # 0: the kept sequences M (always fits, no saving); set it to gain
-    pack_len: int = 0  # 0: P + C (any sequence fits)
-    max_nan_streak: int = 3
-    dry_run: bool = False
-    profile_steps: tuple[int, ...] = ()
-    # Persistent XLA compilation cache: "auto" ($JAX_COMPILATION_CACHE_DIR when set, else
-    # ~/.cache/cppo_jax/xla), a folder, or "none". A repeated or resumed run skips its compiles.
-    compile_cache_dir: str = "auto"
-
-    def __post_init__(self):
-        _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
-        _check(
-            not _REMOTE_URL.match(self.out_dir),
-            "trainer.out_dir",
-            self.out_dir,
-            "a folder path; remote URLs (gs://, s3://, ...) are not written to: mount the bucket "
-            "(e.g. gcsfuse, s3fs) and give the mount's path",
-        )
-        _check(bool(self.run_name), "trainer.run_name", self.run_name, "a non-empty name")
-        _check(
-            "/" not in self.run_name and ".." not in self.run_name,
-            "trainer.run_name",
-            self.run_name,
-            "a plain folder name (no '/' or '..')",
-        )
-        _check(
-            self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, ">= 1"
-        )
-        _check(self.log_every >= 1, "trainer.log_every", self.log_every, ">= 1")
-        _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
-        _check(self.pack_rows >= 0, "trainer.pack_rows", self.pack_rows, ">= 0")
-        _check(
-            self.pack_len in (0,) or self.pack_len >= 2,
-            "trainer.pack_len",
-            self.pack_len,
-            "0 or >= 2",
-        )
-        _check(
-            not (self.pack and self.micro_batch),
-            "trainer.micro_batch",
-            self.micro_batch,
-            "0 with trainer.pack=true (all kept sequences are packed into one forward)",
-        )
-        _check(self.max_nan_streak >= 1, "trainer.max_nan_streak", self.max_nan_streak, ">= 1")
-        _check(
-            len(self.profile_steps) in (0, 2),
-            "trainer.profile_steps",
-            self.profile_steps,
-            "[] or [first, last]",
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    rule: str = (
-        "strict"  # the headline accuracy: "released" (spec section 4) or "strict" (reward > 0)
-    )
-    samples: int = (
-        0  # python -m cppo_jax.evaluate: completions per question (0: each benchmark's own)
-    )
-    temperature: float | None = None  # its sampling temperature (None: each benchmark's own)
-    top_p: float | None = None  # its top-p (None: each benchmark's own)
-
-    def __post_init__(self):
-        _choice("eval.rule", self.rule, EVAL_RULES)
-        _check(self.samples >= 0, "eval.samples", self.samples, ">= 0")
-        t, p = self.temperature, self.top_p
-        _check(t is None or t >= 0, "eval.temperature", t, "None or >= 0")
-        _check(p is None or 0 < p <= 1, "eval.top_p", p, "None or in (0, 1]")
-
-
-WANDB_MODES = ("online", "offline")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggingConfig:
-    progress: bool = True
-    tensorboard: bool = True
-    samples_per_log: int = 2
-    plot: bool = True
-    wandb: bool = False  # Weights & Biases (pip install wandb): metrics and evaluations
-    wandb_project: str = "cppo_jax"
-    wandb_entity: str | None = None  # None: the account's default
-    wandb_mode: str = "online"  # or "offline": written under the run folder, `wandb sync` later
-
-    def __post_init__(self):
-        _choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
-        _check(bool(self.wandb_project), "logging.wandb_project", self.wandb_project, "a name")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from cppo_jax.config import RENAMED_KEYS, Config, ConfigError, _choice, renamed
+from cppo_jax.config import Config
+from cppo_jax.config_choices import RENAMED_KEYS, ConfigError, _choice, renamed
 
 
 def _hints(cls) -> dict[str, Any]:

@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cppo_jax import selection
+from cppo_jax import dppo, selection
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import ADV_SCALES, GROUP_METRICS, METRICS, Config, ConfigError, CPPOConfig
+from cppo_jax.config import Config, CPPOConfig
+from cppo_jax.config_choices import ADV_SCALES, GROUP_METRICS, METRICS, ConfigError
 
 
 def _as_fraction(p) -> Fraction:
@@ -157,10 +158,9 @@ def keep_indices(
     metric: "smallest" drops the smallest |A| (keeps the k largest), "largest" drops the largest
     |A| (keeps the k smallest), "random" keeps k uniformly without replacement (needs rng),
     "max_variance" keeps the k whose advantages (so rewards: one affine map per group) vary most,
-    "proportional" draws k with replacement with probability |A| / sum |A| (needs rng; train them
-    with `selection.proportional_advantages`). Ties in |A| keep the lower index first. k is a
-    static Python int.
-    """
+    "proportional" k with replacement, with probability |A| / sum |A|, "dppo" k distinct, with
+    probability ~ |A| (both need rng; train them with `selection.proportional_advantages`,
+    `dppo.trained_advantages`). Ties in |A| keep the lower index first. k: a static Python int."""
     if adv_QG.ndim != 2:
         raise ValueError(f"adv_QG must be [Q, G], got shape {adv_QG.shape}")
     G = adv_QG.shape[1]
@@ -168,10 +168,11 @@ def keep_indices(
     _check_k(k, G)
     if metric == "max_variance":
         return selection.max_variance_indices(adv_QG, k)
-    if metric == "proportional":
+    if metric in ("proportional", "dppo"):
         if rng is None:
-            raise ValueError('metric="proportional" needs an rng key (rng=jax.random.key(...))')
-        return selection.proportional_indices(adv_QG, k, rng)
+            raise ValueError(f'metric="{metric}" needs an rng key (rng=jax.random.key(...))')
+        draw = dppo.completion_indices if metric == "dppo" else selection.proportional_indices
+        return draw(adv_QG, k, rng)
     rank_QG = _rank(adv_QG, metric, rng)
     return jnp.sort(rank_QG[:, :k], axis=1)
 
@@ -247,7 +248,8 @@ class Shapes:
 def step_shapes(algo: CPPOConfig, prompt_len: int, completion_len: int) -> Shapes:
     """Q, G, k, M and U of `algo` (exact arithmetic) with P prompt and C completion slots."""
     U = num_questions(algo.questions_per_step, algo.pruning_rate, algo.allocation)
-    Q = math.floor(U * _as_fraction(algo.filter_oversample)) if algo.filter_groups else U
+    over = 1 / (1 - _as_fraction(algo.prompt_rate))  # DPPO's prompt pruning (1 when r_q = 0)
+    Q = math.floor(U * (_as_fraction(algo.filter_oversample) if algo.filter_groups else over))
     G = algo.num_generations
     k = num_kept(G, algo.pruning_rate)
     if algo.scope == "question":
@@ -300,13 +302,14 @@ def prune(
     """Steps 4-5 of a CPPO step as one compiled program: advantages, selection, the kept batch.
 
     With `cppo.filter_groups` the U of the Q groups whose rewards vary are taken first
-    (`selection.informative_groups`, a gather across the mesh); otherwise U = Q, every group.
-    Question scope keeps k per question inside its own group: with the questions split over the
-    mesh's data axes every device prunes its own questions and nothing crosses devices. Slice
-    scope ranks each of `algo.slices` slices of the step together, batch scope the whole step
-    (a global gather). `key` drives `metric="random"` and `"proportional"`. Shapes are static: new
-    data never compiles. Below, n = U * G: the completions of the trained groups. `logp_NC` (the
-    sampler's log-probs, for `cppo.tis_cap`) is gathered like the tokens when given.
+    (`selection.informative_groups`, a gather across the mesh), with `cppo.prompt_rate` drawn by
+    `dppo.prompt_indices`; otherwise U = Q. Question scope keeps k per question inside its own
+    group: with the questions split over the mesh's data axes every device prunes its own
+    questions and nothing crosses devices. Slice scope ranks each of `algo.slices` slices of the
+    step together, batch scope the whole step (a global gather). `key` drives `metric="random"`,
+    `"proportional"` and `"dppo"`. Shapes are static: new data never compiles. Below, n = U * G:
+    the completions of the trained groups. `logp_NC` (the sampler's log-probs, for `cppo.tis_cap`)
+    is gathered like the tokens when given.
     """
     U, G, M = shapes.U, shapes.G, shapes.M
     with sharding_lib.use_mesh(mesh):
@@ -314,8 +317,10 @@ def prune(
         rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N = map(
             by_row, (rewards_QG, prompt_QP, pvalid_QP, tokens_NC, cvalid_NC, finished_N)
         )
-        if algo.filter_groups:
-            groups_U = selection.informative_groups(rewards_QG, U)
+        adv_QG = group_advantages(rewards_QG, scale=algo.adv_scale, eps=algo.adv_eps)
+        if subset := U < shapes.Q:  # U of the Q groups trained: DPPO's draw, or filtered
+            by_dppo = dppo.prompt_indices(adv_QG, U, jax.random.fold_in(key, 1))
+            groups_U = by_dppo if algo.prompt_rate else selection.informative_groups(rewards_QG, U)
             rows_n = (groups_U[:, None] * G + jnp.arange(G, dtype=jnp.int32)).reshape(-1)
             rewards_UG, prompt_UP, pvalid_UP = (
                 x[groups_U] for x in (rewards_QG, prompt_QP, pvalid_QP)
@@ -332,6 +337,8 @@ def prune(
         trained_UG = adv_UG  # the advantage a kept completion trains with
         if algo.metric == "proportional":
             trained_UG = selection.proportional_advantages(adv_UG, shapes.k)
+        elif algo.metric == "dppo":  # estimates the mean over all Q rolled-out groups
+            adv_UG, trained_UG = dppo.trained_advantages(adv_QG, groups_U, shapes.k)
         if algo.scope == "question":
             idx_UK = keep_indices(adv_UG, shapes.k, metric=algo.metric, rng=key)
             kept_n = idx_UK + jnp.arange(U)[:, None] * G
@@ -363,7 +370,7 @@ def prune(
             pick(trained_UG.reshape(-1)),
         )
         if logp_NC is not None:
-            logp_nC = by_row(logp_NC)[rows_n] if algo.filter_groups else by_row(logp_NC)
+            logp_nC = by_row(logp_NC)[rows_n] if subset else by_row(logp_NC)
             out += (pick(logp_nC),)
         if mesh is not None:
             b_sh = sharding_lib.batch_sharding(mesh, M)

@@ -16,7 +16,8 @@ import time
 import numpy as np
 
 from cppo_jax import pipeline
-from cppo_jax.config import EVAL_RULES, Config
+from cppo_jax.config import Config
+from cppo_jax.config_choices import EVAL_RULES
 from cppo_jax.eval_checkpoint import EvaluationError, Policy
 from cppo_jax.rewards.registry import TASK_EVAL, TASK_REWARDS
 

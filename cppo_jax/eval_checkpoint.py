@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import from_dict
 
 __all__ = [

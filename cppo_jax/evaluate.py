@@ -57,7 +57,8 @@ import sys
 from pathlib import Path
 
 from cppo_jax import eval_report
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import apply_overrides, load_config
 from cppo_jax.eval_benchmarks import (
     BENCHMARKS,

@@ -24,12 +24,14 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from cppo_jax import step as step_lib
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import from_dict
 from cppo_jax.models import lora_state
-from cppo_jax.models.hf_io import load_hf, read_hf_config, save_hf
+from cppo_jax.models.hf_io import load_hf, save_hf
+from cppo_jax.models.hf_read import read_hf_config
 from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.models.transformer import Transformer
 
@@ -68,7 +70,7 @@ def abstract_state(cfg: Config, source: str | Path) -> tuple[nnx.GraphDef, dict]
         graphdef, params, _ = lora_state.split(abstract)
     else:
         graphdef, params = nnx.split(abstract)
-    opt_state = jax.eval_shape(step_lib.make_optimizer(cfg.optim, 1).init, params)
+    opt_state = jax.eval_shape(optimizer_lib.make_optimizer(cfg.optim, 1).init, params)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
     return graphdef, jax.tree.map(place, {"params": params, "opt_state": opt_state})

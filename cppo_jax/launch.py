@@ -23,7 +23,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
 from cppo_jax.config_io import load_config
 
 MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"
@@ -64,7 +65,8 @@ def _check_weights(folder: Path, key: str) -> None:
 
     from safetensors import safe_open
 
-    from cppo_jax.models.hf_io import INDEX_FILE, SINGLE_FILE, name_table, read_hf_config
+    from cppo_jax.models.hf_io import name_table
+    from cppo_jax.models.hf_read import INDEX_FILE, SINGLE_FILE, read_hf_config
 
     try:
         tcfg = read_hf_config(folder)

@@ -14,7 +14,9 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config import BF16_MIN_LR, MESH_AXES, Config
+from cppo_jax.config import Config
+from cppo_jax.config_choices import BF16_MIN_LR
+from cppo_jax.config_run import MESH_AXES
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
@@ -66,6 +68,8 @@ class MemoryPlan:
     device_bytes: int | None = None
     unsharded: tuple[Unsharded, ...] = ()  # axes that do not divide a dimension they should shard
     snapshot: int = 0  # rollout.overlap: the params that sample the next step, in the compute dtype
+    frozen: int = 0  # model.lora: the frozen base, in the compute dtype (params: the adapters)
+    merged: int = 0  # model.lora: the merged weights each rollout makes, in the compute dtype
 
     @property
     def activations(self) -> int:
@@ -73,7 +77,7 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        return self.params + self.opt_state + self.reference + self.snapshot
+        return self.params + self.opt_state + self.reference + self.snapshot + self.frozen
 
     @property
     def train_peak(self) -> int:
@@ -81,7 +85,7 @@ class MemoryPlan:
 
     @property
     def rollout_peak(self) -> int:
-        return self.resident + self.gathered + self.rollout_kv
+        return self.resident + self.gathered + self.rollout_kv + self.merged
 
     @property
     def peak(self) -> int:
@@ -118,6 +122,17 @@ def _param_shapes(tcfg) -> tuple[tuple[tuple, tuple[int, ...], tuple[str | None,
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
         out.append((tuple(path), shape, names))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _adapter_paths(tcfg) -> frozenset[tuple]:
+    """The paths of the LoRA adapters (`nnx.LoRAParam`) among `_param_shapes(tcfg)`."""
+    from flax import nnx
+
+    from cppo_jax.models.transformer import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0)))
+    return frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(abstract, nnx.LoRAParam)))
 
 
 def _unsharded(shapes, axis_sizes: dict[str, int], itemsize: int) -> tuple[Unsharded, ...]:
@@ -163,6 +178,10 @@ def memory_plan(
 ) -> MemoryPlan:
     """Per-device bytes of one training step of `tcfg` (a TransformerConfig) on a (data, fsdp, tensor) mesh.
 
+    With LoRA (`tcfg.lora_rank` > 0, `lora_state.transformer_config`) the trained params, their AdamW
+    moments and gradients are the adapters' (param dtype); the base is frozen in the compute dtype; no
+    reference copy (the reference is the base with the adapters off); each rollout makes the merged
+    weights (compute dtype), counted in the rollout peak.
     Params, AdamW moments, gradients, reference params and (`overlap`) the rollout snapshot are exact
     (the last two in the compute dtype, as `transformer.forward_copy` keeps them): every parameter's
     shard under `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
@@ -181,9 +200,15 @@ def memory_plan(
     dp, tp = axis["data"] * axis["fsdp"], axis["tensor"]
     pb = _BYTES[tcfg.param_dtype]
     cb = _BYTES[tcfg.dtype]
-    shapes = _param_shapes(tcfg)
+    adapters = _adapter_paths(tcfg)
+    shapes = tuple(s for s in _param_shapes(tcfg) if s[0] not in adapters)  # the base's
     params = sum(_shard_bytes(shape, names, axis, pb) for _, shape, names in shapes)
     forward_copy = sum(_shard_bytes(shape, names, axis, cb) for _, shape, names in shapes)
+    trained = params
+    if adapters:  # LoRA: the adapters are trained, the base is frozen in the compute dtype
+        ad = [s for s in _param_shapes(tcfg) if s[0] in adapters]
+        trained = sum(_shard_bytes(shape, names, axis, pb) for _, shape, names in ad)
+        pb = cb  # the base's weights, gathered below, are in the compute dtype
     # FSDP gathers a weight whole along fsdp where it is used: one layer and the vocabulary matrices.
     no_fsdp = {**axis, "fsdp": 1}
     gathered = 0
@@ -207,21 +232,27 @@ def memory_plan(
     layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
     kept = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
     kept = {"save_all": layer, "minimal": kept - 2 * scores}.get(tcfg.remat, kept)
+    if (
+        adapters
+    ):  # LoRA: each adapted projection's x A (rank wide) and s (x A) B (its output's width)
+        outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
+        delta = cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
+        layer, kept = layer + delta, kept + delta
     work = 3 * scores  # per token, one layer's backward
     edges = cb * D + 4 * D  # embeddings out and the final norm, per token
     batch = (T + 1) * 5 + completion_len * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv per row
     no_remat = n * T * (L * kept + work + edges) + n * batch
     remat = n * T * (L * cb * D + layer + work + edges) + n * batch
-    grads = params * (2 if m < rows else 1)
+    grads = trained * (2 if m < rows else 1)
     kv_rows = _split(rollout_rows, dp) if rollout_rows % dp == 0 else rollout_rows
     kv = 2 * L * J * E * (prompt_len + completion_len) * kv_rows * cb
     return MemoryPlan(
         mesh=axis,
-        params=params,
-        opt_state=2 * params,
+        params=trained,
+        opt_state=2 * trained,
         grads=grads,
         gathered=gathered,
-        reference=forward_copy if beta > 0 else 0,
+        reference=forward_copy if beta > 0 and not adapters else 0,
         rows=n,
         tokens=T,
         activations_remat=remat,
@@ -231,7 +262,11 @@ def memory_plan(
         rollout_kv=kv,
         device_bytes=device_bytes,
         unsharded=_unsharded(shapes, axis, pb),
-        snapshot=forward_copy if overlap else 0,
+        snapshot=(trained * cb // _BYTES[tcfg.param_dtype] if adapters else forward_copy)
+        if overlap
+        else 0,
+        frozen=forward_copy if adapters else 0,
+        merged=forward_copy if adapters else 0,
     )
 
 
@@ -254,6 +289,8 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
         f"  training step peak {_gib(plan.train_peak)}; rollout peak (embedded KV cache "
         f"{_gib(plan.rollout_kv)}) {_gib(plan.rollout_peak)}",
     ]
+    lora = f"frozen base (compute dtype) {_gib(plan.frozen)}; merged weights per rollout {_gib(plan.merged)}"
+    lines[3:3] = [f"  LoRA: the params above are the adapters; {lora}"] if plan.frozen else []
     lines += [f"  not sharded: {u.line()}" for u in plan.unsharded]
     if plan.fits is None:
         lines.append(

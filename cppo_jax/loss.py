@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cppo_jax.config import LOSS_TYPES
+from cppo_jax.config_choices import LOSS_TYPES
 from cppo_jax.models.transformer import unembed
 
 # --------------------------------------------------------------------------- log-probs

@@ -18,9 +18,8 @@ from flax import nnx
 
 from cppo_jax import loss as loss_lib
 from cppo_jax import packing
-from cppo_jax.config import ConfigError
-from cppo_jax.models.transformer import gather_cast
-from cppo_jax.sharding import batch_sharding, data_parallel_size, use_mesh
+from cppo_jax.config_choices import ConfigError
+from cppo_jax.sharding import batch_sharding, data_parallel_size, gather_cast, use_mesh
 
 
 class PackedBatch(NamedTuple):

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cppo_jax.config import PROMPT_FORMATS, DataConfig
+from cppo_jax.config import DataConfig
+from cppo_jax.config_choices import PROMPT_FORMATS
 from cppo_jax.rewards.registry import TASK_EVAL
 from cppo_jax.tasks.prompts import plain_prompt, resolve_system_prompt
 
@@ -58,12 +59,12 @@ def load_examples(cfg: DataConfig, split: str) -> tuple[list[dict], dict]:
 
         n = cfg.num_train if split == "train" else cfg.num_test
         return arith.generate(n, seed=cfg.seed, split=ds_split), {"bad_rows": 0}
-    from cppo_jax import datasets
+    from cppo_jax import datasets, example_format
 
     shipped = datasets._ALIASES.get(source.lower())
     kind = datasets.SHIPPED[shipped][2] if shipped else cfg.task
     strict = cfg.bad_rows == "error"
-    required = datasets.TASKS[kind]
+    required = example_format.TASKS[kind]
     fields, answer_format = {}, "auto"
     if not shipped:  # a user's file: its own column names and answer layout
         own = (cfg.question_field or required[0], cfg.answer_field or required[1])
@@ -75,7 +76,9 @@ def load_examples(cfg: DataConfig, split: str) -> tuple[list[dict], dict]:
     for rowno, record in enumerate(records, start=1):
         try:
             examples.append(
-                datasets.to_example(datasets.rename(record, fields), kind, answer_format)
+                example_format.to_example(
+                    example_format.rename(record, fields), kind, answer_format
+                )
             )
         except ValueError as e:  # no answer where data.answer_format looks for one
             if strict:

@@ -19,9 +19,12 @@ import json
 from pathlib import Path
 
 from cppo_jax import layout, pipeline
-from cppo_jax.config import REQUIRED_PREFIX, Config, ConfigError, MeshConfig
+from cppo_jax.config import Config
+from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
+from cppo_jax.config_run import MeshConfig
 from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
-from cppo_jax.models.known import ModelSize, config_model_size, transformer_config
+from cppo_jax.models.known import ModelSize, config_model_size
+from cppo_jax.models.known import transformer_config as base_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
 __all__ = ["Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
@@ -115,6 +118,16 @@ class Plan:
     text: str
     memory: MemoryPlan | None = None
     advice: str = ""
+
+
+def transformer_config(cfg: Config, size: ModelSize):
+    """The TransformerConfig the run builds, with `model.lora`'s adapters when enabled."""
+    tcfg = base_config(cfg, size)
+    if cfg.model.lora.enabled:
+        from cppo_jax.models import lora_state
+
+        tcfg = lora_state.transformer_config(tcfg, cfg.model.lora)
+    return tcfg
 
 
 def _memory_section(

@@ -15,7 +15,7 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
   (`save_all`: the plan's activations);
   with fsdp > 1, the unembedding gathered whole in the compute dtype, its whole gradient and that
   gradient summed over devices, both in the compute dtype (a float32 embedding is looked up in
-  its shard: `transformer.gather_cast`, `Transformer.hidden`); two float32 vocabulary-sized
+  its shard: `sharding.gather_cast`, `Transformer.hidden`); two float32 vocabulary-sized
   gradient buffers (the lookup's and the unembedding's, before they are summed);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
   rows, one layer's float32 score buffer and MLP products, the logits of one chunk, and with

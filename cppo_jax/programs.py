@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
 from cppo_jax.logp_sources import LogpSources
 from cppo_jax.logp_sources import logp_sources as sources_of
@@ -153,7 +155,7 @@ def build(cfg: Config, devices) -> Built:
     else:
         graphdef, state = nnx.split(model)
     params = _abstract(state, sharding_lib.param_shardings(state, mesh))
-    tx = step_lib.make_optimizer(cfg.optim, max(cfg.trainer.steps, 1) * cfg.cppo.mu)
+    tx = optimizer_lib.make_optimizer(cfg.optim, max(cfg.trainer.steps, 1) * cfg.cppo.mu)
     opt = _abstract(
         jax.eval_shape(tx.init, params), sharding_lib.opt_state_shardings(tx, params, mesh)
     )

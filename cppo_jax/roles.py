@@ -24,12 +24,14 @@ import jax
 from flax import nnx
 
 from cppo_jax import cppo, distributed, pipeline, programs
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import skipping as skip_lib
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer, holds_a_run, set_aside_earlier_run
-from cppo_jax.config import Config, ConfigError
+from cppo_jax.config import Config
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import save_config
 from cppo_jax.logp_sources import LogpSources
 from cppo_jax.models import Tokenizer, load_hf
@@ -100,6 +102,7 @@ class Actor:
     """The trained policy's programs; its state (params, opt_state) is passed in."""
 
     graphdef: nnx.GraphDef  # the model without adapters: the sampler's, evaluation's, exports'
+    train_graphdef: nnx.GraphDef  # the trained model's (with LoRA: with the adapters)
     model_cfg: object  # its TransformerConfig (with LoRA: with the adapters)
     model_path: str  # the Hugging Face folder the run starts from (exports keep its fields)
     tx: object  # the optimizer
@@ -130,7 +133,7 @@ class Actor:
 
     def learning_rate(self, opt_state) -> float:
         """The learning rate of the last update applied (TRL's `learning_rate`)."""
-        applied = int(distributed.to_host(step_lib.update_count(opt_state)))
+        applied = int(distributed.to_host(optimizer_lib.update_count(opt_state)))
         return float(self.lr_fn(max(applied - 1, 0)))
 
 
@@ -146,8 +149,8 @@ def build_actor(cfg: Config, model, shapes: cppo.Shapes, mesh, num_steps: int, m
         frozen = lora_lib.cast(base, model.cfg.compute_dtype)
         del base
         merge = jax.jit(lora_lib.merge_weights, static_argnums=2)
-    tx = step_lib.make_optimizer(cfg.optim, num_steps * cfg.cppo.mu)
-    lr_fn = step_lib.lr_schedule(cfg.optim, num_steps * cfg.cppo.mu)
+    tx = optimizer_lib.make_optimizer(cfg.optim, num_steps * cfg.cppo.mu)
+    lr_fn = optimizer_lib.lr_schedule(cfg.optim, num_steps * cfg.cppo.mu)
     opt_state = sharding_lib.init_opt_state(tx, params, mesh)
     spec = programs.step_spec(cfg, shapes)
     train_step, logps = step_lib.compiled(
@@ -159,6 +162,7 @@ def build_actor(cfg: Config, model, shapes: cppo.Shapes, mesh, num_steps: int, m
     sources = programs.logp_sources(cfg)
     actor = Actor(
         graphdef,
+        train_graphdef,
         model.cfg,
         model_path,
         tx,

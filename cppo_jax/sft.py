@@ -21,7 +21,9 @@ from flax import nnx
 
 from cppo_jax import pipeline
 from cppo_jax import step as step_lib
-from cppo_jax.config import ArchConfig, ConfigError, DataConfig
+from cppo_jax.config import DataConfig
+from cppo_jax.config_choices import ConfigError
+from cppo_jax.config_model import ArchConfig
 from cppo_jax.models import Tokenizer, TransformerConfig, init_model, load_hf, save_hf
 from cppo_jax.tasks import arith
 from cppo_jax.tasks.tiny_tokenizer import build_tokenizer

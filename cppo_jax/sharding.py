@@ -21,7 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cppo_jax.config import MESH_AXES, ConfigError, MeshConfig
+from cppo_jax.config_choices import ConfigError
+from cppo_jax.config_run import MESH_AXES, MeshConfig
 
 DATA_AXES = ("data", "fsdp")  # the axes questions (and so sequences) are split over
 
@@ -197,3 +198,16 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, names, x.shape))
+
+
+def gather_cast(w: jax.Array, names: tuple[str, ...], whole: tuple[str | None, ...], dtype):
+    """`w`, sharded by its logical `names`, cast to `dtype` on each device's shard, then laid out
+    by `whole` (gathered along the dims `whole` leaves unsharded).
+
+    The all-gather moves `dtype` bytes (a float32 matrix gathered and then cast held the whole
+    float32 copy), and the gradient comes back reduced in `dtype`, cast to w's dtype on the
+    shard. The identity without a mesh but for the cast.
+    """
+    if w.dtype != dtype:
+        w = constrain(w.astype(dtype), names)
+    return constrain(w, whole)

@@ -40,7 +40,8 @@ import threading
 import numpy as np
 
 from cppo_jax import pipeline
-from cppo_jax.config import ConfigError, DataConfig
+from cppo_jax.config import DataConfig
+from cppo_jax.config_choices import ConfigError
 
 # The coins' generator is seeded by (data.seed, salt, epoch): apart from the order's own stream.
 _COIN_SALT = 0x6C5E5

@@ -53,7 +53,13 @@ class Trainer:
         self.shapes, self.mesh = built.shapes, built.mesh
         self.data, self.host = built.data, built.host  # the prompts; folder, rewards, logs
         self.actor, self.reference, self.rollout = built.actor, built.reference, built.rollout
+        actor = self.actor
         self.params, self.opt_state = built.params, built.opt_state  # the actor's trained state
+        if self.actor.frozen is not None and hasattr(self.rollout.backend, "attach_lora"):
+            # vLLM: pushes of the adapters alone (rollout.lora_push), the live ones asked for
+            self.rollout.backend.attach_lora(
+                actor.train_graphdef, actor.frozen, lambda: self.params
+            )
         self.num_steps = self.data.num_steps
         self.best_val: float | None = None
         self.start_step = 0

@@ -19,7 +19,7 @@ import gc
 from cppo_jax import skipping as skip_lib
 from cppo_jax import trainer_eval
 from cppo_jax.checkpoint import CheckpointError
-from cppo_jax.config import ConfigError
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.export import ADAPTER_DIR, EXPORT_DIR, export_policy
 from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.rollout.vllm_client import RolloutServerError

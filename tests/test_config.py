@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cppo_jax import config as C
+from cppo_jax import config_choices
 from cppo_jax import config_io as CI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +178,7 @@ def test_bf16_params_refuse_an_lr_their_updates_round_away():
 
     # The derivation, checked on bf16 itself: an update of the threshold leaves every weight in
     # [0.02, 2) unchanged; one of two spacings at 0.02 (bf16's eps is the spacing at 1) moves it.
-    assert (0.02, threshold) == (C.BF16_TYPICAL_WEIGHT, C.BF16_MIN_LR)
+    assert (0.02, threshold) == (config_choices.BF16_TYPICAL_WEIGHT, config_choices.BF16_MIN_LR)
     jnp = pytest.importorskip("jax.numpy")
     w = jnp.asarray(np.geomspace(0.02, 1.99, 257), jnp.bfloat16)
     assert bool(jnp.all(w + jnp.asarray(threshold, jnp.bfloat16) == w))
@@ -207,7 +208,7 @@ def test_dapo_loss_type_is_refused_with_what_to_use():
     msg = str(e.value)
     for part in ("'cppo.loss_type' = 'dapo'", "token_mean", "cppo.eps_high=0.28"):
         assert part in msg
-    assert "dapo" not in C.LOSS_TYPES
+    assert "dapo" not in config_choices.LOSS_TYPES
     cfg = CI.apply_overrides(C.Config(), ["cppo.loss_type=token_mean", "cppo.eps_high=0.28"])
     assert cfg.cppo.eps_high == 0.28
 

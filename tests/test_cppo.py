@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cppo_jax import cppo
-from cppo_jax.config import ADV_SCALES, GROUP_METRICS, METRICS
+from cppo_jax.config_choices import ADV_SCALES, GROUP_METRICS, METRICS
 
 try:
     import reference_numpy as ref
@@ -350,7 +350,8 @@ def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_trunca
 
 def test_step_shapes_count_exactly():
     """Q and M in every scope; a slice count that does not divide Q is refused naming the key."""
-    from cppo_jax.config import ConfigError, CPPOConfig
+    from cppo_jax.config import CPPOConfig
+    from cppo_jax.config_choices import ConfigError
 
     batch = CPPOConfig(num_generations=16, questions_per_step=3, pruning_rate=0.9, scope="batch")
     assert cppo.step_shapes(batch, 4, 4).M == 4  # floor(48 * (1 - 0.9))
@@ -535,7 +536,8 @@ def test_max_variance_keeps_the_subset_of_largest_variance():
 
 
 def test_max_variance_needs_question_scope():
-    from cppo_jax.config import ConfigError, CPPOConfig
+    from cppo_jax.config import CPPOConfig
+    from cppo_jax.config_choices import ConfigError
 
     CPPOConfig(metric="max_variance", pruning_rate=0.5)
     with pytest.raises(ConfigError, match="needs cppo.scope='question'"):

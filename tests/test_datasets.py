@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cppo_jax import datasets
+from cppo_jax import datasets, example_format
 
 
 @pytest.mark.parametrize(
@@ -39,35 +39,37 @@ def test_shipped_split_errors_and_aliases():
 
 
 def test_to_example_per_task():
-    ex = datasets.to_example(datasets.load_records("gsm8k", "test")[0], "gsm8k")
+    ex = example_format.to_example(datasets.load_records("gsm8k", "test")[0], "gsm8k")
     assert set(ex) == {"question", "solution", "answer"}
     assert ex["solution"].endswith("#### 18") and ex["answer"] == "18"
 
     row = datasets.load_records("math500")[0]
-    ex = datasets.to_example(row, "math")
+    ex = example_format.to_example(row, "math")
     assert (
         ex["question"] == row["problem"]
         and ex["answer"] == row["answer"]
         and "\\boxed" in ex["solution"]
     )
     # The MATH training split has no `answer` field: it comes from the last \boxed{}.
-    ex = datasets.to_example({"problem": "p", "solution": "so $\\boxed{\\frac{1}{2}}$."}, "math")
+    ex = example_format.to_example(
+        {"problem": "p", "solution": "so $\\boxed{\\frac{1}{2}}$."}, "math"
+    )
     assert ex["answer"] == "\\frac{1}{2}"
     with pytest.raises(ValueError, match="boxed"):
-        datasets.to_example({"problem": "p", "solution": "no answer"}, "math")
+        example_format.to_example({"problem": "p", "solution": "no answer"}, "math")
 
-    amc = [datasets.to_example(r, "amc23") for r in datasets.load_records("amc23")]
+    amc = [example_format.to_example(r, "amc23") for r in datasets.load_records("amc23")]
     assert amc[0]["answer"] == "27" and amc[0]["solution"] == "\\boxed{27}"
     assert all(not a["answer"].endswith(".0") for a in amc)
-    assert datasets.to_example({"problem": "p", "answer": 0.5}, "amc23")["answer"] == "0.5"
-    aime = [datasets.to_example(r, "aime24") for r in datasets.load_records("aime24")]
+    assert example_format.to_example({"problem": "p", "answer": 0.5}, "amc23")["answer"] == "0.5"
+    aime = [example_format.to_example(r, "aime24") for r in datasets.load_records("aime24")]
     assert aime[0]["solution"] == f"\\boxed{{{aime[0]['answer']}}}"
-    assert datasets.to_example({"problem": "p", "answer": "025"}, "aime24")["answer"] == "25"
+    assert example_format.to_example({"problem": "p", "answer": "025"}, "aime24")["answer"] == "25"
 
     with pytest.raises(ValueError, match="unknown task"):
-        datasets.to_example({}, "chess")
+        example_format.to_example({}, "chess")
     with pytest.raises(ValueError, match="question"):
-        datasets.to_example({"answer": "#### 1"}, "gsm8k")
+        example_format.to_example({"answer": "#### 1"}, "gsm8k")
 
 
 def test_load_examples_defaults_to_the_shipped_task():
@@ -191,21 +193,21 @@ def test_csv_json_and_saved_hugging_face_folders(tmp_path):
 
 
 def test_answer_formats_and_renamed_columns():
-    row = datasets.rename(
+    row = example_format.rename(
         {"q": "Sum 2 and 3.", "a": "We add: 2 + 3 = 5, so 5."}, {"q": "question", "a": "answer"}
     )
     assert row == {"question": "Sum 2 and 3.", "answer": "We add: 2 + 3 = 5, so 5."}
-    ex = datasets.to_example(row, "gsm8k", "last_number")
+    ex = example_format.to_example(row, "gsm8k", "last_number")
     assert ex == {"question": "Sum 2 and 3.", "solution": "#### 5", "answer": "5"}
-    ex = datasets.to_example(
+    ex = example_format.to_example(
         {"problem": "p", "solution": "so $x=\\boxed{\\frac12}$ and 3"}, "math", "boxed"
     )
     assert ex["answer"] == "\\frac12" and ex["solution"] == "\\boxed{\\frac12}"
-    ex = datasets.to_example({"problem": "p", "solution": " 1,234 "}, "math", "whole")
+    ex = example_format.to_example({"problem": "p", "solution": " 1,234 "}, "math", "whole")
     assert ex["answer"] == "1,234"
-    ex = datasets.to_example(
+    ex = example_format.to_example(
         {"question": "q", "answer": "Total: 1,234.5 apples"}, "gsm8k", "last_number"
     )
     assert ex["answer"] == "1234.5"
     with pytest.raises(ValueError, match=r"no answer \(boxed\)"):
-        datasets.to_example({"problem": "p", "solution": "5"}, "math", "boxed")
+        example_format.to_example({"problem": "p", "solution": "5"}, "math", "boxed")

@@ -94,7 +94,7 @@ def test_launch_refuses_incomplete_flags(capsys):
 
 def test_warm_start_is_not_run_by_every_process(tmp_path, monkeypatch):
     from cppo_jax import launch
-    from cppo_jax.config import ConfigError
+    from cppo_jax.config_choices import ConfigError
     from cppo_jax.config_io import load_config
 
     target = tmp_path / "warm"
@@ -378,7 +378,7 @@ def _export_worker(out_dir: str, result: str) -> None:
     from flax import nnx
 
     from cppo_jax import sharding
-    from cppo_jax.config import MeshConfig
+    from cppo_jax.config_run import MeshConfig
     from cppo_jax.models import TransformerConfig, init_model, save_hf
 
     cfg = TransformerConfig(

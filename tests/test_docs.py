@@ -71,13 +71,14 @@ def test_check_fails_on_drift_and_generation_names_the_problem(tmp_path, monkeyp
 
 
 def test_source_is_read_for_comments_and_rules():
-    from cppo_jax.config import CPPOConfig, DataConfig, MeshConfig
+    from cppo_jax.config import CPPOConfig, DataConfig
+    from cppo_jax.config_run import MeshConfig
 
     assert "held out of train" in docs_gen.field_comments(DataConfig)["val_size"]
     rules = docs_gen.validation_rules(CPPOConfig)
     assert rules["cppo.pruning_rate"] == ["in [0, 1)"]
     assert rules["cppo.metric"] == [
-        "one of `smallest`, `largest`, `random`, `max_variance`, `proportional`"
+        "one of `smallest`, `largest`, `random`, `max_variance`, `proportional`, `dppo`"
     ]
     assert "mesh.fsdp" in docs_gen.validation_rules(
         MeshConfig

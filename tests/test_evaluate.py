@@ -174,9 +174,9 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax import step as step_lib
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config import ConfigError
+    from cppo_jax.config_choices import ConfigError
     from cppo_jax.config_io import load_config, save_config
     from cppo_jax.models import load_hf
 
@@ -186,7 +186,7 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     save_config(cfg, run / "config.json")
     _, params = nnx.split(load_hf(tiny_model))
     trained = jax.tree.map(lambda x: x + 0.5, params)
-    tx = step_lib.make_optimizer(cfg.optim, 10)
+    tx = optimizer_lib.make_optimizer(cfg.optim, 10)
     ckpt = Checkpointer(run / "checkpoints")
     ckpt.save(3, {"params": trained, "opt_state": tx.init(trained)}, {"step": 3})
     ckpt.close()

@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 
 from cppo_jax import export
 from cppo_jax.models import load_hf, save_hf
-from cppo_jax.models.hf_io import INDEX_FILE, TOKENIZER_FILES
+from cppo_jax.models.hf_io import TOKENIZER_FILES
+from cppo_jax.models.hf_read import INDEX_FILE
 from tests import helpers
 from tests.test_trainer import run_trainer, small_config
 

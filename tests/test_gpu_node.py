@@ -111,7 +111,7 @@ def _n_params(model_dir: Path) -> int:
 
 def _check_pushes(steps: list[dict], model_dir: Path) -> None:
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1)), steps
-    from cppo_jax.models.hf_io import read_hf_config
+    from cppo_jax.models.hf_read import read_hf_config
     from cppo_jax.rollout.vllm_backend import push_bytes
 
     nbytes = 2 * _n_params(model_dir)  # bf16: 2 bytes a parameter (the tied lm_head included)

@@ -14,8 +14,9 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from cppo_jax.models import Tokenizer, hf_io, load_hf, save_hf
-from cppo_jax.models.hf_io import hf_tensors_to_model, read_raw_tensor, state_to_hf_tensors
+from cppo_jax.models import Tokenizer, hf_read, load_hf, save_hf
+from cppo_jax.models.hf_io import hf_tensors_to_model, state_to_hf_tensors
+from cppo_jax.models.hf_read import read_raw_tensor
 
 try:
     import helpers
@@ -105,7 +106,7 @@ def test_bf16_checkpoint_loads_and_saves(tmp_path, monkeypatch):
     )
 
     # Older safetensors cannot hand out bf16 as numpy: the raw reader takes over.
-    real_open = hf_io.safe_open
+    real_open = hf_read.safe_open
 
     class NoBf16:
         def __init__(self, *args, **kwargs):
@@ -129,7 +130,7 @@ def test_bf16_checkpoint_loads_and_saves(tmp_path, monkeypatch):
                 raise TypeError("data type 'bfloat16' not understood")
             return self.f.get_tensor(name)
 
-    monkeypatch.setattr(hf_io, "safe_open", NoBf16)
+    monkeypatch.setattr(hf_read, "safe_open", NoBf16)
     assert_same_params(model, load_hf(src))
     monkeypatch.undo()
 

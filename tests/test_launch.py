@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cppo_jax import launch, plan
-from cppo_jax.config import ConfigError
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import load_config
 from cppo_jax.models import known
 

@@ -76,7 +76,7 @@ def test_direct_style_has_the_r1_layout_and_the_answer():
 
 
 def test_direct_fraction_out_of_range_names_the_key():
-    from cppo_jax.config import ConfigError
+    from cppo_jax.config_choices import ConfigError
     from cppo_jax.sft import SFTConfig
 
     with pytest.raises(ConfigError, match=r"sft\.direct_fraction.*1\.5.*\[0, 1\]"):
@@ -93,7 +93,7 @@ def test_direct_fraction_out_of_range_names_the_key():
     ],
 )
 def test_sft_settings_out_of_range_name_the_key(fields, key):
-    from cppo_jax.config import ConfigError
+    from cppo_jax.config_choices import ConfigError
     from cppo_jax.sft import SFTConfig
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

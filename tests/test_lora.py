@@ -12,7 +12,9 @@ from flax import nnx
 
 from cppo_jax import config_io
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import LORA_TARGETS, Config, ConfigError, LoraConfig
+from cppo_jax.config import Config
+from cppo_jax.config_choices import LORA_TARGETS, ConfigError
+from cppo_jax.config_model import LoraConfig
 from cppo_jax.models import lora, lora_state
 from tests.helpers import forward, random_model, tiny_config
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax.config import ConfigError, LoraConfig
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import apply_overrides
+from cppo_jax.config_model import LoraConfig
 from cppo_jax.models import load_hf, lora_state, peft_io, save_hf
 from cppo_jax.trainer import Trainer
 from tests.helpers import forward, load_hf_torch, random_model, tiny_config

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cppo_jax import cppo, loss
-from cppo_jax.config import LOSS_TYPES
+from cppo_jax.config_choices import LOSS_TYPES
 
 try:
     import reference_numpy as ref

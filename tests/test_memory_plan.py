@@ -10,6 +10,7 @@ Each must be within 20% of the plan's figure for the same config.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 
 from cppo_jax import layout, plan
 from cppo_jax import step as step_lib
-from cppo_jax.models.hf_io import read_hf_config
+from cppo_jax.models.hf_read import read_hf_config
 from cppo_jax.trainer import Trainer
 from tests.conftest import build_arith_model_dir
 from tests.test_trainer import small_config
@@ -30,6 +31,20 @@ def _device_bytes(tree, device) -> int:
         for leaf in jax.tree.leaves(tree)
         for shard in leaf.addressable_shards
         if shard.device == device
+    )
+
+
+def _batch_spec(sh) -> step_lib.Batch:
+    """The shapes of a step's batch of `sh` (mu = 1: no old-policy log-probs)."""
+    S, f32 = jax.ShapeDtypeStruct, jnp.float32
+    T = sh.P + sh.C
+    return step_lib.Batch(
+        S((sh.M, T), jnp.int32),
+        S((sh.M, T), jnp.bool_),
+        S((sh.M, sh.C), f32),
+        S((sh.M,), f32),
+        None,
+        S((sh.M, sh.C), f32),
     )
 
 
@@ -68,16 +83,7 @@ def test_plan_matches_the_measured_memory_of_a_tiny_trainer(tmp_path, scan_layer
             (trainer.params, trainer.opt_state, trainer.reference.params), device
         )
 
-        S, f32 = jax.ShapeDtypeStruct, jnp.float32
-        T = sh.P + sh.C
-        batch = step_lib.Batch(
-            S((sh.M, T), jnp.int32),
-            S((sh.M, T), jnp.bool_),
-            S((sh.M, sh.C), f32),
-            S((sh.M,), f32),
-            None,  # mu = 1: no old-policy log-probs
-            S((sh.M, sh.C), f32),
-        )
+        batch = _batch_spec(sh)
         compiled = trainer.actor.train_step.lower(trainer.params, trainer.opt_state, batch)
         compiled = compiled.compile()
         mem = compiled.memory_analysis()
@@ -229,3 +235,86 @@ def test_reference_and_rollout_snapshot_are_counted_in_the_compute_dtype():
         assert (plan_.snapshot > 0) == bool(overlap)
     text = "\n".join(layout.memory_lines(both, "float32"))
     assert f"rollout snapshot {layout._gib(both.snapshot)}" in text
+
+
+def test_plan_counts_lora_as_the_trainer_holds_it(tmp_path):
+    """With model.lora the plan counts what the LoRA Trainer holds: the adapters (params, float32) and
+    their AdamW moments and gradients, the frozen base in the compute dtype, no reference copy (the
+    reference is the base with the adapters off), and the merged weights each rollout makes; each resident
+    figure equals the live arrays' bytes, the train step within 20% of XLA's buffer assignment."""
+    from cppo_jax.models import lora_state
+
+    model_dir = build_arith_model_dir(tmp_path / "model", hidden=64, layers=2)
+    cfg = small_config(
+        tmp_path / "runs",
+        model_dir,
+        "rollout.max_new_tokens=24",
+        "cppo.questions_per_step=4",
+        "model.lora.enabled=true",
+        "model.lora.rank=4",
+    )
+    trainer = Trainer(cfg)
+    try:
+        sh, m = trainer.shapes, cfg.model
+        tcfg = read_hf_config(model_dir, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+        tcfg = lora_state.transformer_config(tcfg, m.lora)
+        mesh = cfg.mesh.sizes(len(jax.devices()))
+        mp = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, sh, None))
+        full = layout.memory_plan(
+            read_hf_config(model_dir, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat),
+            mesh,
+            **layout.plan_kwargs(cfg, sh, None),
+        )
+        device = jax.devices()[0]
+        got = {
+            "params": _device_bytes(trainer.params, device),
+            "frozen": _device_bytes(trainer.actor.frozen, device),
+            "merged": _device_bytes(trainer.policy_params(), device),
+            "opt_state": _device_bytes(trainer.opt_state, device),
+        }
+        batch = _batch_spec(sh)
+        args = (trainer.params, trainer.opt_state, batch, trainer.actor.frozen)
+        mem = trainer.actor.train_step.lower(*args).compile().memory_analysis()
+        step_peak = (
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        )
+        assert trainer.reference.params is trainer.actor.frozen  # no reference copy: the base
+    finally:
+        trainer.close()
+    assert mp.params == got["params"] < full.params / 10  # the adapters alone
+    assert mp.frozen == got["frozen"] == mp.merged == got["merged"] == full.params
+    assert 0 <= got["opt_state"] - mp.opt_state <= 64 and mp.opt_state == 2 * mp.params  # + counts
+    assert mp.grads == mp.params and mp.reference == 0 and full.reference > 0
+    assert mp.resident == mp.params + mp.opt_state + mp.frozen
+    print(f"LoRA train step: XLA {step_peak / 2**20:.3f} MiB, plan {mp.train_peak / 2**20:.3f} MiB")
+    assert 0.8 <= mp.train_peak / step_peak <= 1.2
+    text = "\n".join(layout.memory_lines(mp, "float32"))
+    assert f"frozen base (compute dtype) {layout._gib(mp.frozen)}" in text
+    # In bf16 compute the frozen base and the merged weights are half the float32 params; the
+    # adapters and their moments stay float32 (the plan only: XLA:CPU computes bf16 through float32).
+    bf16 = layout.memory_plan(
+        dataclasses.replace(tcfg, dtype="bfloat16"), mesh, **layout.plan_kwargs(cfg, sh, None)
+    )
+    assert bf16.frozen == bf16.merged == full.params // 2 and bf16.params == mp.params
+
+
+def test_plan_command_with_lora_finds_fewer_gpus_for_math7b(capsys):
+    """configs/math7b.py on 80 GB GPUs: with LoRA (rank 32) two GPUs fit (fsdp = 2), and one with
+    micro-batches of 8 rows; full fine-tuning needs four (fsdp = 4) even with them."""
+    args = ["--config", MATH7B, "--device-memory-gb", "80"]
+    lora = ["model.lora.enabled=true", "model.lora.rank=32"]
+    assert plan.main([*args, "--devices", "1", *lora]) == 1
+    assert "2 devices with mesh.data=1 mesh.fsdp=2" in capsys.readouterr().err
+    assert plan.main([*args, "--devices", "2", "mesh.data=1", "mesh.fsdp=2", *lora]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "LoRA: the params above are the adapters; frozen base (compute dtype) 7.09 GiB" in text
+    )  # 1/2
+    assert "reference params 0.00 GiB" in text and "fits: yes" in text
+    assert plan.main([*args, "--devices", "1", "trainer.micro_batch=8", *lora]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+    assert plan.main([*args, "--devices", "1", "trainer.micro_batch=8"]) == 1
+    assert "4 devices with mesh.data=1 mesh.fsdp=4" in capsys.readouterr().err

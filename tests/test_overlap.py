@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from cppo_jax import trainer_run
-from cppo_jax.config import ConfigError
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.rollout.backend import EmbeddedBackend
 from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.trainer import Trainer

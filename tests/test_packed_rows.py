@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import packing
 from cppo_jax import step as step_lib
-from cppo_jax.config import LOSS_TYPES, CPPOConfig, OptimConfig
+from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.config_choices import LOSS_TYPES
 from cppo_jax.packed_rows import packed_batch
 
 try:
@@ -111,7 +113,9 @@ def test_packed_loss_and_gradient_equal_the_padded_steps(loss_type, attention):
 
 def test_one_compiled_step_serves_every_packing():
     graphdef, params, spec = _parts(mu=2)
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+    tx = optimizer_lib.make_optimizer(
+        OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10
+    )
     train_step, _ = step_lib.compiled(graphdef, tx, spec)
     opt_state = tx.init(params)
     padded = [_padded(seed) for seed in (3, 4, 5, 6)]
@@ -167,7 +171,8 @@ def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_pat
 
 
 def test_trainer_pack_is_refused_with_micro_batches():
-    from cppo_jax.config import ConfigError, TrainerConfig
+    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.config_run import TrainerConfig
 
     with pytest.raises(ConfigError, match="trainer.micro_batch"):
         TrainerConfig(pack=True, micro_batch=2)
@@ -183,7 +188,7 @@ from cppo_jax.config import ConfigError, MeshConfig, OptimConfig
 from cppo_jax.packed_rows import Packer
 
 graphdef, params, spec = t._parts()
-tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+tx = optimizer_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
 batch = t._padded(seed=1, M=8)
 one_step, one_logps = step_lib.compiled(graphdef, tx, spec)
 ref_MC = one_logps(params, batch.tokens_MT, batch.valid_MT)

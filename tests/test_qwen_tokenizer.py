@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cppo_jax import datasets, pipeline, scoring
+from cppo_jax import datasets, example_format, pipeline, scoring
 from cppo_jax.models.tokenizer import Tokenizer
 from cppo_jax.rewards import RewardPool
 from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
@@ -105,7 +105,7 @@ def _chatml(system: str, question: str) -> str:
 )
 def test_released_system_prompts_through_the_chat_template(tok, task, source, system):
     records = datasets.load_records(source, "test")
-    examples = [datasets.to_example(r, task) for r in list(records)[:3]]
+    examples = [example_format.to_example(r, task) for r in list(records)[:3]]
     P = 400
     for system_prompt in (
         None,
@@ -158,7 +158,7 @@ def _score(tok, rows_NC: list[list[int]], C: int, stop_ids):
         tokens_NC[n, : len(row)] = row
         length_N[n] = len(row)
     valid_NC, _ = completion_ends(tokens_NC, stop_ids, length_N)
-    example = datasets.to_example({"question": "How much?", "answer": GOLD_SOLUTION}, "gsm8k")
+    example = example_format.to_example({"question": "How much?", "answer": GOLD_SOLUTION}, "gsm8k")
     batch = pipeline.encode_prompts([example], tok, "gsm8k", 256, "reject")
     pool = RewardPool(["gsm8k_accuracy", "gsm8k_format"], num_workers=0)
     try:

@@ -148,7 +148,7 @@ def same_tokens_on_both_sides(url: str, trainer) -> None:
 def test_gsm8k_config_through_a_vllm_server(tmp_path, qwen_model_dir):
     """The same run rolled out by a real vLLM server in bf16, the weights pushed and checked after each
     update (the server samples the real vocabulary's ids, the trainer decodes them with its tokenizer)."""
-    from cppo_jax.models.hf_io import read_hf_config
+    from cppo_jax.models.hf_read import read_hf_config
     from cppo_jax.rollout.vllm_backend import push_bytes
     from cppo_jax.rollout.vllm_server import VLLMServer
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from cppo_jax import cppo, roles
+from cppo_jax import cppo, optimizer, roles
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
 from cppo_jax.models import Tokenizer
@@ -76,7 +76,7 @@ def test_reference_is_the_actor_at_step_0_and_stays_there(tmp_path, arith_model_
     moved_MC = np.asarray(actor.logps_of(params, tokens_MT, valid_MT))
     assert np.abs(moved_MC - ref_MC).max() > 0  # the actor learned
     np.testing.assert_array_equal(np.asarray(reference.logps_of(tokens_MT, valid_MT)), ref_MC)
-    assert int(step_lib.update_count(opt_state)) == 2
+    assert int(optimizer.update_count(opt_state)) == 2
     # A constant schedule: the configured rate, as the float32 the optimizer holds.
     assert np.float32(actor.learning_rate(opt_state)) == np.float32(cfg.optim.lr)
 

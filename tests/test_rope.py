@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cppo_jax.models import TransformerConfig, load_hf, save_hf
-from cppo_jax.models.hf_io import hf_tensors_to_model, read_hf_tensors
+from cppo_jax.models.hf_io import hf_tensors_to_model
+from cppo_jax.models.hf_read import read_hf_tensors
 
 try:
     import helpers

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cppo_jax import cppo, selection
-from cppo_jax.config import ConfigError, CPPOConfig
+from cppo_jax.config import CPPOConfig
+from cppo_jax.config_choices import ConfigError
 from tests import reference_numpy as ref
 from tests.helpers import prune_inputs
 

@@ -17,8 +17,8 @@ import pytest
 
 from cppo_jax import layout, plan
 from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import MeshConfig
 from cppo_jax.config_io import load_config
+from cppo_jax.config_run import MeshConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
@@ -78,6 +78,7 @@ def _worker() -> dict:
     from flax import nnx
 
     from cppo_jax import cppo
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax import step as step_lib
     from cppo_jax.checkpoint import Checkpointer
     from cppo_jax.config import CPPOConfig, OptimConfig
@@ -112,7 +113,7 @@ def _worker() -> dict:
     key = jax.random.PRNGKey(0)
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=C)
     ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
-    tx = step_lib.make_optimizer(ocfg, 10)
+    tx = optimizer_lib.make_optimizer(ocfg, 10)
 
     shapes = cppo.Shapes(Q=Q, G=G, k=K, M=M, P=P, C=C, U=Q)
     algo = CPPOConfig(num_generations=G, mask_truncated=True)
@@ -407,6 +408,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
     import jax.numpy as jnp
     from flax import nnx
 
+    from cppo_jax import optimizer as optimizer_lib
     from cppo_jax import step as step_lib
     from cppo_jax.config import CPPOConfig, OptimConfig
     from cppo_jax.models.transformer import Transformer, TransformerConfig
@@ -424,7 +426,7 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(tcfg, rngs=nnx.Rngs(0))))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=16)
-    tx = step_lib.make_optimizer(OptimConfig(), 10)
+    tx = optimizer_lib.make_optimizer(OptimConfig(), 10)
     S = jax.ShapeDtypeStruct
     f32 = jnp.float32
     batch = step_lib.Batch(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cppo_jax import pipeline
-from cppo_jax.config import ConfigError
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.skipping import PromptSkipper, easy_of, resume, zero_variance
 from tests.test_trainer import read_metrics, small_config
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import step as step_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.models import TransformerConfig, init_model
@@ -45,7 +46,9 @@ def _parts(micro_batch: int = 0, mu: int = 2):
     )
     graphdef, params = nnx.split(init_model(cfg, seed=3))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=mu), P, C, 1.0, micro_batch=micro_batch)
-    tx = step_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+    tx = optimizer_lib.make_optimizer(
+        OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10
+    )
     return graphdef, params, spec, tx
 
 

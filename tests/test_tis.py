@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from cppo_jax import cppo, loss
-from cppo_jax.config import Config, ConfigError, CPPOConfig
+from cppo_jax.config import Config, CPPOConfig
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import apply_overrides
 from tests.helpers import prune_inputs
 

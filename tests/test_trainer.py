@@ -22,18 +22,10 @@ from flax import nnx
 
 from cppo_jax import step as step_lib
 from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.config import (
-    Config,
-    CPPOConfig,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
+from cppo_jax.config import Config, CPPOConfig, DataConfig, OptimConfig, RewardConfig, RolloutConfig
 from cppo_jax.config_io import apply_overrides, to_dict
+from cppo_jax.config_model import ModelConfig
+from cppo_jax.config_run import LoggingConfig, TrainerConfig
 from cppo_jax.cppo import shapes_of
 from cppo_jax.trainer import NonFiniteError, Trainer
 from tests.helpers import spread_reward
@@ -586,7 +578,7 @@ def test_prompt_comes_from_data_system_prompt_and_prompt_format(tmp_path, arith_
     """The prompt the trainer encodes: the configured system prompt through the chat template, none
     when it is empty, or the plain format without a template; a bad format names the key."""
     from cppo_jax import pipeline
-    from cppo_jax.config import ConfigError
+    from cppo_jax.config_choices import ConfigError
     from cppo_jax.models import Tokenizer
 
     tok = Tokenizer.from_dir(arith_model_dir)

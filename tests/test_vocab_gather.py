@@ -1,7 +1,7 @@
 """The vocabulary matrices under fsdp: cast to the compute dtype on the shard, then gathered.
 
 A float32 [V, D] matrix gathered whole and then cast held a whole float32 copy per device (and its
-whole float32 gradient before the reduce-scatter); `transformer.gather_cast` casts first, and the
+whole float32 gradient before the reduce-scatter); `sharding.gather_cast` casts first, and the
 embedding lookup reads the table as it is sharded. Checked on 8 fake CPU devices in a subprocess
 (XLA_FLAGS must be set before JAX starts): its log-probs and gradient equal one device's within
 bfloat16 rounding; and compiled by the TPU compiler for v5e:2x4 (deviceless, libtpu loaded only in
@@ -37,7 +37,8 @@ def _worker(target: str) -> dict:
     from cppo_jax import aot
     from cppo_jax import sharding as sharding_lib
     from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig, MeshConfig
+    from cppo_jax.config import CPPOConfig
+    from cppo_jax.config_run import MeshConfig
     from cppo_jax.models import TransformerConfig, init_model
 
     M, P, C = 8, 6, 5

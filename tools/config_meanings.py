@@ -118,6 +118,12 @@ MEANINGS: dict[str, str] = {
     "rollout.full_push_every": "With `rollout.weight_sync` = protocol: every this many pushes one is full, "
     "the others send only the elements whose serving-dtype value changed since the last confirmed push; "
     "a refused check forces a full push. 1: every push is full.",
+    "rollout.lora_push": "With `model.lora.enabled` and the vLLM backend: `adapter` pushes only the "
+    "adapters (a PEFT folder of float32 A and B, about 1/50 to 1/200 of the merged bf16 weights), loaded "
+    "under a new name `cppo-lora-<n>` per push so the prefix cache never mixes versions; the server must "
+    "run with `--enable-lora --max-lora-rank` >= `model.lora.rank` (VLLM_LORA_RANK, launch/vllm_server.sh). "
+    "`merged` pushes the merged weights by `rollout.weight_sync` (any server; needed with several "
+    "trainer processes). `auto`: adapter when the server has LoRA enabled, else merged (docs/lora.md).",
     "rollout.overlap": "1: generate the next step's completions (with the current weights) while the "
     "current step trains; they are trained on one update later, with the sampling weights' log-probs "
     "as the old policy. vLLM backend only.",
@@ -133,8 +139,11 @@ MEANINGS: dict[str, str] = {
     "`max_variance` keeps the k of each group whose rewards vary most (PODS, arXiv 2504.13818: some "
     "of the lowest and the rest of the highest rewards; question scope only); `proportional` draws k "
     "per group with replacement, with probability |A| / sum |A|, and trains each with advantage "
-    "sign(A) mean |A|: an unbiased estimate of the unpruned gradient (question scope only); `largest` "
-    "and `random` are ablations.",
+    "sign(A) mean |A|: an unbiased estimate of the unpruned gradient (question scope only); `dppo` "
+    "(DPPO, arXiv 2603.04135) draws k distinct completions per group, g with probability pi_g "
+    "proportional to |A_g| (capped at 1), and trains each with advantage A k / (G pi_g): unbiased, "
+    "without replacement (question scope only; with `cppo.prompt_rate` it prunes questions too); "
+    "`largest` and `random` are ablations. See docs/concepts.md.",
     "cppo.scope": "`question`: keep k per question (the paper's text); `slice`: one top-|A| over each "
     "of `cppo.slices` contiguous slices of the step, dropping int(N p) of its N (the released TRL "
     "fork's per-process pruning, which produced the paper's tables); `batch`: one top-|A| over the "
@@ -164,6 +173,10 @@ MEANINGS: dict[str, str] = {
     "out floor(`cppo.filter_oversample` U) questions and train the U whose rewards are not all equal "
     "first (zero-variance ones fill the batch when too few vary); the counts are logged as `filter/*`.",
     "cppo.filter_oversample": "`filter_groups`: questions rolled out per question trained (>= 1).",
+    "cppo.prompt_rate": "DPPO's prompt pruning rate r_q (needs `metric=dppo`, not `filter_groups`): "
+    "roll out floor(U / (1 - r_q)) questions and train U of them, group q drawn with probability "
+    "rho_q proportional to its mean |A| (capped at 1) and its advantages scaled by U / (Q rho_q), so "
+    "the gradient stays unbiased. 0: every rolled-out question is trained.",
     "cppo.tis_cap": "Truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
     "is weighted by min(pi_old / pi_sampler, tis_cap), pi_sampler being the policy that really sampled it "
     "(the vLLM server's or the embedded sampler's returned log-probs; with `rollout.overlap=1` the stale "
@@ -189,7 +202,7 @@ MEANINGS: dict[str, str] = {
     "optim.eps": "Adam's epsilon.",
     "optim.grad_clip": "Clip the gradient's global norm to this; 0: off.",
     "optim.allow_bf16_underflow": "Train with `model.param_dtype=bfloat16` at an `optim.lr` under "
-    "0.02 x 2^-9 = 3.9e-5 (`config.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
+    "0.02 x 2^-9 = 3.9e-5 (`config_choices.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
     "step) is then under half the bf16 spacing of every weight of magnitude 0.02 or more, so it "
     "rounds away and the weights do not move.",
     # mesh

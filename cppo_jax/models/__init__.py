@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Cache": "transformer",
+    "Cache": "kv_cache",
     "Transformer": "transformer",
     "TransformerConfig": "transformer",
-    "init_cache": "transformer",
+    "init_cache": "kv_cache",
     "init_model": "transformer",
-    "repeat_cache": "transformer",
+    "repeat_cache": "kv_cache",
     "load_hf": "hf_io",
     "save_hf": "hf_io",
     "Tokenizer": "tokenizer",

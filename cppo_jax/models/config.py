@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from cppo_jax.config import ATTENTION_KINDS, REMAT_POLICIES, remat_policy
+from cppo_jax.config_choices import ATTENTION_KINDS, REMAT_POLICIES, remat_policy
 from cppo_jax.models.rope import normalize_scaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -56,7 +56,7 @@ class TransformerConfig:
     # "splash", TPUs' Pallas flash kernel (no [T, T] scores in memory; interpreted on CPU).
     attention: str = "einsum"
     # Low-rank adapters (`models.lora`): rank 0 none; else A [in, r], B [r, out] on each projection
-    # `lora_targets` names (config.LORA_TARGETS), scaled by lora_alpha / lora_rank.
+    # `lora_targets` names (config_choices.LORA_TARGETS), scaled by lora_alpha / lora_rank.
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax.config import LoraConfig
+from cppo_jax.config_model import LoraConfig
 from cppo_jax.models.lora import WEIGHTS, check, names
 from cppo_jax.models.transformer import Transformer, init_adapter_value
 

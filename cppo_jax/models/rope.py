@@ -173,3 +173,12 @@ def rope_tables(positions_BT: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
     angle_BTK = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K, jnp.float32)
     angle_BTE = jnp.concatenate([angle_BTK, angle_BTK], axis=-1)
     return jnp.cos(angle_BTE) * scale, jnp.sin(angle_BTE) * scale
+
+
+def apply_rope(x_BTHE: jax.Array, cos_BTE: jax.Array, sin_BTE: jax.Array) -> jax.Array:
+    """Rotates each head: x * cos + rotate_half(x) * sin, computed in float32."""
+    x_BTHE32 = x_BTHE.astype(jnp.float32)
+    x1, x2 = jnp.split(x_BTHE32, 2, axis=-1)
+    rotated_BTHE = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_BTHE32 * cos_BTE[:, :, None, :] + rotated_BTHE * sin_BTE[:, :, None, :]
+    return out.astype(x_BTHE.dtype)

@@ -4,7 +4,7 @@ The kernel walks blocks of queries and keys with a running softmax, forward and 
 VJP), so no [T, T] score buffer reaches memory: at the paper's 1,535 tokens those buffers are most of
 a log-prob forward's temporaries and, saved or rebuilt, of the train step's.
 
-Same rule as `transformer.attend`: a valid query sees the valid keys at or before it. Padding (the
+Same rule as `attention.attend`: a valid query sees the valid keys at or before it. Padding (the
 prompt's on the left, the completion's on the right) becomes segment ids, valid tokens 1 and padding
 0, and-ed with the causal mask: a valid query sees exactly its valid keys, a padding query sees
 padding at or before it (never an empty row, so never a NaN; padding rows are ignored downstream).

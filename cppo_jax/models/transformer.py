@@ -1,17 +1,14 @@
 """Flax NNX decoder for Qwen2/Qwen2.5 and Llama checkpoints, with a slot-indexed KV cache.
 
 Letters (see docs/conventions.md): B batch, T tokens, S cache slots, D model width, F MLP width,
-H query heads, J key/value heads, E head dim, V vocabulary, L layers; locally R = H // J query heads
-per key/value head.
+H query heads, J key/value heads, E head dim, V vocabulary, L layers.
 
-Attention rule: query slot i may attend key slot j iff j <= i and key j is valid. Without a cache
-the slots are the T positions of the input; with a cache they are the S cache slots, and the T new
-tokens occupy slots [index, index + T).
+How a query attends (the rule, and its einsum, XLA, cuDNN and splash implementations) is
+`models/attention.py`; the KV cache is `models/kv_cache.py`; the rotary tables `models/rope.py`.
 """
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,26 +16,27 @@ from flax import nnx
 
 from cppo_jax import sharding
 from cppo_jax.models import lora
+from cppo_jax.models.attention import MASKED, attend, attention_mask, library_attend
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
+from cppo_jax.models.kv_cache import Cache
 from cppo_jax.models.matmul import dense
-from cppo_jax.models.rope import rope_tables
+from cppo_jax.models.rope import apply_rope, rope_tables
 
+# DTYPES, HF_ARCHITECTURES, TransformerConfig, dense and has_o_bias are defined elsewhere and
+# importable from here as before. MASKED (models/attention.py) is here only for
+# cppo_jax/rollout/sampler.py, whose imports another change owns (issue #35); import it from there.
 __all__ = [
     "DTYPES",
     "HF_ARCHITECTURES",
-    "Cache",
+    "MASKED",
     "Transformer",
     "TransformerConfig",
     "dense",
-    "gather_cast",
     "has_o_bias",
-    "init_cache",
     "init_model",
     "run_layers",
 ]
 
-# Large finite negative for masked scores: fully masked rows (padding queries) stay finite.
-MASKED = -1e30
 _INIT_STD = 0.02
 # Logical names of activations (mapped onto the mesh by cppo_jax.sharding.RULES).
 _ACT_EMBED = ("batch", "length", "act_embed")
@@ -88,19 +86,6 @@ def unembed(h_XD: jax.Array, w_DV: jax.Array) -> jax.Array:
     return dense(h_XD, w_DV.astype(h_XD.dtype), out_dtype=jnp.float32)
 
 
-def gather_cast(w: jax.Array, names: tuple[str, ...], whole: tuple[str | None, ...], dtype):
-    """`w`, sharded by its logical `names`, cast to `dtype` on each device's shard, then laid out
-    by `whole` (gathered along the dims `whole` leaves unsharded).
-
-    The all-gather moves `dtype` bytes (a float32 matrix gathered and then cast held the whole
-    float32 copy), and the gradient comes back reduced in `dtype`, cast to w's dtype on the
-    shard. The identity without a mesh but for the cast.
-    """
-    if w.dtype != dtype:
-        w = constrain(w.astype(dtype), names)
-    return constrain(w, whole)
-
-
 def forward_copy(params, dtype):
     """A copy of `params` for forwards only (the reference policy, a rollout snapshot): floating
     leaves in `dtype`, the compute dtype, each array keeping its sharding.
@@ -115,113 +100,6 @@ def forward_copy(params, dtype):
         return jnp.copy(x)  # a buffer of its own: the update donates the params
 
     return jax.tree.map(leaf, params)
-
-
-def apply_rope(x_BTHE: jax.Array, cos_BTE: jax.Array, sin_BTE: jax.Array) -> jax.Array:
-    """Rotates each head: x * cos + rotate_half(x) * sin, computed in float32."""
-    x_BTHE32 = x_BTHE.astype(jnp.float32)
-    x1, x2 = jnp.split(x_BTHE32, 2, axis=-1)
-    rotated_BTHE = jnp.concatenate([-x2, x1], axis=-1)
-    out = x_BTHE32 * cos_BTE[:, :, None, :] + rotated_BTHE * sin_BTE[:, :, None, :]
-    return out.astype(x_BTHE.dtype)
-
-
-def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
-    """Grouped-query softmax attention; scores and softmax in float32."""
-    B, T, H, E = q_BTHE.shape
-    J = k_BSJE.shape[2]
-    q_BTJRE = q_BTHE.reshape(B, T, J, H // J, E)
-    scores_BJRTS = jnp.einsum(
-        "btjre,bsje->bjrts", q_BTJRE, k_BSJE, preferred_element_type=jnp.float32
-    ) * (E**-0.5)
-    scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, MASKED)
-    probs_BJRTS = jax.nn.softmax(scores_BJRTS, axis=-1).astype(v_BSJE.dtype)
-    out_BTJRE = jnp.einsum("bjrts,bsje->btjre", probs_BJRTS, v_BSJE)
-    return out_BTJRE.reshape(B, T, H, E)
-
-
-def library_attend(
-    q_BTHE, k_BTJE, v_BTJE, mask_BTT, cfg: TransformerConfig, segment_BT=None
-) -> jax.Array:
-    """`attend` without a cache through `jax.nn.dot_product_attention` (`cfg.attention`: "xla", or
-    "cudnn" for the fused kernel of NVIDIA GPUs) or TPUs' splash kernel ("splash": `splash`). Same rule: the causal mask of the T slots and the
-    key-validity of `mask_BTT`'s last row (a padding query's row is all False there and is
-    meaningless either way). With `segment_BT` (packed rows), the rule is `mask_BTT` whole:
-    causal within a segment (the splash kernel takes the segment ids themselves)."""
-    if cfg.attention == "splash":
-        from cppo_jax.models.splash import splash_attend
-
-        keys_BT = mask_BTT[:, -1, :] if segment_BT is None else segment_BT
-        return splash_attend(q_BTHE, k_BTJE, v_BTJE, keys_BT)
-    if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise ValueError(
-            f"model.attention=cudnn needs an NVIDIA GPU; this JAX runs on {jax.default_backend()} "
-            f"(use einsum, the default)"
-        )
-    if segment_BT is not None:
-        return jax.nn.dot_product_attention(
-            q_BTHE, k_BTJE, v_BTJE, mask=mask_BTT[:, None], implementation=cfg.attention
-        )
-    valid_BS = mask_BTT[:, -1, :]  # the last query slot sees every valid key
-    return jax.nn.dot_product_attention(
-        q_BTHE,
-        k_BTJE,
-        v_BTJE,
-        mask=valid_BS[:, None, None, :],
-        is_causal=True,
-        implementation=cfg.attention,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# KV cache
-# ---------------------------------------------------------------------------------------------
-
-
-@flax.struct.dataclass
-class Cache:
-    """Per-layer keys/values for S slots, which slots hold real tokens, and the next slot."""
-
-    k_LBSJE: jax.Array
-    v_LBSJE: jax.Array
-    valid_BS: jax.Array
-    index: jax.Array
-
-    def repeat(self, n: int) -> Cache:
-        return repeat_cache(self, n)
-
-    def write_kv(self, layer: int, k_BTJE: jax.Array, v_BTJE: jax.Array) -> Cache:
-        """Writes one layer's new keys/values at slots [index, index + T)."""
-        zero = jnp.zeros((), jnp.int32)
-        start = (jnp.asarray(layer, jnp.int32), zero, self.index, zero, zero)
-        k = jax.lax.dynamic_update_slice(
-            self.k_LBSJE, k_BTJE[None].astype(self.k_LBSJE.dtype), start
-        )
-        v = jax.lax.dynamic_update_slice(
-            self.v_LBSJE, v_BTJE[None].astype(self.v_LBSJE.dtype), start
-        )
-        return self.replace(k_LBSJE=k, v_LBSJE=v)
-
-
-def init_cache(cfg: TransformerConfig, batch: int, max_len: int, dtype=None) -> Cache:
-    """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
-    dtype = DTYPES.get(dtype, dtype) if dtype is not None else cfg.compute_dtype
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return Cache(
-        k_LBSJE=jnp.zeros(shape, dtype),
-        v_LBSJE=jnp.zeros(shape, dtype),
-        valid_BS=jnp.zeros((batch, max_len), jnp.bool_),
-        index=jnp.zeros((), jnp.int32),
-    )
-
-
-def repeat_cache(cache: Cache, n: int) -> Cache:
-    """Repeats each batch row n times consecutively (row b -> rows b*n .. b*n+n-1)."""
-    return cache.replace(
-        k_LBSJE=jnp.repeat(cache.k_LBSJE, n, axis=1),
-        v_LBSJE=jnp.repeat(cache.v_LBSJE, n, axis=1),
-        valid_BS=jnp.repeat(cache.valid_BS, n, axis=0),
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,24 +318,7 @@ class Transformer(nnx.Module):
             x_BTD = jnp.take(table_VD, tokens_BT, axis=0, mode="clip")
             x_BTD = constrain(x_BTD, (None, None, "embed"))
         x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), _ACT_EMBED)
-        valid_BT = valid_BT.astype(jnp.bool_)
-        if cache is None:
-            query_slot_T = jnp.arange(T)
-            key_slot_S = jnp.arange(T)
-            valid_BS = valid_BT
-        else:
-            zero = jnp.zeros((), jnp.int32)
-            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, valid_BT, (zero, cache.index))
-            cache = cache.replace(valid_BS=valid_BS)
-            query_slot_T = cache.index + jnp.arange(T, dtype=jnp.int32)
-            key_slot_S = jnp.arange(valid_BS.shape[1], dtype=jnp.int32)
-        causal_TS = key_slot_S[None, :] <= query_slot_T[:, None]
-        if segment_BT is None:
-            mask_BTS = causal_TS[None] & valid_BS[:, None, :]
-        else:
-            if cache is not None:
-                raise ValueError("segment_BT (packed rows) is for forwards without a cache")
-            mask_BTS = causal_TS[None] & (segment_BT[:, :, None] == segment_BT[:, None, :])
+        mask_BTS, cache = attention_mask(valid_BT, cache, segment_BT)
         cos_BTE, sin_BTE = rope_tables(positions_BT, cfg)
 
         def layer_fn(layer, index, carry):

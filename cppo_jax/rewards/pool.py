@@ -7,7 +7,8 @@ process and enforces the bound from outside:
 1. Workers are fresh interpreters (`subprocess` + exec: nothing is forked from a parent that may hold JAX
    threads, and unlike multiprocessing's spawn the parent's `__main__` is not re-imported, so a training
    script's imports stay out of the workers). Each sets RLIMIT_AS (`memory_limit_bytes`), imports the reward
-   functions by qualified name, warms them up and reports ready (`cppo_jax.rewards.worker`).
+   functions by qualified name, warms them up and reports ready (`cppo_jax.rewards.worker`; the pool
+   starts, kills and stops them with `cppo_jax.rewards.worker_procs`).
 2. `score` cuts the batch into chunks of up to `chunk_size` items and hands them to idle workers. A worker runs the calls
    of its chunk in order and answers after each one.
 3. Each call has `timeout_s` seconds, counted from the previous answer (or the hand-over). A call that
@@ -28,37 +29,24 @@ function abstained with None); `total` their weighted sum, abstentions left out.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import socket
-import subprocess
-import sys
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 import numpy as np
 
 from cppo_jax.rewards import registry
-from cppo_jax.rewards.worker import BOOT, call, child_env
+from cppo_jax.rewards.worker import call
+from cppo_jax.rewards.worker_procs import Worker, kill, shutdown, start_worker
 
 __all__ = ["RewardPool"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Worker:
-    proc: subprocess.Popen
-    conn: Connection
-    start_deadline: float
-    ready: bool = False
-    inflight: deque = field(default_factory=deque)  # task ids handed over and not yet answered
-    deadline: float = math.inf  # when the oldest unanswered task times out
 
 
 @dataclass
@@ -84,20 +72,6 @@ def _parse_spec(entry) -> _Spec:
     if not math.isfinite(weight):
         raise ValueError(f"weight of reward {name!r} must be finite, got {weight!r}")
     return _Spec(name, weight, registry.reference(fn))
-
-
-def _shutdown(workers: list[_Worker]) -> None:
-    for w in workers:
-        with contextlib.suppress(OSError, ValueError):
-            w.conn.send(("stop",))
-    for w in workers:
-        try:
-            w.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
-        w.conn.close()
-    workers.clear()
 
 
 class RewardPool:
@@ -131,10 +105,10 @@ class RewardPool:
         self.chunk_size = chunk_size
         self.startup_timeout_s = float(startup_timeout_s)
         self.totals = {"timeouts": 0, "errors": 0, "restarts": 0, "items": 0}
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._inline: list[Callable] = []
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._finalizer = weakref.finalize(self, shutdown, self._workers)
         if num_workers == 0:
             self._inline = [registry.item_fn(registry.resolve_ref(s.ref)) for s in self.specs]
             return
@@ -149,40 +123,16 @@ class RewardPool:
 
     # ----- worker management -----
 
-    def _start_worker(self) -> _Worker:
-        if not sys.executable:
-            raise RuntimeError("RewardPool needs sys.executable to start worker interpreters")
-        parent_sock, child_sock = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    BOOT,
-                    str(child_sock.fileno()),
-                    str(self.memory_limit_bytes),
-                ],
-                pass_fds=(child_sock.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=child_env(),
-            )
-        finally:
-            child_sock.close()
-        conn = Connection(parent_sock.detach())
-        conn.send(("init", [s.ref for s in self.specs]))
-        return _Worker(proc, conn, start_deadline=time.monotonic() + self.startup_timeout_s)
+    def _start_worker(self) -> Worker:
+        refs = [spec.ref for spec in self.specs]
+        return start_worker(refs, self.memory_limit_bytes, self.startup_timeout_s)
 
-    def _kill(self, w: _Worker) -> None:
-        w.proc.kill()
-        w.proc.wait()
-        w.conn.close()
-
-    def _replace(self, w: _Worker) -> None:
-        self._kill(w)
+    def _replace(self, w: Worker) -> None:
+        kill(w)
         self._workers[self._workers.index(w)] = self._start_worker()
         self.totals["restarts"] += 1
 
-    def _on_startup_message(self, w: _Worker) -> None:
+    def _on_startup_message(self, w: Worker) -> None:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
@@ -339,7 +289,7 @@ class RewardPool:
                     )
         run.restarts = self.totals["restarts"] - restarts0
 
-    def _drain_answers(self, w: _Worker, scores_FN, run: _Run, queue: deque) -> int:
+    def _drain_answers(self, w: Worker, scores_FN, run: _Run, queue: deque) -> int:
         """Record every answer waiting on `w`'s connection; return how many tasks finished."""
         done = 0
         try:

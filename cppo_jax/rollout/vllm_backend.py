@@ -14,13 +14,14 @@
   `reload_weights`), reset its prefix cache, then VERIFY: the server's log-probs of a fixed probe sequence
   (prompt log-probs and the greedy next token, temperature 0) must equal the trainer's own, computed here in
   JAX from exactly the weights written and in the server's dtype (like with like), within a tolerance
-  derived from that dtype (`probe_tolerance`) or `rollout.probe_tol` when set. A mismatch raises
+  derived from that dtype and the model's own rounding noise on the probe (`vllm_probe`) or `rollout.probe_tol` when set. A mismatch raises
   `WeightSyncError` (expected vs got, max diff) before any further rollout can use stale weights.
   With `rollout.weight_sync` = protocol (or auto, against a server started with the `cppo_shm` engine) the
   same tensors go through vLLM's weight-transfer routes instead of a folder and a reload: full pushes, and
   in between sparse patches of the changed serving-dtype elements (`rollout.full_push_every`;
   `cppo_jax/rollout/weight_transfer.py`); the probe check after every push is the same, and a refused one
-  makes the next push full.
+  makes the next push full. A LoRA run may push its adapters instead (`rollout.lora_push`,
+  `cppo_jax/rollout/vllm_lora.py`).
 
 The server must be reachable by the trainer and must read `weights_dir` at the same path (same machine or a
 shared file system). The dev routes it needs are unauthenticated: keep it on loopback or a private network
@@ -33,9 +34,6 @@ runs with `--logprobs-mode processed_logprobs`); the trainer recomputes the log-
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import math
 import shutil
 import time
 import weakref
@@ -46,16 +44,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax.config import ConfigError, RolloutConfig
+from cppo_jax.config import RolloutConfig
 from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
-from cppo_jax.models.transformer import DTYPES, Transformer
-from cppo_jax.profile import KEPT_PROGRAMS
+from cppo_jax.models.transformer import DTYPES
 from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_client import (
     ResponseError,
     RolloutServerError,
     VLLMClient,
     WeightSyncError,
+)
+from cppo_jax.rollout.vllm_lora import LoraPusher, make_lora_pusher
+from cppo_jax.rollout.vllm_probe import (
+    default_probe_ids,
+    probe_fn,
+    probe_tolerance,
+    push_bytes,
+    serving_graphdef,
 )
 from cppo_jax.rollout.vllm_push import (
     PUSH_MARKER,
@@ -64,7 +69,7 @@ from cppo_jax.rollout.vllm_push import (
     push_folder,
     resolve_route,
 )
-from cppo_jax.rollout.vllm_samples import samples_from_completions
+from cppo_jax.rollout.vllm_samples import samples_from_completions, strip_padding
 from cppo_jax.rollout.weight_transfer import ProtocolPusher
 
 __all__ = [
@@ -74,80 +79,10 @@ __all__ = [
     "VLLMBackend",
     "WeightSyncError",
     "claim_push_folder",
-    "default_probe_ids",
-    "probe_tolerance",
     "push_bytes",
     "push_folder",
     "samples_from_completions",
 ]
-
-PROBE_LEN = 12
-# The derived probe tolerance, in units of the serving dtype's machine epsilon per unit of log-prob:
-# |server - trainer| <= PROBE_EPS_FACTOR[dtype] * eps(dtype) * (1 + |log-prob|). Measured on tiny Qwen2s
-# (docs/vllm.md): a right push differs by at most 1.0 eps (1 + |lp|) in bfloat16 (rounding dominates) and
-# 3.6 eps (1 + |lp|) in float32 (accumulation order dominates); the factors leave 3x and 9x margin.
-PROBE_EPS_FACTOR = {"bfloat16": 3.0, "float32": 32.0}
-
-
-def probe_tolerance(dtype: str, want_T: np.ndarray) -> np.ndarray:
-    """Per-position tolerance [T] for probe log-probs `want_T` computed in `dtype` on both sides.
-
-    Two implementations of the same network in the same dtype differ by rounding: each activation and the
-    logits carry a relative error of order eps(dtype), and log-softmax subtracts logits of the size of the
-    log-prob, so a log-prob's error scales with eps(dtype) times (1 + its magnitude).
-    """
-    eps = float(jnp.finfo(DTYPES[dtype]).eps)
-    return PROBE_EPS_FACTOR[dtype] * eps * (1.0 + np.abs(np.asarray(want_T, np.float64)))
-
-
-def push_bytes(model_cfg, dtype: str) -> int:
-    """Bytes of tensor data one push writes for a model of config `model_cfg` in `dtype` (the safetensors
-    header, a few KB, aside): every parameter, plus the `lm_head.weight` copy of a tied embedding."""
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    n = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-    if model_cfg.tie_word_embeddings:
-        n += model_cfg.vocab_size * model_cfg.hidden_size
-    return n * jnp.dtype(DTYPES[dtype]).itemsize
-
-
-def default_probe_ids(vocab_size: int, length: int = PROBE_LEN, seed: int = 1234) -> list[int]:
-    """A fixed probe sequence: ids from a seeded generator below min(vocab, 256), which every
-    byte-level tokenizer covers (vLLM rejects prompt ids its tokenizer does not know)."""
-    high = min(vocab_size, 256)
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(3 if high > 8 else 0, high, size=length)]
-
-
-@functools.lru_cache(maxsize=KEPT_PROGRAMS)
-def _probe_fn(graphdef):
-    """Jitted log-softmax of the model's logits on one probe row: [T] ids -> [T, V] log-probs.
-
-    The logits are rounded to the model's compute dtype first, as vLLM's are (its lm_head runs in the
-    model dtype; log-probs are taken in float32 from those logits)."""
-
-    def fn(params, ids_T):
-        model = nnx.merge(graphdef, params)
-        T = ids_T.shape[0]
-        logits_1TV, _ = model(
-            ids_T[None], jnp.arange(T, dtype=jnp.int32)[None], jnp.ones((1, T), bool)
-        )
-        logits_TV = logits_1TV[0].astype(model.cfg.compute_dtype).astype(jnp.float32)
-        return jax.nn.log_softmax(logits_TV, axis=-1)
-
-    return jax.jit(fn)
-
-
-@functools.cache
-def serving_graphdef(model_cfg, dtype: str):
-    """The graph of a model of config `model_cfg` whose weights are stored and computed in `dtype`
-    (what the server runs): the trainer's parameters, cast, merge into it."""
-    if dtype not in DTYPES:
-        raise ConfigError(
-            f"the vLLM server computes in {dtype}, which the weight push cannot write and check; "
-            f"allowed {sorted(DTYPES)} (launch/vllm_server.sh: VLLM_DTYPE)"
-        )
-    cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype, remat=False)
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
 
 
 class VLLMBackend:
@@ -186,6 +121,20 @@ class VLLMBackend:
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
         self.route: str | None = None  # "file" or "protocol", resolved at the first push
         self.pusher: ProtocolPusher | None = None
+        self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
+        self._lora_parts, self._lora_resolved = None, False
+
+    def attach_lora(self, train_graphdef, frozen, adapters_fn) -> None:
+        """A LoRA run: pushes may send the adapters only (`rollout.lora_push`, `vllm_lora.py`).
+        `adapters_fn()` gives the current adapters on `frozen`, the base the server started from."""
+        self._lora_parts = (train_graphdef, frozen, adapters_fn)
+
+    def adapter_push(self) -> bool:
+        """Whether pushes send the adapters (resolved at the first push; `auto` asks the server)."""
+        if not self._lora_resolved:
+            self.lora = make_lora_pusher(self.cfg, self._lora_parts, self.client, self.weights_dir)
+            self._lora_resolved = True
+        return self.lora is not None
 
     # ------------------------------------------------------------------------------------------
 
@@ -203,13 +152,15 @@ class VLLMBackend:
             self._probe_ids = default_probe_ids(self.model_cfg(params).vocab_size)
         return self._probe_ids
 
-    def serving(self, params) -> tuple:
-        """(graphdef, params) of the model as the server runs it: weights cast to the dtype the server
-        computes in (asked once; the trainer's compute dtype when the server cannot say)."""
-        cfg = self.model_cfg(params)
+    def dtype(self, params) -> str:
+        """The dtype the server computes in (asked once; else the trainer's compute dtype)."""
         if self.serve_dtype is None:
-            self.serve_dtype = self.client.served_dtype() or cfg.dtype
-        graphdef = serving_graphdef(cfg, self.serve_dtype)
+            self.serve_dtype = self.client.served_dtype() or self.model_cfg(params).dtype
+        return self.serve_dtype
+
+    def serving(self, params) -> tuple:
+        """(graphdef, params) of the model as the server runs it: weights cast to its dtype."""
+        graphdef = serving_graphdef(self.model_cfg(params), self.dtype(params))
         dt = DTYPES[self.serve_dtype]
         return graphdef, jax.tree.map(lambda x: x.astype(dt), params)
 
@@ -225,7 +176,7 @@ class VLLMBackend:
 
     def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples: int) -> Samples:
         self._ensure_synced(params)
-        prompts = _strip_padding(prompt_QP, prompt_valid_QP)
+        prompts = strip_padding(prompt_QP, prompt_valid_QP)
         G = int(num_samples)
         seeds = [int(s) * G for s in np.asarray(seeds_Q).astype(np.int64)]
         groups = self.client.generate(
@@ -246,7 +197,7 @@ class VLLMBackend:
         self._ensure_synced(params)
         if self._pushed_ref is not None and self._pushed_ref() is not params:
             self.sync_weights(params, self.synced_step)
-        prompts = _strip_padding(prompt_QP, prompt_valid_QP)
+        prompts = strip_padding(prompt_QP, prompt_valid_QP)
         C = int(max_new_tokens or self.sp.max_new_tokens)
         groups = self.client.generate(
             prompts, n=1, max_tokens=C, temperature=0.0, stop_token_ids=list(self.sp.eos_id)
@@ -280,7 +231,12 @@ class VLLMBackend:
 
     def push(self, params) -> dict:
         """Send `params` in the serving dtype by the route of `rollout.weight_sync` and reset the prefix
-        cache (no check); returns bytes and timings (`pause_s`: the server could not generate)."""
+        cache (no check); returns bytes and timings (`pause_s`: the server could not generate).
+        With an adapter push (`rollout.lora_push`) the adapters go instead, `params` unused."""
+        if self.adapter_push():
+            m, self.pushes = self.lora.push(), self.pushes + 1
+            self.last_slot = self.lora.path
+            return m
         if self.resolve_route() == "protocol":
             t0 = time.perf_counter()
             tensors = hf_tensors(*self.serving(params))
@@ -312,16 +268,37 @@ class VLLMBackend:
         }
 
     def expected_probe(self, params) -> np.ndarray:
-        """The trainer's probe log-probs [T, V], computed from `params` as the server runs them."""
+        """The trainer's probe log-probs [T, V] of `params` as the server runs them (or of the adapters
+        pushed on the frozen base)."""
+        if self.lora is not None:
+            return self.lora.expected_probe(self.probe_ids(params), self.dtype(params))
         graphdef, served = self.serving(params)
         ids = jnp.asarray(self.probe_ids(params), jnp.int32)
-        return np.asarray(_probe_fn(graphdef)(served, ids))
+        return np.asarray(probe_fn(graphdef)(served, ids))
 
-    def tolerance(self, want_T: np.ndarray) -> np.ndarray:
-        """Per-position tolerance: `probe_tol` when set, else derived from the serving dtype."""
+    def probe_noise(self, params, lp_TV: np.ndarray) -> float:
+        """The trainer's own rounding noise on the probe: the largest |log-prob in the serving dtype -
+        log-prob of the same (cast) weights in float32| over the checked entries; 0 serving float32."""
+        if self.serve_dtype == "float32":
+            return 0.0
+        ids = np.asarray(self.probe_ids(params))
+        if self.lora is not None:  # the adapted model: base and adapters in float32
+            exact_TV = self.lora.expected_probe(list(ids), "float32")
+        else:
+            cfg, (_, served) = self.model_cfg(params), self.serving(params)
+            exact_TV = probe_fn(serving_graphdef(cfg, "float32"))(
+                jax.tree.map(lambda x: x.astype(jnp.float32), served), jnp.asarray(ids, jnp.int32)
+            )
+        err_TV = np.abs(lp_TV - np.asarray(exact_TV))
+        top = int(lp_TV[-1].argmax())  # the greedy next token's
+        return float(max(err_TV[np.arange(len(ids) - 1), ids[1:]].max(), err_TV[-1, top]))
+
+    def tolerance(self, want_T: np.ndarray, noise: float = 0.0) -> np.ndarray:
+        """Per-position tolerance: `probe_tol` when set, else derived from the serving dtype and the
+        model's rounding `noise` (`probe_noise`)."""
         if self.probe_tol is not None:
             return np.full(np.shape(want_T), self.probe_tol)
-        return probe_tolerance(self.serve_dtype, want_T)
+        return probe_tolerance(self.serve_dtype, want_T, noise)
 
     def verify(self, params, step: int | None = None) -> float:
         """Compare the server's probe log-probs with the trainer's (same weights, same dtype); raise
@@ -331,7 +308,8 @@ class VLLMBackend:
         got_prompt, got_token, got_token_lp = self.client.prompt_logprobs(ids)
         want_prompt = lp_TV[np.arange(len(ids) - 1), ids[1:]]
         diffs = np.abs(np.asarray(got_prompt, np.float64) - want_prompt)
-        tol = self.tolerance(want_prompt)
+        noise = 0.0 if self.probe_tol is not None else self.probe_noise(params, lp_TV)
+        tol = self.tolerance(want_prompt, noise)
         when = f" at step {step}" if step is not None else ""
         where = f"weight push{when} to {self.url} (slot {self.last_slot}, {self.serve_dtype})"
         worst = int(np.argmax(diffs / tol))
@@ -349,7 +327,7 @@ class VLLMBackend:
         last = lp_TV[-1]
         token_diff = abs(got_token_lp - float(last[got_token]))
         argmax_gap = float(last.max()) - float(last[got_token])
-        token_tol = float(self.tolerance(np.array([last.max()]))[0])
+        token_tol = float(self.tolerance(np.array([last.max()]), noise)[0])
         if token_diff > token_tol or argmax_gap > token_tol:
             raise WeightSyncError(
                 f"{where} not confirmed: probe check 'greedy next token' failed: the server chose "
@@ -368,7 +346,8 @@ class VLLMBackend:
         self.unconfirmed = "push in progress"
         t0 = time.perf_counter()
         try:
-            served = self.serving(params)[1]  # cast once; push and verify cast no further
+            # cast once; push and verify cast no further (an adapter push casts only the adapters)
+            served = params if self.adapter_push() else self.serving(params)[1]
             metrics = self.push(served)
             t = time.perf_counter()
             diff = self.verify(served, step)
@@ -401,6 +380,8 @@ class VLLMBackend:
     def close(self) -> None:
         """Close the client and delete the two push slots (transient copies of the policy; the
         trainer's checkpoints hold its state). The server keeps running."""
+        if self.lora is not None:
+            self.lora.close()
         self.client.close()
         if not (self.weights_dir / PUSH_MARKER).is_file():
             return  # never claimed: nothing of ours to remove
@@ -409,13 +390,3 @@ class VLLMBackend:
         with contextlib.suppress(OSError):
             (self.weights_dir / PUSH_MARKER).unlink()
             self.weights_dir.rmdir()  # only when empty
-
-
-def _strip_padding(prompt_QP, prompt_valid_QP) -> list[list[int]]:
-    prompt_QP = np.asarray(prompt_QP)
-    valid_QP = np.asarray(prompt_valid_QP).astype(bool)
-    prompts = [[int(t) for t in row[valid]] for row, valid in zip(prompt_QP, valid_QP)]
-    for q, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {q} has no valid token")
-    return prompts

@@ -95,6 +95,11 @@ class VLLMClient(JSONClient):
                     ) from e
             return self._model
 
+    def set_model(self, name: str) -> None:
+        """Send later requests to the served model (or loaded LoRA adapter) `name`."""
+        with self._lock:
+            self._model = name
+
     def served_dtype(self) -> str | None:
         """The dtype the server computes in ("bfloat16", "float16", "float32"), from the dev route
         `GET /server_info`; None when the server has no such route (HTTP 404)."""

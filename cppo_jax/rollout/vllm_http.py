@@ -120,8 +120,10 @@ class JSONClient:
         what: str,
         timeout_s: float | None = None,
         retries: int | None = None,
+        raw: bool = False,
     ) -> Any:
-        """Send one JSON request (with retries); return the decoded JSON answer.
+        """Send one JSON request (with retries); return the decoded JSON answer (`raw`: the answer's
+        text, for routes that answer plain text, e.g. vLLM's LoRA routes).
 
         `what` says in words what the request was for (it appears in every error message).
         """
@@ -166,6 +168,8 @@ class JSONClient:
                     url=self.url,
                     status=status,
                 )
+            if raw:
+                return data.decode(errors="replace")
             try:
                 return json.loads(data) if data.strip() else None
             except ValueError as e:

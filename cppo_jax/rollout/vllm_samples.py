@@ -13,7 +13,7 @@ import numpy as np
 from cppo_jax.rollout.sampling import Samples, SamplingParams, completion_ends
 from cppo_jax.rollout.vllm_client import Completion, ResponseError
 
-__all__ = ["samples_from_completions"]
+__all__ = ["samples_from_completions", "strip_padding"]
 
 
 def samples_from_completions(
@@ -74,3 +74,14 @@ def samples_from_completions(
         jnp.asarray(finished_N),
         jnp.int32(steps),
     )
+
+
+def strip_padding(prompt_QP, prompt_valid_QP) -> list[list[int]]:
+    """The Q left-padded prompts as token lists without their padding (one request each)."""
+    prompt_QP = np.asarray(prompt_QP)
+    valid_QP = np.asarray(prompt_valid_QP).astype(bool)
+    prompts = [[int(t) for t in row[valid]] for row, valid in zip(prompt_QP, valid_QP)]
+    for q, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {q} has no valid token")
+    return prompts

@@ -28,7 +28,9 @@
 # GPU), VLLM_CPU_KVCACHE_SPACE (1, GiB), VLLM_API_KEY (passed as --api-key when set), VLLM_PYTHON (use this
 # interpreter and skip the GPU/CPU choice and the install), VLLM_MAX_NUM_SEQS (128, CPU: running sequences;
 # the per-step token budget is this times the context length), VLLM_WEIGHT_TRANSFER (0; 1: the weight-transfer
-# routes with the shared-memory engine `cppo_shm`, docs/vllm.md).
+# routes with the shared-memory engine `cppo_shm`, docs/vllm.md), VLLM_LORA_RANK (0; R > 0: serve LoRA adapters
+# loaded at runtime, rollout.lora_push: --enable-lora --max-lora-rank with the smallest rank vLLM accepts >= R,
+# and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, docs/lora.md).
 set -euo pipefail
 
 DRY_RUN=0
@@ -39,7 +41,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DRY_RUN=1; shift ;;
         --foreground) FOREGROUND=1; shift ;;
         --install-only) INSTALL_ONLY=1; shift ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
         *) break ;;
     esac
 done
@@ -73,6 +75,15 @@ HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-180}"
 
 if [[ -n "$PORT" && ! "$PORT" =~ ^[0-9]+$ ]]; then
     echo "$0: PORT must be a number, got '$PORT'" >&2
+    exit 2
+fi
+LORA_RANK="${VLLM_LORA_RANK:-0}"
+MAX_LORA_RANK=""  # vLLM accepts these --max-lora-rank values only
+for r in 1 8 16 32 64 128 256 320 512; do
+    if [[ "$LORA_RANK" =~ ^[0-9]+$ ]] && (( r >= LORA_RANK )); then MAX_LORA_RANK=$r; break; fi
+done
+if [[ ! "$LORA_RANK" =~ ^[0-9]+$ || -z "$MAX_LORA_RANK" ]]; then
+    echo "$0: VLLM_LORA_RANK must be 0 (no LoRA) or a rank up to 512 (model.lora.rank), got '$LORA_RANK'" >&2
     exit 2
 fi
 if [[ $INSTALL_ONLY -eq 0 && $DRY_RUN -eq 0 && ! -d "$MODEL_DIR" ]]; then
@@ -206,6 +217,11 @@ if [[ "${VLLM_WEIGHT_TRANSFER:-0}" == 1 ]]; then
     [[ -d $PLUGIN_DIR || -z $ROOT ]] || PLUGIN_DIR="$ROOT/cppo_jax/rollout/vllm_plugin"
     CMD=(env "PYTHONPATH=$PLUGIN_DIR${PYTHONPATH:+:$PYTHONPATH}" "${CMD[@]:1}")
     CMD+=(--weight-transfer-config '{"backend": "cppo_shm"}')
+fi
+# VLLM_LORA_RANK > 0: LoRA adapters loaded and unloaded at runtime (/v1/load_lora_adapter), one per push.
+if (( LORA_RANK > 0 )); then
+    CMD=(env VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "${CMD[@]:1}")
+    CMD+=(--enable-lora --max-lora-rank "$MAX_LORA_RANK")
 fi
 CMD+=("${EXTRA[@]}")
 URL="http://$HOST:$PORT"

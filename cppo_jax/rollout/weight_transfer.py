@@ -7,10 +7,15 @@ Host code: numpy and the standard library, no JAX and no torch. The server side 
 described there. One push is one round: start, one update call naming every tensor, finish.
 
 - Full push: every tensor's bytes, in the serving dtype.
-- Sparse push: for each tensor, the flat indices (int32) and new values of the elements whose serving-dtype
-  bit pattern changed since the last confirmed push (vLLM's `SparseWeightPatch` coordinates); a tensor with
-  nothing changed is sent with 0 elements (so a dropped tensor is still detected), one where a patch would
-  be larger than the tensor is sent whole.
+- Sparse push: for each tensor, the elements whose serving-dtype bit pattern changed since the last
+  confirmed push, in two groups. Most move by a few units of their bit pattern (an RL update is a few ulps
+  at most: `ulp_steps`); those go as steps: per element one uint8 gap from the previous stepped index and
+  one int8 step of the bit pattern, 2 bytes where an index and a value take 4 + 2. The rest (a weight that
+  crosses zero, or moves more than 127 ulps) go as flat int32 indices and new values (vLLM's
+  `SparseWeightPatch` coordinates). A tensor with nothing changed is sent with 0 elements (so a dropped
+  tensor is still detected), one where a patch would be no smaller than the tensor is sent whole. A sparse
+  push names the round it was diffed against (`base_round`); the server refuses it unless it holds that
+  round.
 
 `ProtocolPusher.push` returns per-push figures: `bytes` (payload), `changed_frac` (changed elements / all
 elements; 1 for a full push), `write_s` (trainer side: diff and write), `pause_s` (the server's share:
@@ -30,7 +35,7 @@ import numpy as np
 
 from cppo_jax.rollout.vllm_http import JSONClient, RolloutServerError
 
-__all__ = ["SHM_BACKEND", "ProtocolPusher", "changed_indices", "server_backend"]
+__all__ = ["SHM_BACKEND", "ProtocolPusher", "changed_indices", "server_backend", "ulp_steps"]
 
 SHM_BACKEND = "cppo_shm"
 _ALIGN = 64
@@ -66,6 +71,31 @@ def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return np.flatnonzero(a != b).astype(np.int32)
 
 
+def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Encode the changed elements `idx` (ascending) of `old` -> `new` (same shape and dtype) as steps.
+
+    Returns (gaps_S uint8, steps_S int8, rest_idx int32): entry s patches flat index
+    cumsum(gaps)[s] - 1 by adding steps[s] to its unsigned bit pattern. Elements whose pattern moves by
+    more than 127 are left in `rest_idx` (sent as index and value). A gap over 255 is bridged by entries of
+    gap 255 and step 0 (no-ops), so every gap fits a byte."""
+    if new.dtype.itemsize not in (2, 4):  # the server steps 16- and 32-bit patterns only
+        return np.zeros(0, np.uint8), np.zeros(0, np.int8), idx.astype(np.int32)
+    u = _UINT[new.dtype.itemsize]
+    a = np.ascontiguousarray(old).view(u).reshape(-1)[idx].astype(np.int64)
+    b = np.ascontiguousarray(new).view(u).reshape(-1)[idx].astype(np.int64)
+    d = b - a
+    small = np.abs(d) <= 127
+    at = idx[small].astype(np.int64)
+    gap = np.diff(at, prepend=-1)
+    fill = (gap - 1) // 255  # bridging entries before each element
+    pos = np.arange(at.size) + np.cumsum(fill)
+    gaps_S = np.full(at.size + int(fill.sum()), 255, np.uint8)
+    steps_S = np.zeros(gaps_S.size, np.int8)
+    gaps_S[pos] = gap - 255 * fill
+    steps_S[pos] = d[small]
+    return gaps_S, steps_S, idx[~small].astype(np.int32)
+
+
 class ProtocolPusher:
     """Pushes HF-named tensors to a vLLM server through its weight-transfer protocol.
 
@@ -83,7 +113,8 @@ class ProtocolPusher:
         self.rounds = 0
         self._since_full: int | None = None  # None: no confirmed full push yet
         self._last: dict[str, np.ndarray] | None = None
-        self._pending: tuple[dict[str, np.ndarray], bool] | None = None  # pushed, not yet confirmed
+        self._pending: tuple[dict[str, np.ndarray], bool, int] | None = None  # pushed, unconfirmed
+        self._base_round: int | None = None  # the round `_last` was pushed in
         self._ready = False
 
     def _post(self, path: str, payload: Any, what: str) -> Any:
@@ -127,7 +158,7 @@ class ProtocolPusher:
             )
         self.client.request("POST", "/reset_prefix_cache", None, what="resetting the prefix cache")
         t2 = time.perf_counter()
-        self._pending = (tensors, full)
+        self._pending = (tensors, full, self.rounds)
         return {
             "bytes": float(nbytes),
             "changed_frac": changed / max(total, 1),
@@ -140,7 +171,7 @@ class ProtocolPusher:
         """The last push was checked: it becomes the base of the next sparse push."""
         if self._pending is None:
             raise RuntimeError("confirm() without a push to confirm")
-        (tensors, full), self._pending = self._pending, None
+        (tensors, full, self._base_round), self._pending = self._pending, None
         self._last = dict(tensors)  # fresh host arrays per push: kept, not copied
         self._since_full = 0 if full else self._since_full + 1
 
@@ -161,7 +192,7 @@ class ProtocolPusher:
         """Write one payload file (to a temporary name, then renamed); returns (update_info, bytes,
         changed elements, all elements)."""
         parts: list[np.ndarray] = []
-        offsets, counts, index_offsets = [], [], []
+        offsets, counts, index_offsets, step_offsets, step_counts = [], [], [], [], []
         pos = changed = total = 0
 
         def place(arr: np.ndarray) -> int:
@@ -180,24 +211,29 @@ class ProtocolPusher:
             dtypes.append(arr.dtype.name)
             shapes.append(list(arr.shape))
             total += arr.size
-            if base is None:
-                offsets.append(place(arr))
-                counts.append(arr.size)
-                index_offsets.append(-1)
-                changed += arr.size
-                continue
-            if key not in base:
+            if base is not None and key not in base:
                 raise ValueError(f"tensor {key} was not in the last push: a full push is needed")
-            idx = changed_indices(base[key], arr)
-            changed += idx.size
-            if idx.size * (4 + arr.dtype.itemsize) >= arr.nbytes:  # a patch no smaller: whole
-                offsets.append(place(arr))
+            patch = None
+            if base is None:
+                changed += arr.size
+            else:
+                idx = changed_indices(base[key], arr)
+                changed += idx.size
+                gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
+                if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
+                    patch = None
+            if patch is None:
+                offsets.append(place(arr))  # a full push, or a patch no smaller: whole
                 counts.append(arr.size)
                 index_offsets.append(-1)
+                step_offsets.append(-1)
+                step_counts.append(0)
                 continue
-            offsets.append(place(arr.reshape(-1)[idx]))
-            counts.append(int(idx.size))
-            index_offsets.append(place(idx))
+            offsets.append(place(arr.reshape(-1)[rest]))
+            counts.append(int(rest.size))
+            index_offsets.append(place(rest))
+            step_offsets.append(place(np.concatenate([gaps_S, steps_S.view(np.uint8)])))
+            step_counts.append(int(gaps_S.size))
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{name}.tmp"
         crc = 0
@@ -214,6 +250,9 @@ class ProtocolPusher:
             "offsets": offsets,
             "counts": counts,
             "index_offsets": None if base is None else index_offsets,
+            "step_offsets": None if base is None else step_offsets,
+            "step_counts": None if base is None else step_counts,
+            "base_round": None if base is None else self._base_round,
             "crc32": crc,
             "round": self.rounds,
             "round_tensors": len(names),

@@ -16,7 +16,8 @@ import json
 import pytest
 
 from cppo_jax import launch, pipeline
-from cppo_jax.config import ConfigError, DataConfig
+from cppo_jax.config import DataConfig
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.models import Tokenizer
 from cppo_jax.tasks.prompts import system_prompt_for
 from cppo_jax.trainer import Trainer

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config import ConfigError
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.trainer import Trainer
 from tests.reliability.ckpt_writer import expected_state
 from tests.reliability.runs import digit_steps, metrics_steps, rewind

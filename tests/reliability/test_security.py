@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.config import Config, ConfigError, RolloutConfig
+from cppo_jax.config import Config, RolloutConfig
+from cppo_jax.config_choices import ConfigError
 from cppo_jax.config_io import apply_overrides
 from cppo_jax.rollout.sampling import SamplingParams
 from cppo_jax.rollout.vllm_backend import PUSH_MARKER, VLLMBackend, claim_push_folder, push_folder

@@ -16,10 +16,13 @@ Wire format (written by `cppo_jax/rollout/weight_transfer.py`, which imports nei
 - `update_weights {"file", "names", "dtype_names", "shapes", "offsets", "counts", "index_offsets",
   "crc32", "round", "round_tensors"}`: `file` (relative to root) holds raw little-endian tensor bytes;
   tensor i's values start at byte `offsets[i]` and hold `counts[i]` elements of `dtype_names[i]`. A dense
-  update has `index_offsets` null and `counts[i]` = the tensor's size; a sparse update (vLLM's
-  `SparseWeightPatch` coordinates: flat indices into the checkpoint tensor) has the int32 indices of
-  tensor i at `index_offsets[i]` (-1: tensor i is sent whole). `crc32` covers the whole file; `round_tensors` is how many tensors the
-  round (start ... finish) carries in all, over every update call.
+  update has `index_offsets`, `step_offsets`, `step_counts` and `base_round` null and `counts[i]` = the
+  tensor's size. A sparse update patches the round `base_round` (refused unless the engine holds it) in two
+  groups per tensor: `counts[i]` values with their int32 flat indices at `index_offsets[i]` (vLLM's
+  `SparseWeightPatch` coordinates; -1: tensor i is sent whole), and `step_counts[i]` steps at
+  `step_offsets[i]`: that many uint8 gaps, then as many int8 steps; step s adds steps[s] to the unsigned bit
+  pattern of flat element cumsum(gaps)[s] - 1. `crc32` covers the whole file; `round_tensors` is how many
+  tensors the round (start ... finish) carries in all, over every update call.
 
 What the engine guarantees: nothing is applied before `finish_weight_update`, and a round is applied whole
 or not at all (a checksum mismatch, a tensor missing from the round, a sparse patch before any full push, an
@@ -75,14 +78,20 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     round: int
     round_tensors: int
     index_offsets: list[int] | None = None
+    step_offsets: list[int] | None = None
+    step_counts: list[int] | None = None
+    base_round: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
         for key in ("dtype_names", "shapes", "offsets", "counts"):
             if len(getattr(self, key)) != n:
                 raise ValueError(f"`{key}` has {len(getattr(self, key))} entries for {n} names")
-        if self.index_offsets is not None and len(self.index_offsets) != n:
-            raise ValueError(f"`index_offsets` has {len(self.index_offsets)} entries for {n} names")
+        sparse = ("index_offsets", "step_offsets", "step_counts")
+        if self.index_offsets is not None:
+            for key in sparse:
+                if getattr(self, key) is None or len(getattr(self, key)) != n:
+                    raise ValueError(f"`{key}` needs one entry per name ({n}) in a sparse update")
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -96,7 +105,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.root: str | None = None
         self.shadow: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+        self.shadow_round: int | None = None  # the round whose weights `shadow` holds
+        self._pending: list[
+            tuple
+        ] = []  # (name, values, indices | None, (step indices, steps) | None)
         self._round: int | None = None
         self._round_tensors = 0
 
@@ -120,6 +132,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self._round, self._round_tensors = u.round, u.round_tensors
         elif (u.round, u.round_tensors) != (self._round, self._round_tensors):
             raise ValueError(f"cppo_shm: update of round {u.round} inside round {self._round}")
+        if u.index_offsets is not None and u.base_round != self.shadow_round:
+            raise ValueError(
+                f"cppo_shm: sparse patch of round {u.base_round}, the server holds round "
+                f"{self.shadow_round}: nothing applied (a full push is needed)"
+            )
         path = os.path.realpath(os.path.join(self.root, u.file))
         if os.path.dirname(path) != self.root:
             raise ValueError(f"cppo_shm: payload {u.file!r} is not a file directly under the root")
@@ -144,7 +161,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             if not sparse:
                 if count != numel:
                     raise ValueError(f"cppo_shm: dense {name} has {count} values for shape {shape}")
-                self._pending.append((name, values.view(shape), None))  # views of `data`: no copy
+                self._pending.append((name, values.view(shape), None, None))  # views: no copy
                 continue
             old = self.shadow.get(name)
             if old is None:
@@ -155,38 +172,44 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                     f"the last full push was {old.dtype}{list(old.shape)}"
                 )
             idx = _view(buf, u.index_offsets[i], count * 4, torch.int32, name).to(torch.long)
-            if count and (int(idx.min()) < 0 or int(idx.max()) >= numel):
-                raise ValueError(
-                    f"cppo_shm: sparse patch of {name} indexes outside {numel} elements"
-                )
-            self._pending.append((name, values, idx))
+            n = int(u.step_counts[i])
+            raw = _view(buf, u.step_offsets[i], 2 * n, torch.uint8, name) if n else buf[:0]
+            at = torch.cumsum(raw[:n].to(torch.long), 0) - 1
+            for where in (idx, at):
+                if where.numel() and (int(where.min()) < 0 or int(where.max()) >= numel):
+                    raise ValueError(
+                        f"cppo_shm: sparse patch of {name} indexes outside {numel} elements"
+                    )
+            steps = (at, raw[n:].view(torch.int8).to(torch.long))
+            self._pending.append((name, values, idx, steps))
 
     def finish_weight_update(self) -> None:
         pending, self._pending = self._pending, []
-        want, self._round = self._round_tensors, None
+        want, round_, self._round = self._round_tensors, self._round, None
         if not pending:
             return
-        names = {name for name, _, _ in pending}
+        names = {entry[0] for entry in pending}
         if len(names) != want or len(pending) != want:
             raise ValueError(
                 f"cppo_shm: the round declared {want} tensors, {len(names)} arrived "
                 f"({len(pending)} updates): partial push refused, nothing applied"
             )
-        dense = all(idx is None for _, _, idx in pending)
+        dense = all(entry[2] is None for entry in pending)
         if dense:
             missing = sorted(set(self.shadow) - names)
             if self.shadow and missing:
                 raise ValueError(f"cppo_shm: full push lacks {missing[:3]}: nothing applied")
-            new = {name: values for name, values, _ in pending}
+            new = {name: values for name, values, _, _ in pending}
         else:  # validated on receipt (names, shapes, dtypes, index range): patch the copy in place
             new = self.shadow
-            for name, values, idx in pending:
+            for name, values, idx, steps in pending:
                 if idx is None:
                     new[name] = values
-                else:
-                    new[name].view(-1)[idx] = values
+                    continue
+                new[name].view(-1)[idx] = values
+                _step(new[name], *steps)
         self._reload(new)
-        self.shadow = new
+        self.shadow, self.shadow_round = new, round_
 
     def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -200,6 +223,17 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         self._pending = []
+
+
+_SIGNED = {2: torch.int16, 4: torch.int32}
+
+
+def _step(tensor: torch.Tensor, at: torch.Tensor, steps: torch.Tensor) -> None:
+    """Add `steps` to the unsigned bit patterns of `tensor`'s flat elements `at`, in place."""
+    bits = 8 * tensor.element_size()
+    flat = tensor.view(-1).view(_SIGNED[tensor.element_size()])
+    u = (flat[at].to(torch.long) & ((1 << bits) - 1)) + steps
+    flat[at] = torch.where(u >= 1 << (bits - 1), u - (1 << bits), u).to(flat.dtype)
 
 
 def _view(

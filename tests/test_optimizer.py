@@ -1,4 +1,4 @@
-"""Tests of the optimizer update in cppo_jax.step: `apply_update` with `make_optimizer`'s transform
+"""Tests of the optimizer update in cppo_jax.optimizer: `apply_update` with `make_optimizer`'s transform
 against optax's own `chain(clip_by_global_norm, adamw)` + `apply_updates`, and the skip of a
 non-finite update (params and optimizer state bit-identical)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from cppo_jax import step as step_lib
+from cppo_jax import optimizer as optimizer_lib
 from cppo_jax.config import OptimConfig
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
@@ -49,15 +49,15 @@ def _grads(params, seed: int, norm: float):
 
 
 def _optax_tx(cfg: OptimConfig):
-    lr = step_lib.lr_schedule(cfg, TOTAL)
+    lr = optimizer_lib.lr_schedule(cfg, TOTAL)
     adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     clip = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
     return optax.chain(*clip, adamw)
 
 
 def _ours(cfg: OptimConfig):
-    tx = step_lib.make_optimizer(cfg, TOTAL)
-    return tx, jax.jit(functools.partial(step_lib.apply_update, tx=tx), donate_argnums=(0, 1))
+    tx = optimizer_lib.make_optimizer(cfg, TOTAL)
+    return tx, jax.jit(functools.partial(optimizer_lib.apply_update, tx=tx), donate_argnums=(0, 1))
 
 
 def _reference_step(cfg: OptimConfig):
@@ -109,7 +109,7 @@ def test_update_matches_optax_chain(cfg, norm):
         np.testing.assert_allclose(float(grad_norm), norm, rtol=RTOL)
         _assert_close(params, ref_params, f"params after update {i + 1}")
         _assert_close(state, ref_state, f"optimizer state after update {i + 1}")
-    assert int(step_lib.update_count(state)) == 4
+    assert int(optimizer_lib.update_count(state)) == 4
     # The updates were real: the params moved by about lr per element, far beyond the tolerance.
     moved = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), params, _params())
     assert min(float(x) for x in jax.tree.leaves(moved)) > 1e-3
@@ -141,7 +141,7 @@ def test_nonfinite_update_leaves_params_and_state_bit_identical(where, value, lo
     assert jax.tree.structure(after) == jax.tree.structure(before)
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    assert int(step_lib.update_count(state)) == 1
+    assert int(optimizer_lib.update_count(state)) == 1
     # The metric is the pre-clip norm, as before: non-finite with the gradient.
     assert np.isfinite(float(grad_norm)) == (where is None)
 
@@ -159,7 +159,7 @@ def test_norm_overflow_with_finite_gradients_updates_as_optax_does():
     assert bool(finite) and float(grad_norm) == np.inf
     _assert_close(params, ref_params, "params")
     _assert_close(state, ref_state, "optimizer state")
-    assert int(step_lib.update_count(state)) == 1
+    assert int(optimizer_lib.update_count(state)) == 1
 
 
 def test_donated_update_copies_no_params_or_moments():
@@ -179,7 +179,7 @@ def test_any_optax_transform_updates_and_skips():
     """A plain optax transform (no extra arguments) is applied as is; non-finite still skips."""
     tx = optax.scale(-0.5)
     assert not isinstance(tx, optax.GradientTransformationExtraArgs)
-    update = jax.jit(functools.partial(step_lib.apply_update, tx=tx))
+    update = jax.jit(functools.partial(optimizer_lib.apply_update, tx=tx))
     params = _params()
     grads = _grads(params, 3, 2.0)
     new, state, _, finite = update(params, tx.init(params), grads, jnp.float32(0.5))
