@@ -183,7 +183,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
 import test_packed_rows as t
-from cppo_jax import sharding as sharding_lib, step as step_lib
+from cppo_jax import optimizer as optimizer_lib, sharding as sharding_lib, step as step_lib
 from cppo_jax.config import ConfigError, MeshConfig, OptimConfig
 from cppo_jax.packed_rows import Packer
 
