@@ -26,13 +26,6 @@ from cppo_jax import loss as loss_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config import CPPOConfig
 from cppo_jax.optimizer import apply_update
-
-# The optimizer is cppo_jax/optimizer.py. These three stay importable from here only for
-# cppo_jax/trainer.py (`step_lib.make_optimizer`, ...), whose body another change owns (issue #35);
-# import them from cppo_jax.optimizer.
-from cppo_jax.optimizer import lr_schedule as lr_schedule
-from cppo_jax.optimizer import make_optimizer as make_optimizer
-from cppo_jax.optimizer import update_count as update_count
 from cppo_jax.packed_rows import PackedBatch, packed_completion_logps
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampler import positions_from_valid

@@ -16,19 +16,17 @@ from flax import nnx
 
 from cppo_jax import sharding
 from cppo_jax.models import lora
-from cppo_jax.models.attention import MASKED, attend, attention_mask, library_attend
+from cppo_jax.models.attention import attend, attention_mask, library_attend
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
 from cppo_jax.models.kv_cache import Cache
 from cppo_jax.models.matmul import dense
 from cppo_jax.models.rope import apply_rope, rope_tables
 
 # DTYPES, HF_ARCHITECTURES, TransformerConfig, dense and has_o_bias are defined elsewhere and
-# importable from here as before. MASKED (models/attention.py) is here only for
-# cppo_jax/rollout/sampler.py, whose imports another change owns (issue #35); import it from there.
+# importable from here as before.
 __all__ = [
     "DTYPES",
     "HF_ARCHITECTURES",
-    "MASKED",
     "Transformer",
     "TransformerConfig",
     "dense",

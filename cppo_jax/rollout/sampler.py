@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cppo_jax.models import init_cache
-from cppo_jax.models.transformer import DTYPES, MASKED, rope_tables, run_layers, unembed
+from cppo_jax.models.attention import MASKED
+from cppo_jax.models.transformer import DTYPES, rope_tables, run_layers, unembed
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampling import (
     Samples,
