@@ -282,12 +282,12 @@ class VLLMBackend:
         if self.serve_dtype == "float32":
             return 0.0
         ids = np.asarray(self.probe_ids(params))
-        if self.lora is not None:  # the adapted model: base and adapters in float32
-            exact_TV = self.lora.expected_probe(list(ids), "float32")
+        if self.lora is not None:  # the adapted model: base and adapters as served, in float32
+            exact_TV = self.lora.expected_probe(list(ids), self.serve_dtype, compute="float32")
         else:
             cfg, (_, served) = self.model_cfg(params), self.serving(params)
-            exact_TV = probe_fn(serving_graphdef(cfg, "float32"))(
-                jax.tree.map(lambda x: x.astype(jnp.float32), served), jnp.asarray(ids, jnp.int32)
+            exact_TV = probe_fn(serving_graphdef(cfg, self.serve_dtype, compute="float32"))(
+                served, jnp.asarray(ids, jnp.int32)
             )
         err_TV = np.abs(lp_TV - np.asarray(exact_TV))
         top = int(lp_TV[-1].argmax())  # the greedy next token's

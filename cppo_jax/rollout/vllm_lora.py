@@ -176,10 +176,11 @@ class LoraPusher:
             raw=True,
         )
 
-    def expected_probe(self, ids: list[int], dtype: str) -> np.ndarray:
+    def expected_probe(self, ids: list[int], dtype: str, compute: str | None = None) -> np.ndarray:
         """The trainer's probe log-probs [T, V] of the adapters last pushed on the frozen base, both
-        cast to the serving `dtype` (like with like: the server computes base and LoRA in it)."""
-        graphdef = serving_graphdef(self.model_cfg, dtype)
+        cast to the serving `dtype` (like with like: the server computes base and LoRA in it), or
+        computed in `compute` (the float32 reference of `VLLMBackend.probe_noise`)."""
+        graphdef = serving_graphdef(self.model_cfg, dtype, compute)
         dt = DTYPES[dtype]
         params = nnx.merge_state(
             lora_state.cast(self.adapters, dt), lora_state.cast(self.frozen, dt)

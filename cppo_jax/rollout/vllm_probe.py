@@ -86,15 +86,16 @@ def probe_fn(graphdef):
 
 
 @functools.cache
-def serving_graphdef(model_cfg, dtype: str):
+def serving_graphdef(model_cfg, dtype: str, compute: str | None = None):
     """The graph of a model of config `model_cfg` whose weights are stored and computed in `dtype`
-    (what the server runs): the trainer's parameters, cast, merge into it."""
+    (what the server runs): the trainer's parameters, cast, merge into it. `compute`: compute in that
+    dtype instead (weights cast layer by layer, no whole copy: the probe's float32 reference)."""
     if dtype not in DTYPES:
         raise ConfigError(
             f"the vLLM server computes in {dtype}, which the weight push cannot write and check; "
             f"allowed {sorted(DTYPES)} (launch/vllm_server.sh: VLLM_DTYPE)"
         )
-    cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype, remat=False)
+    cfg = dataclasses.replace(model_cfg, dtype=compute or dtype, param_dtype=dtype, remat=False)
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
 
 
