@@ -13,7 +13,8 @@ described there. One push is one round: start, one update call naming every tens
   one int8 step of the bit pattern, 2 bytes where an index and a value take 4 + 2. The rest (a weight that
   crosses zero, or moves more than 127 ulps) go as flat int32 indices and new values (vLLM's
   `SparseWeightPatch` coordinates). A tensor with nothing changed is sent with 0 elements (so a dropped
-  tensor is still detected), one where a patch would be no smaller than the tensor is sent whole. A sparse
+  tensor is still detected), one with over a quarter of its elements changed, or where a patch would be
+  no smaller than the tensor, is sent whole. A sparse
   push names the round it was diffed against (`base_round`); the server refuses it unless it holds that
   round.
 
@@ -60,15 +61,20 @@ def server_backend(client: JSONClient) -> str | None:
     return str(cfg.get("backend")) if isinstance(cfg, dict) and cfg.get("backend") else None
 
 
-def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Flat int32 indices where `new`'s bit pattern differs from `old`'s (same shape and dtype)."""
+def changed_mask(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Flat bool mask of the elements whose bit pattern differs between `old` and `new` (same shape
+    and dtype)."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
     if new.size >= 2**31:
         raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
     u = _UINT[new.dtype.itemsize]
-    a, b = np.ascontiguousarray(old).view(u).ravel(), np.ascontiguousarray(new).view(u).ravel()
-    return np.flatnonzero(a != b).astype(np.int32)
+    return np.ascontiguousarray(old).view(u).ravel() != np.ascontiguousarray(new).view(u).ravel()
+
+
+def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Flat int32 indices where `new`'s bit pattern differs from `old`'s (same shape and dtype)."""
+    return np.flatnonzero(changed_mask(old, new)).astype(np.int32)
 
 
 def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -81,11 +87,11 @@ def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.nda
     if new.dtype.itemsize not in (2, 4):  # the server steps 16- and 32-bit patterns only
         return np.zeros(0, np.uint8), np.zeros(0, np.int8), idx.astype(np.int32)
     u = _UINT[new.dtype.itemsize]
-    a = np.ascontiguousarray(old).view(u).reshape(-1)[idx].astype(np.int64)
-    b = np.ascontiguousarray(new).view(u).reshape(-1)[idx].astype(np.int64)
-    d = b - a
+    wide = np.int32 if new.dtype.itemsize == 2 else np.int64  # holds any difference of two patterns
+    d = np.ascontiguousarray(new).view(u).reshape(-1)[idx].astype(wide)
+    d -= np.ascontiguousarray(old).view(u).reshape(-1)[idx]  # in place: one array of idx's size
     small = np.abs(d) <= 127
-    at = idx[small].astype(np.int64)
+    at = idx[small]
     gap = np.diff(at, prepend=-1)
     fill = (gap - 1) // 255  # bridging entries before each element
     pos = np.arange(at.size) + np.cumsum(fill)
@@ -217,11 +223,15 @@ class ProtocolPusher:
             if base is None:
                 changed += arr.size
             else:
-                idx = changed_indices(base[key], arr)
-                changed += idx.size
-                gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
-                if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
-                    patch = None
+                mask = changed_mask(base[key], arr)
+                n = int(np.count_nonzero(mask))
+                changed += n
+                # Over a quarter changed (a large update): whole, a patch would save little
+                if 4 * n <= arr.size:
+                    idx = np.flatnonzero(mask).astype(np.int32)
+                    gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
+                    if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
+                        patch = None
             if patch is None:
                 offsets.append(place(arr))  # a full push, or a patch no smaller: whole
                 counts.append(arr.size)
