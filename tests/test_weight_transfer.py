@@ -382,7 +382,7 @@ class TestProtocolServer:
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol", full_push_every=4)
         rows = [backend.sync_weights(params, 0)]
         for i in range(5):
-            params = _one_update(params, 5e-4, seed=10 + i)
+            params = _one_update(params, 5e-5, seed=10 + i)  # under a quarter of each tensor moves
             rows.append(backend.sync_weights(params, i + 1))
         fulls = [m["weight_sync/full"] for m in rows]
         assert fulls == [1, 0, 0, 0, 1, 0]
@@ -391,10 +391,8 @@ class TestProtocolServer:
             assert m["weight_sync/probe_diff_over_tol"] < 1.0
             if not m["weight_sync/full"]:
                 assert 0 < m["weight_sync/changed_frac"] < 1
-                # int32 index + bf16 value per changed element, tensors sent whole where smaller
-                assert m["weight_sync/bytes"] < dense * min(
-                    1.0, 3 * m["weight_sync/changed_frac"] + 0.05
-                )
+                # 2-byte steps for most changed elements (6 bytes for the rest), bf16 being 2 bytes
+                assert m["weight_sync/bytes"] < dense * (1.5 * m["weight_sync/changed_frac"] + 0.05)
         print(
             "\nsparse run (bytes, changed fraction, pause s): "
             + "; ".join(
