@@ -27,7 +27,7 @@ from cppo_jax.logp_sources import LogpSources
 from cppo_jax.logp_sources import logp_sources as sources_of
 from cppo_jax.packed_rows import PackedBatch, Packer
 from cppo_jax.program_memory import ARGS_OF
-from cppo_jax.rollout.sampler import make_sampler
+from cppo_jax.rollout.sampler import make_sampler, sampler_shardings
 from cppo_jax.rollout.sampling import SamplingParams
 
 
@@ -215,15 +215,18 @@ def build(cfg: Config, devices) -> Built:
         resident["snapshot"] = _bytes_per_device(copy)
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)
-        sampler = make_sampler(
-            plain_graphdef or graphdef, sh.G, sampling_params(cfg, sh, stop_ids, pad_id)
+        sp = sampling_params(cfg, sh, stop_ids, pad_id)
+        weights = base if lora else params
+        placed = sampler_shardings(mesh, weights, sh.Q, sh.P, sh.G, sp)
+        sampler = make_sampler(plain_graphdef or graphdef, sh.G, sp, placed)
+        prompts = tuple(
+            rows_of(shape, dtype, s)
+            for shape, dtype, s in zip(
+                ((sh.Q, sh.P), (sh.Q, sh.P), (sh.Q,)),
+                (jnp.int32, jnp.bool_, jnp.uint32),
+                placed.in_[1:],
+            )
         )
-        q_rows = sharding_lib.batch_sharding(mesh, sh.Q)
-        prompts = (
-            rows_of((sh.Q, sh.P), jnp.int32, q_rows),
-            rows_of((sh.Q, sh.P), jnp.bool_, q_rows),
-            rows_of((sh.Q,), jnp.uint32, q_rows),
-        )
-        programs["sampler"] = (sampler, (base if lora else params, *prompts))
+        programs["sampler"] = (sampler, (weights, *prompts))
     args_of = {name: args_of[name] for name in programs}
     return Built(mesh, sh, programs, resident, args_of)

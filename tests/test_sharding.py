@@ -7,6 +7,7 @@ the assertions are made here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -201,6 +202,9 @@ def _worker() -> dict:
             },
         }
     out["base_grad_norm"] = float(base["metrics"]["grad_norm"])
+    out["sampler"] = _sampler_on_a_mesh(
+        graphdef, host_params, states[(2, 2, 2)][0], prompt_QP, pvalid_QP, G, C, max_err
+    )
     try:
         sharding_lib.check_questions(12, states[(2, 4, 1)][0])
     except ValueError as e:
@@ -261,6 +265,60 @@ def _worker() -> dict:
     return out
 
 
+def _sampler_on_a_mesh(graphdef, host_params, mesh, prompt_QP, pvalid_QP, G, C, max_err) -> dict:
+    """The embedded sampler with its declared shardings (`sampler.sampler_shardings`) on `mesh`
+    against one device: the same samples, returned split by rows; params handed over replicated are
+    moved to where the rules keep them, so the program always takes the weights in place."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cppo_jax import distributed
+    from cppo_jax.rollout.backend import EmbeddedBackend
+    from cppo_jax.rollout.sampler import make_sampler, place, sampler_shardings
+    from cppo_jax.rollout.sampling import SamplingParams
+
+    Q, P = prompt_QP.shape
+    sp = SamplingParams(max_new_tokens=C, temperature=1.0, eos_id=(0,), pad_id=0)
+    seeds_Q = np.arange(Q, dtype=np.uint32)
+    one = EmbeddedBackend(graphdef, sp).generate(
+        jax.tree.map(jnp.asarray, host_params), prompt_QP, pvalid_QP, seeds_Q, G
+    )
+    rows = functools.partial(distributed.rows, mesh=mesh)
+    backend = EmbeddedBackend(graphdef, sp, mesh)
+    prompts = (rows(prompt_QP), rows(pvalid_QP), rows(seeds_Q))
+    sharded = backend.generate(sharding_lib.shard_params(host_params, mesh), *prompts, G)
+    replicated = jax.device_put(
+        host_params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    moved = backend.generate(replicated, *prompts, G)
+    greedy_one = EmbeddedBackend(graphdef, sp).greedy(
+        jax.tree.map(jnp.asarray, host_params), prompt_QP, pvalid_QP
+    )
+    greedy = backend.greedy(replicated, *prompts[:2])
+    placed = sampler_shardings(mesh, replicated, Q, P, G, sp)
+    compiled = make_sampler(graphdef, G, sp, placed).lower(*place((replicated, *prompts), placed))
+    compiled = compiled.compile()
+    rules = sharding_lib.param_shardings(replicated, mesh)
+    return {
+        "tokens_equal": bool(np.array_equal(*jax.device_get((sharded.tokens_NC, one.tokens_NC)))),
+        "moved_equal": bool(np.array_equal(*jax.device_get((moved.tokens_NC, one.tokens_NC)))),
+        "greedy_equal": bool(
+            np.array_equal(*jax.device_get((greedy.tokens_NC, greedy_one.tokens_NC)))
+        ),
+        "err_logp": max_err(sharded.logp_NC, one.logp_NC),
+        "out_specs": [str(x.sharding.spec) for x in sharded[:4]],
+        "params_in_place": all(
+            got.is_equivalent_to(want.get_value(), x.ndim)
+            for got, want, x in zip(
+                jax.tree.leaves(compiled.input_shardings[0][0]),
+                jax.tree.leaves(rules, is_leaf=lambda v: hasattr(v, "get_value")),
+                jax.tree.leaves(replicated),
+            )
+        ),
+    }
+
+
 @pytest.fixture(scope="module")
 def mesh_results():
     env = {**os.environ, "XLA_FLAGS": WORKER_FLAGS, "JAX_PLATFORMS": "cpu"}
@@ -291,6 +349,17 @@ def test_mu2_in_one_program_sharded_equals_single_device(mesh_results):
     print(r)
     assert r["err_params"] < TOL and r["err_metrics"] < TOL, r
     assert r["ratio_moved"] > 0.0  # the second update ran on the first's old log-probs
+
+
+def test_sampler_declares_its_shardings_and_samples_like_one_device(mesh_results):
+    """#31: the embedded sampler under the mesh takes the params where the rules keep them (even when
+    handed a replicated copy) and returns the samples split by rows, sampling what one device does."""
+    r = mesh_results["sampler"]
+    print(r)
+    assert r["tokens_equal"] and r["moved_equal"] and r["greedy_equal"], r
+    assert r["err_logp"] < TOL, r
+    assert r["params_in_place"], r
+    assert r["out_specs"] == ["P(('data', 'fsdp'),)"] * 4, r  # tokens, logps, valid, finished
 
 
 def test_rules_place_params_with_fallback(mesh_results):

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Protocol
 
 import jax
+import numpy as np
 
 from cppo_jax import distributed
 from cppo_jax.config import RolloutConfig
 from cppo_jax.rollout.multiprocess import MainProcessBackend
-from cppo_jax.rollout.sampler import make_sampler
+from cppo_jax.rollout.sampler import make_sampler, place, sampler_shardings
 from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_backend import VLLMBackend
 
@@ -39,15 +40,24 @@ class RolloutBackend(Protocol):
 
 
 class EmbeddedBackend:
-    """Samples with the policy's current params in this process (no weight copy needed)."""
+    """Samples with the policy's current params in this process (no weight copy needed). On a `mesh`
+    the sampler's shardings are declared (`sampler.sampler_shardings`): the params where they lie,
+    prompts and samples split by rows."""
 
-    def __init__(self, graphdef, sp: SamplingParams):
+    def __init__(self, graphdef, sp: SamplingParams, mesh=None):
         self.graphdef = graphdef
         self.sp = sp
+        self.mesh = mesh
 
     def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples: int) -> Samples:
-        fn = make_sampler(self.graphdef, num_samples, self.sp)
-        return fn(params, prompt_QP, prompt_valid_QP, seeds_Q)
+        return self._sample(self.sp, num_samples, params, prompt_QP, prompt_valid_QP, seeds_Q)
+
+    def _sample(self, sp: SamplingParams, num_samples: int, *args) -> Samples:
+        if self.mesh is None:
+            return make_sampler(self.graphdef, num_samples, sp)(*args)
+        Q, P = args[1].shape
+        shardings = sampler_shardings(self.mesh, args[0], Q, P, num_samples, sp)
+        return make_sampler(self.graphdef, num_samples, sp, shardings)(*place(args, shardings))
 
     def greedy(self, params, prompt_QP, prompt_valid_QP, max_new_tokens: int | None = None):
         sp = SamplingParams(
@@ -57,8 +67,8 @@ class EmbeddedBackend:
             pad_id=self.sp.pad_id,
             cache_dtype=self.sp.cache_dtype,
         )
-        seeds_Q = jax.numpy.zeros((prompt_QP.shape[0],), jax.numpy.uint32)
-        return make_sampler(self.graphdef, 1, sp)(params, prompt_QP, prompt_valid_QP, seeds_Q)
+        seeds_Q = distributed.rows(np.zeros((prompt_QP.shape[0],), np.uint32), self.mesh)
+        return self._sample(sp, 1, params, prompt_QP, prompt_valid_QP, seeds_Q)
 
     def sync_weights(self, params, step: int) -> dict:
         return {}
@@ -76,7 +86,7 @@ def make_backend(
     shares its completions with the others, laid out on `mesh`).
     """
     if cfg.backend == "embedded":
-        return EmbeddedBackend(graphdef, sp)
+        return EmbeddedBackend(graphdef, sp, mesh)
     if jax.process_count() == 1:
         return VLLMBackend(cfg, graphdef, sp, run_dir)
     inner = VLLMBackend(cfg, graphdef, sp, run_dir) if distributed.is_main() else None

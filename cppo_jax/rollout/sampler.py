@@ -18,11 +18,12 @@ so a question's samples depend only on its seed and prompt, never on the other q
 batch. All numbers are drawn before the loop: no per-step key derivation, no V random numbers per
 token.
 
-On a mesh the program takes the params as they lie (split by `sharding.RULES`) and the prompts split
-by rows, and returns the samples split by rows. It is traced without the training step's activation
-rules (`sharding.use_mesh`), which would split the decode's rows over fsdp and so gather weights per
-token: left to itself the compiler keeps the weights in place and moves the (small) activations
-(docs/aot.md, "The embedded sampler on a sharded mesh"; checked in tests/test_aot.py).
+On a mesh the program declares its shardings (`make_sampler(..., mesh=)`): the params as they lie
+(split by `sharding.RULES`), the prompts split by rows, and the samples returned split by rows (the
+decode count replicated). It is traced without the training step's activation rules
+(`sharding.use_mesh`), which would split the decode's rows over fsdp and so gather weights per token:
+left to itself the compiler keeps the weights in place and moves the (small) activations (docs/aot.md,
+"The embedded sampler on a sharded mesh"; checked in tests/test_aot.py).
 
 Returns the sampled tokens, their log-probabilities under the sampling distribution (log-softmax of
 logits / temperature, before top-k/top-p truncation: the old-policy log-probs when mu = 1), which
@@ -33,6 +34,7 @@ positions were decoded before every sequence stopped.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -275,11 +277,56 @@ def sample(
     )
 
 
+class SamplerShardings(NamedTuple):
+    """The declared layouts of a sampler on a mesh: `in_` for (params, prompt_QP, prompt_valid_QP,
+    seeds_Q), `out` for its `Samples`."""
+
+    in_: tuple
+    out: Samples
+
+
+def sampler_shardings(
+    mesh, params, Q: int, P: int, num_samples: int, sp: SamplingParams
+) -> SamplerShardings:
+    """Where a sampler of Q prompts of P slots on `mesh` takes and leaves its arrays: the params by
+    the rules (where the trainer keeps them: no gather), prompts and seeds split by rows over the
+    batch axes, the N = Q * G samples split by rows, the decode count replicated."""
+    from cppo_jax import sharding as sharding_lib
+
+    N = Q * num_samples
+    rows = lambda *shape: sharding_lib.named(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)  # noqa: E731
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    in_ = (sharding_lib.param_shardings(params, mesh), rows(Q, P), rows(Q, P), rows(Q))
+    C = sp.max_new_tokens
+    out = Samples(rows(N, C), rows(N, C), rows(N, C), rows(N), replicated)
+    return SamplerShardings(in_, out)
+
+
 @functools.lru_cache(maxsize=KEPT_PROGRAMS)
-def _compiled_sampler(graphdef, num_samples: int, sp: SamplingParams):
-    return jax.jit(functools.partial(sample, graphdef, num_samples=num_samples, sp=sp))
+def _compiled_sampler(graphdef, num_samples: int, sp: SamplingParams, shardings=None):
+    fn = functools.partial(sample, graphdef, num_samples=num_samples, sp=sp)
+    if shardings is None:
+        return jax.jit(fn)
+    in_ = jax.tree.unflatten(*shardings[0])
+    return jax.jit(fn, in_shardings=in_, out_shardings=shardings[1])
 
 
-def make_sampler(graphdef: nnx.GraphDef, num_samples: int, sp: SamplingParams):
-    """The jitted sampler for one (G, sampling parameters); compiled once per prompt shape."""
-    return _compiled_sampler(graphdef, num_samples, sp)
+def make_sampler(
+    graphdef: nnx.GraphDef,
+    num_samples: int,
+    sp: SamplingParams,
+    shardings: SamplerShardings | None = None,
+):
+    """The jitted sampler for one (G, sampling parameters); compiled once per prompt shape. With
+    `shardings` (`sampler_shardings`: one mesh, one Q) its in and out shardings are declared, and
+    arguments must arrive in them (`place`)."""
+    if shardings is None:
+        return _compiled_sampler(graphdef, num_samples, sp)
+    leaves, treedef = jax.tree.flatten(shardings.in_)
+    return _compiled_sampler(graphdef, num_samples, sp, ((treedef, tuple(leaves)), shardings.out))
+
+
+def place(args: tuple, shardings: SamplerShardings) -> tuple:
+    """The sampler's arguments in its declared layouts: those already there stay as they are (the
+    trainer's params, the rollout's prompts); others (a LoRA merge's output, host arrays) are moved."""
+    return jax.device_put(args, shardings.in_)
