@@ -126,15 +126,13 @@ class Packer:
         programs, compiled the first time it happens; the same loss and gradient), logged as a
         `pack_overflow` event to `log` (a `RunLog`) and counted in `metrics`."""
         tokens_MT, valid_MT, mask_np = jax.device_get((tokens_MT, valid_MT, mask_MC))
-        n_M = np.asarray(valid_MT).sum(axis=1)
         try:
             packed = packing.pack(
                 tokens_MT, valid_MT, self.prompt_len, self.rows, self.length, mask_MC=mask_np
             )
         except packing.DoesNotFitError as e:
             self.overflow_steps += 1
-            needed = e.rows or packing.rows_for(np.minimum(n_M, self.length), self.length)
-            self.metrics = self._metrics(needed, overflow=True)
+            self.metrics = self._metrics(e.rows, overflow=True)
             if log is not None:
                 log.event(
                     "pack_overflow",
