@@ -2,7 +2,8 @@
 data by simulating its steps on the host. Host code: NumPy, no JAX.
 
 Letters (docs/conventions.md): U questions trained per step, M kept sequences, P prompt and C
-completion slots; locally R packed rows and L tokens per row, n questions of the training set.
+completion slots; locally R packed rows and L tokens per row, n questions of the training set,
+s simulated steps.
 
 The lengths (`data_lengths`), in the run's tokenizer:
 - a prompt: its question under the run's chat template and system prompt, as the run encodes it
@@ -84,15 +85,15 @@ def choose_rows(
     tokens, in rows of `length` (see the module doc)."""
     prompt_n, completion_n = np.asarray(prompt_n), np.asarray(completion_n)
     rng = np.random.default_rng(SEED)
-    rows_S = np.empty(STEPS, np.int64)
+    rows_s = np.empty(STEPS, np.int64)
     for s in range(STEPS):
         q_U = rng.integers(0, len(prompt_n), U)
         q_M = np.repeat(q_U, M // U) if M % U == 0 else rng.choice(q_U, M)
         n_M = prompt_n[q_M] + rng.choice(completion_n, M)
-        rows_S[s] = packing.rows_for(np.minimum(n_M, length), length)
-    needed = int(np.quantile(rows_S, QUANTILE, method="higher"))
+        rows_s[s] = packing.rows_for(np.minimum(n_M, length), length)
+    needed = int(np.quantile(rows_s, QUANTILE, method="higher"))
     rows = round_rows(needed + math.ceil(MARGIN * needed), M, dp)
-    return rows, needed, int(rows_S.max())
+    return rows, needed, int(rows_s.max())
 
 
 def solution_lengths(examples: list[dict], tokenizer, C: int) -> np.ndarray:
