@@ -5,6 +5,7 @@ compiled step serves every packing of a run."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -291,3 +292,6 @@ def test_a_step_that_does_not_fit_trains_padded_and_the_run_equals_an_unpacked_o
         assert compiles[-1] == compiles[first_padded], compiles
     for a, b in zip(jax.tree.leaves(params["overflowing"]), jax.tree.leaves(params["padded"])):
         _close(a, b)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    logged = [k for k in steps[0] if k.startswith("pack/")] + ["pack_rows", "pack_overflow"]
+    assert len(logged) == 5 and all(f"`{k}`" in doc for k in logged), logged
