@@ -288,6 +288,7 @@ def test_cpu_compile_of_packed_rows_is_within_15_percent_of_the_plan(tmp_path):
     out = tmp_path / "report.json"
     res = plan("--compile-for", "cpu", "--device-memory-gb", "0.1", *pack, "--json", str(out))
     assert res.returncode == 1 and "these do not fit: train_step" in res.stderr, res.stderr[-3000:]
+    assert "trainer.pack: R=34 rows of L=224 tokens" in res.stdout
     report = json.loads(out.read_text())
     assert report["tried"][0] == ["trainer.micro_batch", 64, False]
     assert [t for t in report["tried"] if t[0] == "trainer.micro_batch"] == [report["tried"][0]]
