@@ -231,8 +231,9 @@ def report(rows: list[dict], args, info: dict, n_params: int, lengths) -> str:
     lines += [
         "",
         "R is static per run (one compiled program): here the most rows first-fit decreasing "
-        "needed over the run's drawn steps. A step that needs more raises an error naming "
-        "`trainer.pack_rows`; a run sets it with a margin over its length distribution.",
+        "needed over the run's drawn steps. A run chooses it at load (`trainer.pack_rows=auto`: a "
+        "quantile of simulated steps plus a margin, cppo_jax/pack_plan.py); a step that needs more "
+        "trains on the padded batch (the same loss and gradient).",
         "The unembedding of Qwen's 151,936-token vocabulary is not modelled (a 512-token one): "
         "it scales with the positions computed, M x C padded and R x (L - 1) packed.",
     ]

@@ -156,6 +156,7 @@ def fit(
         return ok
 
     sizes = sorted(_divisors_for(sh.M, mesh["data"] * mesh["fsdp"]))
+    sizes = [sh.M] if cfg.trainer.pack else sizes  # packed rows: one forward, no micro-batches
     configured = cfg.trainer.micro_batch or sh.M
     ok = not compiled.refused and compiled.peak(compiled.programs[0]) <= usable
     tried.append(("trainer.micro_batch", configured, ok))

@@ -69,6 +69,13 @@ def lines(report: Report) -> list[str]:
         "  per device         arguments  outputs  donated  temporaries    total   +state     peak"
         "     plan  plan/compiled  compile s",
     ]
+    if report.cfg.trainer.pack:  # the rows the train step and log-prob forwards were compiled for
+        from cppo_jax.cppo import shapes_of
+        from cppo_jax.pack_plan import config_choice
+
+        dp = c.mesh["data"] * c.mesh["fsdp"]
+        choice = config_choice(report.cfg, shapes_of(report.cfg), dp)
+        out[1] += f"; trainer.pack: R={choice.rows} rows of L={choice.length} tokens"
     for r in program_rows(report):
         if r["error"]:
             out.append(f"  {r['program']:<16} REFUSED by the compiler: {r['error']}")

@@ -59,7 +59,12 @@ def _parse_value(key: str, text: str, tp: Any) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if text.strip().lower() in ("none", "null"):
             return None
-        return _parse_value(key, text, args[0])
+        for tp in args[:-1]:  # the first member that parses (int | str: "3" an int)
+            try:
+                return _parse_value(key, text, tp)
+            except ConfigError:
+                pass
+        return _parse_value(key, text, args[-1])
     if origin is Literal:
         options = typing.get_args(tp)
         _choice(key, text, tuple(options))

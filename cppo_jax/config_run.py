@@ -66,9 +66,11 @@ class TrainerConfig:
     eval_size: int = 0  # 0: the whole test split
     micro_batch: int = 0  # sequences per forward/backward; 0: all kept sequences at once
     # Packed rows (cppo_jax/packing.py): the kept sequences' real tokens placed into pack_rows rows
-    # of pack_len tokens (first-fit decreasing), one segment each; static per run.
+    # of pack_len tokens (first-fit decreasing), one segment each; static per run. pack_rows "auto":
+    # chosen at load from the run's data (cppo_jax/pack_plan.py); 0: M (no saving). A step that
+    # does not fit trains padded.
     pack: bool = False
-    pack_rows: int = 0  # 0: the kept sequences M (always fits, no saving); set it to gain
+    pack_rows: int | str = "auto"
     pack_len: int = 0  # 0: P + C (any sequence fits)
     max_nan_streak: int = 3
     dry_run: bool = False
@@ -98,7 +100,12 @@ class TrainerConfig:
         )
         _check(self.log_every >= 1, "trainer.log_every", self.log_every, ">= 1")
         _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
-        _check(self.pack_rows >= 0, "trainer.pack_rows", self.pack_rows, ">= 0")
+        _check(
+            self.pack_rows == "auto" or (type(self.pack_rows) is int and self.pack_rows >= 0),
+            "trainer.pack_rows",
+            self.pack_rows,
+            "auto or an integer >= 0",
+        )
         _check(
             self.pack_len in (0,) or self.pack_len >= 2,
             "trainer.pack_len",

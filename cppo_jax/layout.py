@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 
+from cppo_jax import pack_plan
 from cppo_jax.config import Config
 from cppo_jax.config_choices import BF16_MIN_LR
 from cppo_jax.config_run import MESH_AXES
@@ -157,8 +158,7 @@ def _unsharded(shapes, axis_sizes: dict[str, int], itemsize: int) -> tuple[Unsha
     )
 
 
-def _split(n: int, size: int) -> int:
-    """n over `size` devices when it divides, else whole (the rules' fallback)."""
+def _split(n: int, size: int) -> int:  # n over `size` devices when it divides, else whole
     return n // size if size > 1 and n % size == 0 else n
 
 
@@ -175,6 +175,7 @@ def memory_plan(
     rollout_rows: int = 0,
     device_bytes: int | None = None,
     overlap: bool = False,
+    pack: tuple[int, int] = (0, 0),  # trainer.pack: R rows of L tokens (`pack_plan.RowChoice`)
 ) -> MemoryPlan:
     """Per-device bytes of one training step of `tcfg` (a TransformerConfig) on a (data, fsdp, tensor) mesh.
 
@@ -218,9 +219,10 @@ def memory_plan(
             for path, shape, names in shapes
             if path[0] in ("layers", "embed_VD", "lm_head_DV")
         )
+    T = pack[1] - 1 if pack[0] else prompt_len + completion_len - 1  # packed: R rows of L, not M
+    rows = pack_plan.round_rows(pack[0], rows, dp) if pack[0] else rows  # of T = P + C
     m = micro_batch if 0 < micro_batch < rows else rows
     n = _split(m, dp) if m % dp == 0 else m  # sequences per device (replicated if uneven)
-    T = prompt_len + completion_len - 1
     D, F, L, E = tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_layers, tcfg.head_dim
     H, J = _split(tcfg.num_heads, tp), _split(tcfg.num_kv_heads, tp)
     F, V = _split(F, tp), _split(tcfg.vocab_size, tp)
@@ -232,9 +234,7 @@ def memory_plan(
     layer = cb * (4 * D + 2 * (H + 2 * J) * E + H * E + 3 * F) + 3 * scores
     kept = cb * (2 * D + (H + 2 * J) * E + H * E + 2 * F) + 2 * scores
     kept = {"save_all": layer, "minimal": kept - 2 * scores}.get(tcfg.remat, kept)
-    if (
-        adapters
-    ):  # LoRA: each adapted projection's x A (rank wide) and s (x A) B (its output's width)
+    if adapters:  # LoRA: each adapted projection's x A (rank wide) and s (x A) B (its output's)
         outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
         delta = cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
         layer, kept = layer + delta, kept + delta
@@ -362,6 +362,7 @@ def plan_kwargs(cfg: Config, shapes, device_bytes: int | None) -> dict:
         rollout_rows=shapes.Q * shapes.G if embedded else 0,
         device_bytes=device_bytes,
         overlap=bool(cfg.rollout.overlap),
+        pack=pack_plan.config_choice(cfg, shapes).pack if cfg.trainer.pack else (0, 0),
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax import loss as loss_lib
-from cppo_jax import packing
+from cppo_jax import pack_plan, packing
 from cppo_jax.config_choices import ConfigError
 from cppo_jax.sharding import batch_sharding, data_parallel_size, gather_cast, use_mesh
 
@@ -91,6 +91,9 @@ class Packer:
                 f"({batch_sharding(mesh, seqs).spec}), e.g. a multiple of {data_parallel_size(mesh)}"
             )
         self.rows, self.length, self.prompt_len = rows, length, spec.prompt_len
+        self.choice: pack_plan.RowChoice | None = None  # how R was chosen (`make`)
+        self.overflow_steps = 0  # steps trained padded since the packer was built
+        self.metrics: dict[str, float] = {}  # the last step's (`batch`), see docs/metrics.md
         # the train step's batch layout (rows over data x fsdp), given to the packed arrays
         self.sharding = None if mesh is None else batch_sharding(mesh, seqs or rows)
 
@@ -100,18 +103,46 @@ class Packer:
 
         self.logps = jax.jit(logps)  # (params, PackedBatch) -> logp_MC
 
-    @classmethod
-    def make(cls, trainer_cfg, shapes, graphdef, spec, mesh=None) -> Packer:
-        rows = trainer_cfg.pack_rows or shapes.M
-        length = trainer_cfg.pack_len or shapes.P + shapes.C
-        return cls(graphdef, spec, rows, length, mesh, seqs=shapes.M)
+    def _metrics(self, needed: int, overflow: bool) -> dict[str, float]:
+        return {
+            "pack/rows_needed": float(needed),
+            "pack/overflow": float(overflow),
+            "pack/overflow_steps": float(self.overflow_steps),
+        }
 
-    def batch(self, tokens_MT, valid_MT, mask_MC, adv_M) -> PackedBatch:
-        """The step's kept sequences packed (old / reference / behaviour log-probs unset)."""
+    @classmethod
+    def make(cls, trainer_cfg, shapes, graphdef, spec, mesh=None, lengths=None) -> Packer:
+        """The packer of a run: R and L of `pack_plan.choice` (`lengths`: the run's data lengths,
+        for `trainer.pack_rows=auto`; None: R = M); `choice` says how R was chosen."""
+        dp = 1 if mesh is None else data_parallel_size(mesh)
+        choice = pack_plan.choice(trainer_cfg, shapes, lengths, dp)
+        packer = cls(graphdef, spec, choice.rows, choice.length, mesh, seqs=shapes.M)
+        packer.choice = choice
+        return packer
+
+    def batch(self, tokens_MT, valid_MT, mask_MC, adv_M, log=None, step: int = 0):
+        """The step's kept sequences packed (old / reference / behaviour log-probs unset), or None
+        when they do not fit R rows of L: the step then trains on the padded batch (the padded
+        programs, compiled the first time it happens; the same loss and gradient), logged as a
+        `pack_overflow` event to `log` (a `RunLog`) and counted in `metrics`."""
         tokens_MT, valid_MT, mask_np = jax.device_get((tokens_MT, valid_MT, mask_MC))
-        packed = packing.pack(
-            tokens_MT, valid_MT, self.prompt_len, self.rows, self.length, mask_MC=mask_np
-        )
+        try:
+            packed = packing.pack(
+                tokens_MT, valid_MT, self.prompt_len, self.rows, self.length, mask_MC=mask_np
+            )
+        except packing.DoesNotFitError as e:
+            self.overflow_steps += 1
+            self.metrics = self._metrics(e.rows, overflow=True)
+            if log is not None:
+                log.event(
+                    "pack_overflow",
+                    step=step,
+                    rows=self.rows,
+                    rows_needed=e.rows,
+                    longest=e.longest,
+                )
+            return None
+        self.metrics = self._metrics(int(packed.row_M.max(initial=-1)) + 1, overflow=False)
         batch = packed_batch(packed, mask_MC, adv_M)
         if self.sharding is None:
             return batch

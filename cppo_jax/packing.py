@@ -9,8 +9,8 @@ Steps of `pack`, in order:
    completion's up to and including EOS (right-padded); n_m = p_m + c_m tokens.
 2. First-fit decreasing: sequences by length, longest first (ties in row order), each into the
    first row with room for it. A sequence longer than L, or a step whose sequences do not fit in R
-   rows, is a `ValueError` naming `trainer.pack_len` / `trainer.pack_rows` and the sizes needed
-   (no silent fallback: a different R would compile another program).
+   rows, is a `DoesNotFitError` (a `ValueError`) naming `trainer.pack_len` / `trainer.pack_rows` and the
+   sizes needed; the trainer then trains that step padded (`packed_rows.Packer.batch`).
 3. Each sequence's tokens lie contiguous and in order in its row; `segment_RL` numbers the
    sequences of a row from 1 (0: padding), `positions_RL` restart at 0 per sequence (the RoPE
    positions the padded forward gives it: `positions_from_valid`).
@@ -27,6 +27,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
+
+class DoesNotFitError(ValueError):
+    """A step that does not fit R rows of L: `rows` first-fit decreasing needs (0 when a sequence of
+    `longest` tokens is longer than L)."""
+
+    def __init__(self, message: str, rows: int = 0, longest: int = 0):
+        super().__init__(message)
+        self.rows, self.longest = rows, longest
 
 
 class Packed(NamedTuple):
@@ -75,9 +84,10 @@ def first_fit_decreasing(n_M: np.ndarray, rows: int, length: int) -> tuple[np.nd
     longest = int(n_M.max(initial=0))
     if longest > length:
         m = int(np.argmax(n_M))
-        raise ValueError(
+        raise DoesNotFitError(
             f"sequence {m} has {longest} tokens, more than trainer.pack_len={length}: raise "
-            f"trainer.pack_len to at least {longest} (0: the padded length P + C always fits)"
+            f"trainer.pack_len to at least {longest} (0: the padded length P + C always fits)",
+            longest=longest,
         )
     used_R = np.zeros(rows, np.int64)
     row_M = np.full(n_M.shape, -1, np.int64)
@@ -89,10 +99,12 @@ def first_fit_decreasing(n_M: np.ndarray, rows: int, length: int) -> tuple[np.nd
             break  # the rest are empty too
         fits = np.flatnonzero(used_R + n <= length)
         if fits.size == 0:
-            raise ValueError(
+            needed = rows_for(n_M, length)
+            raise DoesNotFitError(
                 f"the step's {int((n_M > 0).sum())} sequences ({int(n_M.sum())} tokens) do not fit "
                 f"in trainer.pack_rows={rows} rows of trainer.pack_len={length} tokens; first-fit "
-                f"decreasing needs {rows_for(n_M, length)}: raise trainer.pack_rows"
+                f"decreasing needs {needed}: raise trainer.pack_rows",
+                rows=needed,
             )
         r = fits[0]
         row_M[m], start_M[m] = r, used_R[r]

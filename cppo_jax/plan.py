@@ -18,7 +18,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from cppo_jax import layout, pipeline
+from cppo_jax import layout, pack_plan, pipeline
 from cppo_jax.config import Config
 from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
 from cppo_jax.config_run import MeshConfig
@@ -160,6 +160,9 @@ def _memory_section(
             f"mesh.fsdp={mesh['fsdp']} = {dp} data-parallel devices: adjust "
             f"cppo.questions_per_step (Q={shapes.Q}) or mesh.data / mesh.fsdp"
         )
+    if cfg.trainer.pack:  # the rows of the train step and the log-prob forwards
+        choice = pack_plan.config_choice(cfg, shapes, dp)
+        lines.append(f"packed rows: {choice.note(shapes.M)}; a step needing more trains padded")
     if size is None:
         lines.append(
             "model: size unknown (no config.json in the model folder and no known model name); "

@@ -67,6 +67,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     vocab_train += 2 * V * D * 4 // fsdp
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
+    if cfg.trainer.pack:  # R rows: tokens, segments, positions; the M sequences' [C] arrays
+        n_all, row = n, (T + 1) * 12 + (C * 4 * 4 + 4) * n_all // max(n, 1)
     # Per token and layer, what the remat policy keeps for the backward (read from the compiler's
     # buffer assignment): the layer's input (full); the projections' outputs too (minimal: gate,
     # up, q, o, down, k, v); attention's float32 scores and its output too (dots_saveable). Plus

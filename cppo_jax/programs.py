@@ -25,6 +25,7 @@ from cppo_jax.config_choices import ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
 from cppo_jax.logp_sources import LogpSources
 from cppo_jax.logp_sources import logp_sources as sources_of
+from cppo_jax.pack_plan import config_lengths
 from cppo_jax.packed_rows import PackedBatch, Packer
 from cppo_jax.program_memory import ARGS_OF
 from cppo_jax.rollout.sampler import make_sampler, sampler_shardings
@@ -182,7 +183,7 @@ def build(cfg: Config, devices) -> Built:
     )
     ref_args = (tokens, valid)
     if cfg.trainer.pack:  # packed rows: R x L instead of M x T, same per-sequence arrays
-        packer = Packer.make(cfg.trainer, sh, graphdef, spec, mesh)
+        packer = Packer.make(cfg.trainer, sh, graphdef, spec, mesh, config_lengths(cfg, sh))
         packed = [rows_of((packer.rows, packer.length), jnp.int32) for _ in range(3)]
         batch = PackedBatch(*packed, rows_of((sh.M, sh.C), jnp.int32), *batch[2:])
         logps = packer.logps

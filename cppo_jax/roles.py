@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from cppo_jax import cppo, distributed, pipeline, programs
+from cppo_jax import cppo, distributed, pack_plan, pipeline, programs
 from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
@@ -137,9 +137,12 @@ class Actor:
         return float(self.lr_fn(max(applied - 1, 0)))
 
 
-def build_actor(cfg: Config, model, shapes: cppo.Shapes, mesh, num_steps: int, model_path: str):
+def build_actor(
+    cfg: Config, model, shapes: cppo.Shapes, mesh, num_steps: int, model_path: str, data=None
+):
     """(actor, params, opt_state): the actor of `model` and its initial trained state (with LoRA
-    the adapters, fresh; the base goes into the actor, frozen)."""
+    the adapters, fresh; the base goes into the actor, frozen). `data` (a `Data`): the lengths
+    `trainer.pack_rows=auto` chooses R by (`pack_plan`)."""
     graphdef, params = nnx.split(model)
     train_graphdef, frozen, merge = graphdef, None, None
     if cfg.model.lora.enabled:
@@ -158,7 +161,9 @@ def build_actor(cfg: Config, model, shapes: cppo.Shapes, mesh, num_steps: int, m
     )
     packer = None
     if cfg.trainer.pack:
-        packer = Packer.make(cfg.trainer, shapes, graphdef, spec, mesh)
+        auto = cfg.trainer.pack_rows == "auto" and data is not None
+        lengths = pack_plan.data_lengths(data.train_set, data.tokenizer, shapes.C) if auto else None
+        packer = Packer.make(cfg.trainer, shapes, graphdef, spec, mesh, lengths)
     sources = programs.logp_sources(cfg)
     actor = Actor(
         graphdef,
@@ -334,9 +339,14 @@ def build(cfg: Config, model_path: str | Path | None = None) -> Roles:
     sharding_lib.check_questions(shapes.Q, mesh)
     model = load_model(cfg, path, mesh, tokenizer)
     data = build_data(cfg, shapes, tokenizer)
-    actor, params, opt_state = build_actor(cfg, model, shapes, mesh, data.num_steps, path)
+    actor, params, opt_state = build_actor(cfg, model, shapes, mesh, data.num_steps, path, data)
     del model
     reference = build_reference(cfg, actor, params, shapes, mesh)
     rollout = build_rollout(cfg, shapes, tokenizer, actor.graphdef, out_dir, mesh)
     host = build_host(cfg, out_dir, earlier, data)
+    if actor.packer is not None:  # how R was chosen (trainer.pack_rows=auto: from the data)
+        packer = actor.packer
+        host.log.event(
+            "pack_rows", rows=packer.rows, length=packer.length, note=packer.choice.note(shapes.M)
+        )
     return Roles(shapes, mesh, data, actor, reference, rollout, host, params, opt_state)

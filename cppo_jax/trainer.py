@@ -166,8 +166,11 @@ class Trainer:
         # current one its log-probs come from the update's own forward, in the train step.
         src, ref, old, behav = actor.sources, None, None, pruned.behav_logp_MC
         packed = None
-        if actor.packer is not None:
-            packed = actor.packer.batch(tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M)
+        if actor.packer is not None:  # None: the step does not fit R rows, trained padded
+            packed = actor.packer.batch(
+                tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, host.log, step
+            )
+            metrics.update(actor.packer.metrics)
         with prof.phase("ref_logps", times):
             if cfg.cppo.beta > 0:
                 ref = _block(self.reference.logps_of(tokens_MT, valid_MT, packed))

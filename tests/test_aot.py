@@ -272,3 +272,25 @@ def test_libtpu_version_is_the_one_jax_pins():
     version = aot._libtpu_version()
     assert version and version.startswith("0.0.")
     assert aot.libtpu_cache_folder().name == "libtpu-" + version.replace("*", "x")
+
+
+def test_cpu_compile_of_packed_rows_is_within_15_percent_of_the_plan(tmp_path):
+    """`trainer.pack=true` with R chosen from the data (tiny arith: prompts ~66 + solutions ~29
+    tokens, two to a row of 224: R = 32 + 5% = 34 of M = 64): the plan prints R and L and
+    counts the train step at R x L rows, within 15% of what XLA:CPU compiles for it (the padded
+    config's plan is 0.88 of its compile too). On a device too small the search tries no
+    micro-batch (packing has none) and says it does not fit."""
+    pack = ("trainer.pack=true", "trainer.pack_len=224")
+    res = plan(*pack)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "packed rows: R=34 rows of L=224 tokens (53% of M=64)" in res.stdout
+    assert "activations of 34 sequence(s) x 223 tokens" in res.stdout
+    out = tmp_path / "report.json"
+    res = plan("--compile-for", "cpu", "--device-memory-gb", "0.1", *pack, "--json", str(out))
+    assert res.returncode == 1 and "these do not fit: train_step" in res.stderr, res.stderr[-3000:]
+    assert "trainer.pack: R=34 rows of L=224 tokens" in res.stdout
+    report = json.loads(out.read_text())
+    assert report["tried"][0] == ["trainer.micro_batch", 64, False]
+    assert [t for t in report["tried"] if t[0] == "trainer.micro_batch"] == [report["tried"][0]]
+    step = next(p for p in report["programs"] if p["program"] == "train_step")
+    assert 0.85 <= step["plan"] / step["peak"] <= 1.15, step

@@ -5,6 +5,7 @@ compiled step serves every packing of a run."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -140,9 +141,10 @@ def test_packed_step_refuses_micro_batches():
         step_lib._grads(params, graphdef, _packed(_padded(seed=1)), spec)
 
 
-def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_path, arith_model_dir):
-    """`trainer.pack=true` in the real trainer: step 1 (same rollout, same params) gives the padded
-    run's loss, KL and gradient norm; later steps compile nothing new."""
+def _train(out_dir, model_dir, *overrides: str):
+    """(trainer, metrics, events) of a 3-step run of tests/test_trainer.py's small config."""
+    import json
+
     from cppo_jax.trainer import Trainer
 
     try:
@@ -150,17 +152,23 @@ def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_pat
     except ImportError:  # tests/ became a package
         from tests.test_trainer import read_metrics, small_config
 
+    trainer = Trainer(small_config(out_dir, model_dir, "trainer.steps=3", *overrides))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    events = (trainer.host.out_dir / "events.jsonl").read_text().splitlines()
+    return trainer, read_metrics(trainer.host.out_dir), [json.loads(e) for e in events]
+
+
+def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_path, arith_model_dir):
+    """`trainer.pack=true` in the real trainer: step 1 (same rollout, same params) gives the padded
+    run's loss, KL and gradient norm; later steps compile nothing new."""
     rows = {}
     # arith's sequences take most of their P + C = 84 slots: two to a row of 168, any two fit
     packed = ["trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"]
     for name, extra in (("padded", []), ("packed", packed)):
-        cfg = small_config(tmp_path / name, arith_model_dir, "trainer.steps=3", *extra)
-        trainer = Trainer(cfg)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        rows[name] = read_metrics(trainer.host.out_dir)
+        trainer, rows[name], _ = _train(tmp_path / name, arith_model_dir, *extra)
         if name == "packed":
             assert trainer.actor.packer.rows == 4 < trainer.shapes.M
     first_padded, first_packed = rows["padded"][0], rows["packed"][0]
@@ -253,3 +261,37 @@ def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device()
     for a, b in out["params"]:
         _close(a, b, ulps=64)
     assert "trainer.pack_rows' = 3" in out["refused"]
+
+
+def test_a_step_that_does_not_fit_trains_padded_and_the_run_equals_an_unpacked_one(
+    tmp_path, arith_model_dir
+):
+    """3 rows of 230 slots hold the 8 kept arith sequences (~77 tokens each) three to a row in
+    most steps but not all (with this model and seed: steps 1 and 3 fit, step 2 needs 4 rows). The
+    run does not stop: the step that does not fit trains on the padded batch (logged as
+    `pack_overflow`, counted in `pack/overflow*`), the next packed step compiles nothing new, and
+    the params equal an unpacked run's to float32 rounding."""
+    params, metrics = {}, {}
+    packed = ["trainer.pack=true", "trainer.pack_rows=3", "trainer.pack_len=230"]
+    for name, extra in (("padded", []), ("overflowing", packed)):
+        trainer, metrics[name], events = _train(tmp_path / name, arith_model_dir, *extra)
+        params[name] = jax.device_get(trainer.params)
+    steps = metrics["overflowing"]
+    overflow = [r["pack/overflow"] for r in steps]
+    assert 0.0 in overflow and 1.0 in overflow, f"want a mix: pick another pack_len {overflow}"
+    assert [r["pack/overflow_steps"] for r in steps] == list(np.cumsum(overflow))
+    assert all((r["pack/rows_needed"] > 3) == r["pack/overflow"] for r in steps)
+    overflows = [e for e in events if e.get("event") == "pack_overflow"]
+    assert [e["step"] for e in overflows] == [i for i, o in enumerate(overflow) if o]
+    assert all(e["rows"] == 3 and e["rows_needed"] > 3 for e in overflows)
+    chosen = [e for e in events if e.get("event") == "pack_rows"]
+    assert chosen and chosen[0]["rows"] == 3 and chosen[0]["length"] == 230
+    first_padded = overflow.index(1.0)
+    if first_padded + 1 < len(steps):  # the padded programs compiled once, then none
+        compiles = [r["jit/compilations"] for r in steps]
+        assert compiles[-1] == compiles[first_padded], compiles
+    for a, b in zip(jax.tree.leaves(params["overflowing"]), jax.tree.leaves(params["padded"])):
+        _close(a, b)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    logged = [k for k in steps[0] if k.startswith("pack/")] + ["pack_rows", "pack_overflow"]
+    assert len(logged) == 5 and all(f"`{k}`" in doc for k in logged), logged

@@ -92,14 +92,16 @@ def test_first_fit_decreasing_placement():
 
 def test_sequence_longer_than_the_row_names_pack_len():
     tokens_MT, valid_MT = padded_batch([3, 2], [5, 1], P=3, C=5)
-    with pytest.raises(ValueError, match=r"sequence 0 has 8 tokens.*trainer.pack_len=7"):
+    with pytest.raises(packing.DoesNotFitError, match=r"sequence 0 has 8 .*pack_len=7") as e:
         packing.pack(tokens_MT, valid_MT, 3, rows=4, length=7)
+    assert (e.value.rows, e.value.longest) == (0, 8)  # what the trainer's `pack_overflow` logs
 
 
 def test_step_that_does_not_fit_names_pack_rows_and_the_rows_needed():
     tokens_MT, valid_MT = padded_batch([3] * 4, [4] * 4, P=3, C=4)
-    with pytest.raises(ValueError, match=r"trainer.pack_rows=3 .* needs 4"):
+    with pytest.raises(packing.DoesNotFitError, match=r"trainer.pack_rows=3 .* needs 4") as e:
         packing.pack(tokens_MT, valid_MT, 3, rows=3, length=8)
+    assert (e.value.rows, e.value.longest) == (4, 0)
 
 
 def test_bad_padding_and_mask_are_refused_naming_the_row():

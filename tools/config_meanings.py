@@ -227,11 +227,15 @@ MEANINGS: dict[str, str] = {
     "attention within each sequence, RoPE positions from 0 per sequence, log-probs gathered back; "
     "loss and gradient equal the padded step's. One trainer process, `trainer.micro_batch=0` "
     "(docs/concepts.md, Packed rows).",
-    "trainer.pack_rows": "Rows of a packed step (static per run); a step whose sequences do not fit "
-    "raises an error naming this key and the rows it needed; on a mesh, split over data x fsdp as "
-    "the kept sequences are (e.g. a multiple of data x fsdp); 0: the kept sequences M (always fits).",
-    "trainer.pack_len": "Tokens per packed row (static per run); a longer sequence raises an error "
-    "naming this key; 0: P + C (any sequence fits).",
+    "trainer.pack_rows": "Rows of a packed step (static per run). `auto`: chosen at load from the "
+    "run's training prompts and reference-solution lengths (capped at C; C where a task has no "
+    "worked solution) over 2000 simulated steps: the 99.5% quantile of the rows first-fit decreasing "
+    "needs, + 5%, at most M (cppo_jax/pack_plan.py; the `pack_rows` event and the plan say how). "
+    "A step that does not fit trains padded (same loss and gradient; `pack_overflow` event, "
+    "`pack/overflow` metric). On a mesh, split over data x fsdp as the kept sequences are (e.g. a "
+    "multiple of data x fsdp); 0: the kept sequences M (always fits, saves nothing).",
+    "trainer.pack_len": "Tokens per packed row (static per run); a step with a longer sequence "
+    "trains padded; 0: P + C (any sequence fits).",
     "trainer.max_nan_streak": "Stop (saving the last good state) after this many non-finite steps in "
     "a row; a non-finite step skips its update.",
     "trainer.dry_run": "Load and check the config, data, tokenizer and shapes, print the plan, train "
