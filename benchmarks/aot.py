@@ -99,7 +99,7 @@ def plan_programs(row: dict) -> dict[str, int]:
         mesh=MeshConfig(**row["mesh"]),
         trainer=dataclasses.replace(cfg.trainer, micro_batch=row["micro_batch"]),
     )
-    return program_bytes(cfg, model_config(cfg), shapes_of(cfg), row["mesh"])
+    return program_bytes(cfg, model_config(cfg), shapes_of(cfg), row["mesh"], row["target"])
 
 
 def _gib(n) -> str:

@@ -45,7 +45,7 @@ def _usable(hbm: int | None) -> int | None:
     return None if hbm is None else int(USABLE * hbm)
 
 
-def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
+def _with_mesh(cfg: Config, n: int, hbm: int | None, target: str = "") -> Config:
     """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
     the most data parallel layout (then the fewest tensor shards, then the most replicas) whose peak by
     `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; when none does, or
@@ -66,7 +66,7 @@ def _with_mesh(cfg: Config, n: int, hbm: int | None) -> Config:
             f"no layout of the {n} devices has data x fsdp dividing the {sh.Q} questions per step: "
             f"set mesh.data / mesh.fsdp / mesh.tensor (product {n}) or cppo.questions_per_step"
         )
-    peaks = [(run_peak(cfg, tcfg, sh, m), m) for m in meshes]
+    peaks = [(run_peak(cfg, tcfg, sh, m, target), m) for m in meshes]
     usable = _usable(hbm)
     fitting = [(p, m) for p, m in peaks if usable is not None and p <= usable]
     if fitting:
@@ -128,7 +128,7 @@ def fit(
     devices = target_devices(target)
     device = roofline.device_of(devices)
     hbm = hbm_bytes or (device.hbm_bytes if device else None)
-    cfg = _with_mesh(cfg, len(devices), hbm)
+    cfg = _with_mesh(cfg, len(devices), hbm, target)
     compiled = compile_run(cfg, target, devices)
     sh, tcfg = shapes_of(cfg), model_config(cfg)
     mesh = cfg.mesh.sizes(len(devices))
@@ -141,7 +141,7 @@ def fit(
         embedded=cfg.rollout.backend == "embedded",
         tp=mesh["tensor"],
     )
-    planned = program_bytes(cfg, tcfg, sh, mesh)
+    planned = program_bytes(cfg, tcfg, sh, mesh, target)
     report = Report(cfg, compiled, hbm, planned, phases, device, rows=sh.M)
     if not search or hbm is None:
         return report

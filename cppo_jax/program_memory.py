@@ -11,19 +11,25 @@ report) and are checked against every compile in benchmarks/results/aot_tpu.md:
 - train step: params, AdamW state and the whole batch; the gradient (x2 with micro-batches) and the
   logits chunk of `layout.memory_plan`; what the remat policy keeps of every layer (`full`: its
   input; `minimal`: the projections' outputs too; `dots_saveable`: attention's float32 scores and
-  output too) and one layer's three float32 score buffers and MLP products rebuilt in the backward
+  output too) and, for the one layer rebuilt in the backward, its three float32 score buffers,
+  its compute-dtype probabilities, six MLP-wide and eleven hidden-wide buffers per token
   (`save_all`: the plan's activations);
   with fsdp > 1, the unembedding gathered whole in the compute dtype, its whole gradient and that
   gradient summed over devices, both in the compute dtype (a float32 embedding is looked up in
   its shard: `sharding.gather_cast`, `Transformer.hidden`); two float32 vocabulary-sized
   gradient buffers (the lookup's and the unembedding's, before they are summed);
 - a log-prob forward (reference): its params (a compute-dtype copy) and tokens for all the step's
-  rows, one layer's float32 score buffer and MLP products, the logits of one chunk, and with
-  fsdp > 1 each vocabulary matrix gathered whole (a compute-dtype table is looked up gathered);
+  rows, one layer's float32 score buffer (two on v5e), float32 queries and MLP products, the
+  logits of one chunk, and with fsdp > 1 each vocabulary matrix gathered whole (a compute-dtype
+  table is looked up gathered; on v6e outside the layer loop, so the larger of the two counts);
 - the embedded sampler: its params, the compute-dtype copy of its shard (the layers and, twice, the
   vocabulary matrix: lookup and logits), the completion keys/values of every cache segment (the
   cache grows by copying into a segment twice as long, and each segment's buffer stays assigned:
-  about 1.94x the final cache at C = 1024) and two float32 [N, V] logits buffers.
+  about 1.94x the final cache at C = 1024; its key/value heads split with the query heads,
+  `_sampler_kv_heads`) and two float32 [N, V] logits buffers.
+
+Where generations' compilers differ (`REF_SCORE_BUFFERS`, `GATHERS_APART`), `target` (the topology
+`--compile-for` names) picks the terms; without one the plan counts as for v5p and v4.
 
 `run_peak` adds the run's state alive beside each program (the AdamW state while sampling, the
 reference during the update) and takes the largest: what `aot_fit` picks a mesh by.
@@ -37,9 +43,23 @@ from cppo_jax.rollout.segments import SEGMENT_LEN, segment_ends
 
 VOCAB = ("embed_VD", "lm_head_DV")  # the vocabulary matrices' parameter paths
 
+# Where TPU generations' compilers (libtpu 0.0.42) lay out the same log-prob forward differently,
+# read from the buffer assignments (`xla_dump_to`) of the reference program:
+# - float32 [rows, H, T, T] score buffers alive at once: v5e keeps two, adjacent in its heap (the
+#   1.5B at mesh 2/4/1: 2 x f32[2,2,6,1535,1535]; at 1/1/8: 2 x f32[16,2,6,1535,1535]; the 7B at
+#   1/8/1: 2 x f32[6,4,7,1535,1535]); v6e, v5p and v4 one (the softmax written over the scores).
+REF_SCORE_BUFFERS = {"v5e": 2}
+# - with fsdp > 1, v6e gathers the vocabulary matrices outside the layer loop: the 7B's peak on
+#   v6e at 1/8/1 is the gathered embedding and its relaid copy (2 x bf16[152064,3584]) beside the
+#   params, with no score buffer alive; v5e, v5p and v4 keep the gathered matrices through the loop
+#   (v5e's 7B heap at 1/8/1 holds both gathered matrices and both score buffers at disjoint offsets).
+GATHERS_APART = ("v6e",)
 
-def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
-    """Per-device bytes of each program of a step of `cfg` (see the module docstring)."""
+
+def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> dict[str, int]:
+    """Per-device bytes of each program of a step of `cfg` (see the module docstring) compiled
+    for `target` (a topology name, `v5e:2x4`: its generation picks the terms that differ)."""
+    generation = target.split(":")[0]
     kw = layout.plan_kwargs(cfg, shapes, None)
     plan = layout.memory_plan(tcfg, mesh, **kw)
     axis = plan.mesh
@@ -79,7 +99,18 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     scores = 4 * T if tcfg.attention != "splash" else 4
     kept["dots_saveable"] = kept["minimal"] + H * scores + cb * H * E
     if tcfg.remat in kept:
-        activations = n * T * (L * kept[tcfg.remat] + 3 * H * scores + 2 * cb * F)
+        # The backward of the layer rebuilt also holds, per token, six compute-dtype MLP-wide
+        # buffers (gate, up, their product and the three gradients) and the residual stream's
+        # work: four float32 and seven compute-dtype [rows, T, D] buffers. Counted (not derived)
+        # in the buffer assignment of the 7B's step at 1/1/4 on v5p: 6 x bf16[48,1535,4736],
+        # 2 x f32[48,1535,3584] and 2 x f32[73680,3584], 7 x bf16[48,1535,3584]; the 1.5B's at
+        # 1/1/4 holds the same kinds (bf16[16,1535,2240], f32[16,1535,1536], bf16[16,1535,1536]).
+        backward = 6 * cb * F + (4 * 4 + 7 * cb) * D
+        activations = n * T * (L * kept[tcfg.remat] + 3 * H * scores + backward)
+        # and the probabilities cast to the compute dtype for the values' einsum (`attend`), kept
+        # for the backward of the layer rebuilt: bf16[16,2,6,1535,1535] of the 1.5B at 1/1/8 on
+        # v5e, bf16[16,3,1535,1535] at 1/1/4 on v5p, bf16[6,4,7,1535,1535] of the 7B on v6e.
+        activations += n * T * H * scores * cb // 4
     else:  # save_all: not compiled at these sizes; the plan's (CPU-fitted) estimate
         activations = plan.activations_no_remat
     out = {
@@ -93,24 +124,45 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     }
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
-        # One float32 score buffer [rows, H, T, T] (the softmax is computed in place of the
-        # scores; read from the compiles of 7B and of tensor-parallel layouts) and two MLP products.
-        forward = n_all * T * (H * scores + 2 * F * cb) + logits
+        # Float32 score buffers [rows, H, T, T] (one: the softmax computed in place of the scores;
+        # v5e two, `REF_SCORE_BUFFERS`), two MLP products and the queries in float32 [rows, T, H, E]
+        # (`rope.apply_rope` rotates in float32; v6e's peak at 1/1/8 holds the 1.5B's whole-head
+        # f32[16,1535,12,128] beside the scores). H is every head where tensor does not divide the
+        # query heads: the rules (`sharding.logical_spec`) then replicate attention over tensor.
+        buffers = REF_SCORE_BUFFERS.get(generation, 1)
+        forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
         # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
         gathered_c = mats * vocab_c if fsdp > 1 else 0
-        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + forward + gathered_c
+        if fsdp > 1 and generation in GATHERS_APART:  # a gathered matrix and its relaid copy
+            work = max(forward, 2 * vocab_c)
+        else:
+            work = forward + gathered_c
+        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + work
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
         N = _split(rows, dp) if rows % dp == 0 else rows
         # Keys and values of every cache segment: the compiler keeps each segment's buffer, not
         # only the one being grown into (`segments.segment_ends`: 64 + 128 + ... + C slots).
         slots = sum(segment_ends(C, SEGMENT_LEN)) if C > 1 else 0
-        kv = 2 * L * J * E * slots * N * cb
+        kv = 2 * L * _sampler_kv_heads(tcfg, tp) * E * slots * N * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb else 0  # the lookup's and the logits'
         out["sampler"] = plan.params + layers_copy + vocab_copy + kv + 2 * N * V * 4
     return out
+
+
+def _sampler_kv_heads(tcfg, tp: int) -> int:
+    """Key/value heads per device of the sampler's cache. The sampler is traced without the
+    activation rules (`rollout/sampler.py`), so the compiler lays out the cache after the queries:
+    with the query heads split over tensor, each device's block of H/tp heads reads the key/value
+    heads of its groups only, J/tp of them or, when tp exceeds J, one (the 1.5B's 2 kv heads on
+    tensor = 4: bf16[28, 1, 1, 16, 128, 1024] per cache segment on v5p, half the rules' whole J);
+    without the split (tp does not divide H) the cache keeps every head (`_split`'s fallback)."""
+    H, J = tcfg.num_heads, tcfg.num_kv_heads
+    if tp > 1 and H % tp == 0 and tp % J == 0:
+        return 1
+    return _split(J, tp)
 
 
 def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
@@ -133,9 +185,9 @@ ARGS_OF = {  # the resident state each program takes as arguments (the rest is a
 }
 
 
-def run_peak(cfg, tcfg, shapes, mesh: dict[str, int]) -> int:
+def run_peak(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> int:
     """The largest of the programs' totals plus the state beside each (see the module docstring)."""
-    programs = program_bytes(cfg, tcfg, shapes, mesh)
+    programs = program_bytes(cfg, tcfg, shapes, mesh, target)
     resident = resident_bytes(cfg, tcfg, shapes, mesh)
     return max(
         total + sum(b for k, b in resident.items() if k not in ARGS_OF[name])

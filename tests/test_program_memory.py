@@ -1,0 +1,59 @@
+"""`program_memory`: the plan's terms that depend on how the mesh splits attention's heads and on
+the TPU generation compiled for (read from libtpu's buffer assignments; benchmarks/results/aot_tpu.md
+sets the plan beside every compile)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cppo_jax import program_memory
+from cppo_jax.config_io import load_config
+from cppo_jax.cppo import shapes_of
+from cppo_jax.programs import model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _qwen_1p5b(rate: str):
+    cfg = load_config(ROOT / "configs" / "gsm8k_1p5b.py", [f"cppo.pruning_rate={rate}"])
+    return cfg, model_config(cfg), shapes_of(cfg)
+
+
+def test_the_samplers_cache_splits_its_kv_heads_with_the_query_heads():
+    _, tcfg, _ = _qwen_1p5b("0")
+    assert (tcfg.num_heads, tcfg.num_kv_heads) == (12, 2)
+    heads = {tp: program_memory._sampler_kv_heads(tcfg, tp) for tp in (1, 2, 3, 4, 8)}
+    # tensor 4 splits the 12 query heads 3 per device: each reads one kv head (not the rules'
+    # whole 2); tensor 8 does not divide 12, so attention and its cache stay whole.
+    assert heads == {1: 2, 2: 1, 3: 2, 4: 1, 8: 2}
+
+
+def test_v5e_plans_a_second_score_buffer_in_the_reference_only():
+    cfg, tcfg, sh = _qwen_1p5b("0")
+    mesh = {"data": 1, "fsdp": 1, "tensor": 8}
+    plain = program_memory.program_bytes(cfg, tcfg, sh, mesh)
+    v5e = program_memory.program_bytes(cfg, tcfg, sh, mesh, "v5e:2x4")
+    T = sh.P + sh.C - 1
+    # all 12 heads on each device: tensor = 8 does not divide them
+    assert v5e["ref_logps"] - plain["ref_logps"] == sh.M * 12 * T * T * 4
+    assert v5e["train_step"] == plain["train_step"] and v5e["sampler"] == plain["sampler"]
+    assert program_memory.program_bytes(cfg, tcfg, sh, mesh, "v5p:2x2x1") == plain
+
+
+def test_v6e_does_not_hold_the_gathered_vocabulary_through_the_layers():
+    overrides = ["cppo.pruning_rate=0.875", "data.train=gsm8k"]  # shapes only: no data is read
+    cfg = load_config(ROOT / "configs" / "math7b.py", overrides)
+    tcfg, sh = model_config(cfg), shapes_of(cfg)
+    fsdp = {"data": 1, "fsdp": 8, "tensor": 1}
+    ref = {
+        t: program_memory.program_bytes(cfg, tcfg, sh, fsdp, t)["ref_logps"] for t in ("v6e", "v4")
+    }
+    # v4 holds both gathered bf16 vocabulary matrices (untied) beside the layers' working set,
+    # which on v6e is larger than the gathered matrix and its relaid copy, so counts alone
+    assert ref["v4"] - ref["v6e"] == 2 * tcfg.vocab_size * tcfg.hidden_size * 2
+    replicas = {"data": 8, "fsdp": 1, "tensor": 1}  # nothing gathered: the same figure
+    same = {
+        t: program_memory.program_bytes(cfg, tcfg, sh, replicas, t)["ref_logps"]
+        for t in ("v6e", "v4")
+    }
+    assert same["v6e"] == same["v4"]
