@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from cppo_jax import programs
+from cppo_jax.rollout import backend as backend_lib
 from cppo_jax.trainer import Trainer
 from tests.test_trainer import small_config
 
@@ -48,7 +49,7 @@ class Recorder:
         ("model.lora.enabled=true", "model.lora.rank=3"),  # adapters + frozen base, merged sampler
     ],
 )
-def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
+def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides, monkeypatch):
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=1", *overrides)
     trainer = Trainer(cfg)
     try:
@@ -62,17 +63,13 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides):
         else:
             assert (ref.logps is actor.logps) == (actor.frozen is None)
             trainer.reference = dataclasses.replace(ref, logps=Recorder(ref.logps))
-        backend = trainer.rollout.backend
-        generate = backend.generate
         seen = {}
+        made = backend_lib.make_sampler
 
-        def recording_generate(params, *rest):
-            fn = programs.make_sampler(backend.graphdef, rest[-1], backend.sp)
-            seen["sampler"] = Recorder(fn)
-            seen["sampler"](params, *rest[:-1])
-            return generate(params, *rest)
+        def recording_make_sampler(*args, **kw):  # the rollout's sampler, as the backend calls it
+            return seen.setdefault("sampler", Recorder(made(*args, **kw)))
 
-        backend.generate = recording_generate
+        monkeypatch.setattr(backend_lib, "make_sampler", recording_make_sampler)
         trainer.step(0)
         built = programs.build(cfg, jax.devices()).programs
         recorded = {

