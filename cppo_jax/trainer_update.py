@@ -73,7 +73,6 @@ def after_rewards(trainer, rollout, rewards_QG, sample_params, step: int, times:
     rolled = rolled_of(trainer, rollout, rewards_QG)
     step_i32 = distributed.global_array(np.int32(step), mesh)
     ref_params, snap = _state_args(trainer, sample_params)
-    sample_params = None  # not kept through the update
     if actor.packer is None:
         with prof.phase("update", times):
             args = (trainer.params, trainer.opt_state, step_i32, rolled, ref_params, snap)
