@@ -11,13 +11,14 @@ One step (`Trainer.step`):
      policy's log-probs for the others (a stale rollout's come from its own pass in 6; where each
      comes from: `logp_sources`).
 Steps 4-7 are one compiled program whose metrics are fetched once (`update_program`, run by
-`trainer_update`). Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
+`trainer_update`). Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO
+on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
 stale, with exact old-policy log-probs (`rollout.overlap`). Steps 1-2 are the `rollout` role's, step 3 on
 the host `scoring`'s, steps 4-7 the actor's fused program (the reference's params an argument of it).
-The roles are built by `roles.build`; the trainer holds what changes in a run: the
-params, their optimizer state and the counters. The run around the steps (resume, evaluations,
+The roles are built by `roles.build`; the trainer holds what changes in a run: the params, their
+optimizer state and the counters. The run around the steps (resume, evaluations,
 checkpoints, stops) is `trainer_run`'s; evaluation and validation `trainer_eval`'s.
 """
 
