@@ -136,7 +136,7 @@ def test_a_two_device_mesh_trains_as_one_device(tmp_path, arith_model_dir):
     two = list(np.load(out).values())
     want = jax.tree.leaves(one)
     scale = max(float(np.max(np.abs(x))) for x in want)
-    # Sums split over two devices round differently; Adam's steps of +-lr amplify no more than that.
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(two, want)) <= 1e3 * EPS * scale
+    # Sums split over two devices round differently (measured: 17 eps x the largest param).
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(two, want)) <= 128 * EPS * scale
     for a, b in zip(got["loss"], [r["loss"] for r in one_rows]):
-        assert abs(a - b) <= 1e3 * EPS * max(1.0, abs(b))
+        assert abs(a - b) <= 128 * EPS * max(1.0, abs(b))
