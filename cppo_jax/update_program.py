@@ -121,8 +121,7 @@ def after_rewards(
     mesh=None,
 ):
     """Steps 4-7 in one program (see the module docstring): (params, opt_state, metrics)."""
-    pruned = prune_step(step, rolled, prog=prog, mesh=mesh)
-    p = pruned
+    p = prune_step(step, rolled, prog=prog, mesh=mesh)
     batch = step_lib.Batch(p.tokens_MT, p.valid_MT, p.mask_MC, p.adv_M, None, None, p.behav_logp_MC)
     return train_kept(
         params, opt_state, batch, ref_params, snap_params, frozen, prog=prog, mesh=mesh
