@@ -10,7 +10,9 @@ reference log-probs, old-policy log-probs and mu updates.
 
 Each configuration runs in its own process (so its peak resident memory is its own): `--warmup` steps
 that compile, then `--steps` measured steps whose medians are reported (the trainer's `timing_s/*`).
-The training phase is reference + old-policy + update. Its speedup over GRPO is compared with the ideal
+The training phase is reference + old-policy + update; since the step after rewards is one program
+(`update_program`, issue #35) the reference and old-policy columns are 0 and their forwards are in
+update. Its speedup over GRPO is compared with the ideal
 G/k; with allocation the training batch stays b * G sequences, so the per-question speedup is the one
 that can approach G/k.
 
@@ -175,10 +177,14 @@ def instrument_cpu(trainer) -> dict:
         trainer.reference = dataclasses.replace(
             trainer.reference, logps=timed(trainer.reference.logps, lambda *a: "ref_logps")
         )
+    # The fused step (`update_program`, the default) runs pruning, the reference's and the
+    # old policy's forwards and the updates in one program: all of it counts as "update".
+    fused = trainer.actor.fused
     trainer.actor = dataclasses.replace(
         trainer.actor,
         logps=timed(trainer.actor.logps, lambda *a: "old_logps"),
         train_step=timed(trainer.actor.train_step, lambda *a: "update"),
+        fused=fused._replace(update=timed(fused.update, lambda *a: "update")),
     )
     return cpu
 

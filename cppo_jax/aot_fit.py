@@ -2,9 +2,10 @@
 
 `fit(cfg, target)` compiles `cfg`'s programs for `target` (`aot.compile_run`) on the config's mesh, or,
 when the config keeps the default mesh, on the layout `layout.pick_mesh` prefers for that many devices.
-Then, where the run does not fit or fits with room, it compiles the train step at other micro-batches
-(`largest_fitting`: a bisection, log2 of the candidates) and the embedded sampler at more questions per
-step, and returns a `Report` with the plan's figures beside the compiler's and the roofline phases.
+Then, where the run does not fit or fits with room, it compiles the train step and the fused step at
+other micro-batches (`largest_fitting`: a bisection, log2 of the candidates) and the embedded sampler
+at more questions per step, and returns a `Report` with the plan's figures beside the compiler's and
+the roofline phases.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import dataclasses
 from cppo_jax.aot import Compiled, compile_program, compile_run, target_devices
 from cppo_jax.config import Config
 from cppo_jax.config_choices import ConfigError
+
+# The programs whose memory `trainer.micro_batch` sets: the fused step every step runs and its train
+# step alone (the steps of `trainer.profile_steps`); a micro-batch fits when both do.
+UPDATE_PROGRAMS = ("train_step", "step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,16 +154,20 @@ def fit(
 
     def train_fits(m: int) -> bool:
         c = _set(cfg, "trainer", micro_batch=0 if m == sh.M else m)
-        fn, args = build(c, devices).programs["train_step"]
-        prog = compile_program("train_step", fn, args)
-        ok = not prog.error and compiled.peak(prog) <= usable
+        built = build(c, devices).programs
+        progs = [compile_program(n, *built[n]) for n in UPDATE_PROGRAMS if n in built]
+        ok = all(not p.error and compiled.peak(p) <= usable for p in progs)
         tried.append(("trainer.micro_batch", m, ok))
         return ok
 
     sizes = sorted(_divisors_for(sh.M, mesh["data"] * mesh["fsdp"]))
     sizes = [sh.M] if cfg.trainer.pack else sizes  # packed rows: one forward, no micro-batches
     configured = cfg.trainer.micro_batch or sh.M
-    ok = not compiled.refused and compiled.peak(compiled.programs[0]) <= usable
+    ok = all(
+        not p.error and compiled.peak(p) <= usable
+        for p in compiled.programs
+        if p.name in UPDATE_PROGRAMS
+    )
     tried.append(("trainer.micro_batch", configured, ok))
     best_m = largest_fitting(sizes, train_fits, {configured: ok})
     best_q = _search_questions(cfg, devices, compiled, usable, tried) if search_questions else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cppo_jax import roofline
-from cppo_jax.aot_fit import Report
+from cppo_jax.aot_fit import UPDATE_PROGRAMS, Report
 from cppo_jax.layout import USABLE, mesh_overrides
 
 
@@ -149,7 +149,7 @@ def fit_overrides(report: Report) -> str:
     c, usable = report.compiled, None if report.hbm_bytes is None else USABLE * report.hbm_bytes
     if usable is None or report.micro_batch is None:
         return ""
-    others = [p for p in c.programs if p.name != "train_step"]
+    others = [p for p in c.programs if p.name not in UPDATE_PROGRAMS]
     if any(p.error or c.peak(p) > usable for p in others):
         return ""
     m = 0 if report.micro_batch == report.rows else report.micro_batch
@@ -162,7 +162,7 @@ def no_fit_message(report: Report) -> str:
     over = [p for p in c.programs if p.error or c.peak(p) > usable]
     names = ", ".join(f"{p.name} ({'refused' if p.error else _gib(c.peak(p))})" for p in over)
     hints = []
-    if any(p.name == "train_step" for p in over):
+    if any(p.name in UPDATE_PROGRAMS for p in over):
         hints.append("no trainer.micro_batch fits the train step")
     if any(p.name == "sampler" for p in over):
         hints.append("the embedded sampler does not fit (rollout.backend=vllm moves it off)")

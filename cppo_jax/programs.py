@@ -1,10 +1,18 @@
 """The device programs of a run, built from its config: what the trainer runs and `aot` compiles.
 
-`build(cfg, devices)` returns the jitted train step, the reference (and, with overlap, old-policy)
-log-probs and the embedded sampler, each with abstract arguments (`jax.ShapeDtypeStruct`s carrying
-the mesh's shardings) for one step of `cfg`: the same functions the trainer calls, with the same
-static settings (`step_spec`, `sampling_params`), so a program compiled from them is the one a run
-would compile. No weights are read: the model's shapes come from its `config.json` or known size.
+`build(cfg, devices)` returns, each with abstract arguments (`jax.ShapeDtypeStruct`s carrying the
+mesh's shardings) for one step of `cfg`, the programs the trainer calls with the same static settings
+(`step_spec`, `sampling_params`), so a program compiled from them is the one a run would compile:
+
+- "step": what every step runs after its rewards (`update_program`): pruning, the reference's and
+  the overlap snapshot's log-probs and the mu updates in one program (with `trainer.pack`: the
+  packed batch's forwards and updates; pruning, a small program, is not listed);
+- "train_step", "ref_logps", "old_logps" (overlap): the same work as separate programs, run only in
+  the steps of `trainer.profile_steps` (`trainer_update`), and the parts the memory plan
+  (`program_memory`) models and `plan` compares;
+- "sampler": the embedded sampler.
+
+No weights are read: the model's shapes come from its `config.json` or known size.
 
 B = one per data-parallel device; other letters as in docs/conventions.md.
 """
@@ -20,6 +28,7 @@ from flax import nnx
 from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import sharding as sharding_lib
 from cppo_jax import step as step_lib
+from cppo_jax import update_program
 from cppo_jax.config import Config
 from cppo_jax.config_choices import ConfigError
 from cppo_jax.cppo import Shapes, shapes_of
@@ -30,6 +39,7 @@ from cppo_jax.packed_rows import PackedBatch, Packer
 from cppo_jax.program_memory import ARGS_OF
 from cppo_jax.rollout.sampler import make_sampler, sampler_shardings
 from cppo_jax.rollout.sampling import SamplingParams
+from cppo_jax.update_program import Rolled
 
 
 def step_spec(cfg: Config, shapes: Shapes) -> step_lib.StepSpec:
@@ -127,6 +137,22 @@ def model_config(cfg: Config):
     return transformer_config(cfg, size)
 
 
+def _fused(cfg: Config, sh: Shapes, mesh, graphdefs, tx, spec, params, base):
+    """The run's `update_program.compiled` (as `roles.build_actor` makes it)."""
+    prog = update_program.Program(
+        *graphdefs,
+        tx,
+        optimizer_lib.lr_schedule(cfg.optim, max(cfg.trainer.steps, 1) * cfg.cppo.mu),
+        spec,
+        sh,
+        cfg.cppo,
+        cfg.trainer.seed,
+        logp_sources(cfg),
+        lora=base is not None,
+    )
+    return update_program.compiled(prog, mesh, params, base, packed=cfg.trainer.pack)
+
+
 def build(cfg: Config, devices) -> Built:
     """The programs of one step of `cfg` on a mesh over `devices` (see the module docstring).
 
@@ -214,6 +240,37 @@ def build(cfg: Config, devices) -> Built:
     if logp_sources(cfg).needs_snapshot:  # the overlap snapshot's (old or behaviour) log-probs
         programs["old_logps"] = (logps, (copy, *ref_args, *frozen))
         resident["snapshot"] = _bytes_per_device(copy)
+    # The program a step runs after its rewards (`update_program`): the parts above fused, with the
+    # reference's and the snapshot's copies as arguments beside the params and optimizer state.
+    fused = _fused(cfg, sh, mesh, (graphdef, plain_graphdef or graphdef), tx, spec, params, base)
+    ref_copy = copy if cfg.cppo.beta > 0 and not lora else None
+    snap = copy if logp_sources(cfg).needs_snapshot else None
+    sampler_logps = logp_sources(cfg).behav == "sampler"  # a snapshot's are computed inside
+    if cfg.trainer.pack:
+        behav = batch.behav_logp_MC if sampler_logps else None
+        head = (batch._replace(old_logp_MC=None, ref_logp_MC=None, behav_logp_MC=behav),)
+    else:
+        q_rows = sharding_lib.batch_sharding(mesh, sh.Q)
+        n_rows = (sh.Q * sh.G, sh.C)
+        head = (
+            rows_of((), jnp.int32, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
+            Rolled(
+                rows_of((sh.Q, sh.G), jnp.float32, q_rows),
+                rows_of((sh.Q, sh.P), jnp.int32, q_rows),
+                rows_of((sh.Q, sh.P), jnp.bool_, q_rows),
+                rows_of(n_rows, jnp.int32, q_rows),
+                rows_of(n_rows, jnp.bool_, q_rows),
+                rows_of(n_rows[:1], jnp.bool_, q_rows),
+                rows_of(n_rows, jnp.float32, q_rows)
+                if logp_sources(cfg).behav == "sampler"
+                else None,
+            ),
+        )
+    programs["step"] = (fused.update, (params, opt, *head, ref_copy, snap, *frozen))
+    args_of["step"] = (
+        tuple(k for k, x in (("reference", ref_copy), ("snapshot", snap)) if x is not None)
+        + args_of["train_step"]
+    )
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)
         sp = sampling_params(cfg, sh, stop_ids, pad_id)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from cppo_jax import cppo, distributed, pack_plan, pipeline, programs
+from cppo_jax import cppo, distributed, pack_plan, pipeline, programs, update_program
 from cppo_jax import optimizer as optimizer_lib
 from cppo_jax import profile as prof
 from cppo_jax import sharding as sharding_lib
@@ -114,6 +114,7 @@ class Actor:
     packer: Packer | None  # trainer.pack: the kept sequences trained in packed rows
     frozen: object | None  # LoRA: the base, frozen in the compute dtype (`lora_lib.split`)
     merge: Callable | None  # LoRA: (adapters, base, model_cfg) -> merged weights, jitted
+    fused: update_program.Compiled | None = None  # steps 4-7 after rewards (`update_program`)
 
     @property
     def frozen_args(self) -> tuple:
@@ -165,6 +166,19 @@ def build_actor(
         lengths = pack_plan.data_lengths(data.train_set, data.tokenizer, shapes.C) if auto else None
         packer = Packer.make(cfg.trainer, shapes, graphdef, spec, mesh, lengths)
     sources = programs.logp_sources(cfg)
+    prog = update_program.Program(
+        train_graphdef,
+        graphdef,
+        tx,
+        lr_fn,
+        spec,
+        shapes,
+        cfg.cppo,
+        cfg.trainer.seed,
+        sources,
+        lora=frozen is not None,
+    )
+    fused = update_program.compiled(prog, mesh, params, frozen, packed=packer is not None)
     actor = Actor(
         graphdef,
         train_graphdef,
@@ -179,6 +193,7 @@ def build_actor(
         packer,
         frozen,
         merge,
+        fused,
     )
     return actor, params, opt_state
 

@@ -7,16 +7,18 @@ One step (`Trainer.step`):
   4. Group advantages.
   5. Keep k = floor(G (1 - p)) completions per question by |A| (a static-shape top-k).
   6. Reference (beta > 0) and sampler (tis_cap) log-probs of the kept completions.
-  7. mu policy updates on the kept completions, one compiled program; with mu > 1 the first one's
-     forward gives the old policy's log-probs for the others (a stale rollout's come from its own
-     pass in 6; where each comes from: `logp_sources`).
-Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO on the same path.
+  7. mu policy updates on the kept completions; with mu > 1 the first one's forward gives the old
+     policy's log-probs for the others (a stale rollout's come from its own pass in 6; where each
+     comes from: `logp_sources`).
+Steps 4-7 are one compiled program whose metrics are fetched once (`update_program`, run by
+`trainer_update`). Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO
+on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
 stale, with exact old-policy log-probs (`rollout.overlap`). Steps 1-2 are the `rollout` role's, step 3 on
-the host `scoring`'s, steps 4-5 `cppo.prune`, 6 the `reference` and `actor` roles' log-probs, 7 the
-actor's train step. The roles are built by `roles.build`; the trainer holds what changes in a run: the
-params, their optimizer state and the counters. The run around the steps (resume, evaluations,
+the host `scoring`'s, steps 4-7 the actor's fused program (the reference's params an argument of it).
+The roles are built by `roles.build`; the trainer holds what changes in a run: the params, their
+optimizer state and the counters. The run around the steps (resume, evaluations,
 checkpoints, stops) is `trainer_run`'s; evaluation and validation `trainer_eval`'s.
 """
 
@@ -25,14 +27,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from cppo_jax import cppo, distributed, roles, scoring, selection, trainer_eval, trainer_run
+from cppo_jax import (
+    cppo,
+    distributed,
+    roles,
+    scoring,
+    selection,
+    trainer_eval,
+    trainer_run,
+    trainer_update,
+)
 from cppo_jax import profile as prof
 from cppo_jax import skipping as skip_lib
-from cppo_jax import step as step_lib
 from cppo_jax.config import Config
 from cppo_jax.rollout.draw import StepRollout
 from cppo_jax.rollout.overlap import Overlap
@@ -40,10 +46,6 @@ from cppo_jax.rollout.overlap import Overlap
 
 class NonFiniteError(RuntimeError):
     """Too many non-finite steps in a row; the last good state was saved."""
-
-
-def _block(x):
-    return jax.block_until_ready(x)
 
 
 class Trainer:
@@ -68,6 +70,8 @@ class Trainer:
         self.num_tokens = 0  # prompt + completion tokens sampled so far (TRL's num_tokens)
         self.step_began: tuple[int, dict | None] = (0, None)  # set by each step (see `_skip`)
         self.evals: list[dict] = []
+        # True: steps 4-7 as separate programs, each timed (as in `trainer.profile_steps`' steps)
+        self.phase_split = False
         self.overlap = None
         if cfg.rollout.overlap:
             dtype = self.actor.model_cfg.compute_dtype
@@ -102,7 +106,7 @@ class Trainer:
                 self.overlap.settle()
 
     def _step(self, step: int) -> dict:
-        cfg, sh, data, host, actor = self.cfg, self.shapes, self.data, self.host, self.actor
+        cfg, sh, data, host = self.cfg, self.shapes, self.data, self.host
         t0 = time.perf_counter()
         times = {}
         # The counters as this step begins: what a stop on non-finite steps saves (`_skip`).
@@ -117,7 +121,9 @@ class Trainer:
             else:
                 rollout, sample_params = self._rollout(self.params, step), None
         batch, samples = rollout.batch, rollout.samples
-        tokens_NC, valid_NC = distributed.to_host((samples.tokens_NC, samples.valid_NC))
+        tokens_NC, valid_NC, finished_N = distributed.to_host(  # one wait for the three
+            (samples.tokens_NC, samples.valid_NC, samples.finished_N)
+        )
 
         # 3. Rewards: each process scores its own questions' completions; all get every reward.
         with prof.phase("reward", times):  # the training rewards, not the evaluation rules
@@ -126,7 +132,6 @@ class Trainer:
             )
         rewards_QG = total_N.reshape(sh.Q, sh.G)
         self.num_tokens += scoring.sampled_tokens(batch.valid_nP, valid_NC, sh.G)
-        finished_N = distributed.to_host(samples.finished_N)
         metrics = scoring.rollout_metrics(
             rewards_QG, per_fn, rstats, valid_NC, finished_N, host.accuracy_fn, self.num_tokens
         )
@@ -144,71 +149,22 @@ class Trainer:
             easy = skip_lib.easy_of(rewards_QG, per_fn.get(host.accuracy_fn))
             metrics.update(data.skipper.record(step, rewards_QG, easy))
 
-        # 4-5. Advantages and pruning.
-        key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
-        pruned = cppo.prune(
-            distributed.global_array(rewards_QG.astype(np.float32), self.mesh),
-            key,
-            rollout.prompt_QP,
-            rollout.pvalid_QP,
-            samples.tokens_NC,
-            samples.valid_NC,
-            samples.finished_N,
-            samples.logp_NC if actor.sources.behav == "sampler" else None,
-            shapes=sh,
-            algo=cfg.cppo,
-            mesh=self.mesh,
-        )
-        tokens_MT, valid_MT = pruned.tokens_MT, pruned.valid_MT
-
-        # 6. Reference log-probs, and the overlap snapshot's (the old policy's, or with cppo.tis_cap
-        # the behaviour policy's: `logp_sources`), kept completions only. When the old policy is the
-        # current one its log-probs come from the update's own forward, in the train step.
-        src, ref, old, behav = actor.sources, None, None, pruned.behav_logp_MC
-        packed = None
-        if actor.packer is not None:  # None: the step does not fit R rows, trained padded
-            packed = actor.packer.batch(
-                tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, host.log, step
-            )
-            metrics.update(actor.packer.metrics)
-        with prof.phase("ref_logps", times):
-            if cfg.cppo.beta > 0:
-                ref = _block(self.reference.logps_of(tokens_MT, valid_MT, packed))
-        with prof.phase("old_logps", times):
-            if src.needs_snapshot:  # the params that sampled (one update behind after step 1)
-                sampled_by = self.params if sample_params is None else sample_params
-                snap = _block(actor.logps_of(sampled_by, tokens_MT, valid_MT, packed))
-                old = snap if src.old == "snapshot" else None
-                behav = snap if src.behav == "snapshot" else behav
-        sample_params = sampled_by = None  # the snapshot that sampled: not kept through the update
-
-        # 7. mu updates, one program; its metrics (the last update's) fetched once.
-        if packed is None:
-            train_batch = step_lib.Batch(
-                tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
-            )
-        else:
-            train_batch = packed._replace(old_logp_MC=old, ref_logp_MC=ref, behav_logp_MC=behav)
-        args = (self.params, self.opt_state, train_batch, *actor.frozen_args)  # before donating
-        host.tracer.dump_hlo_once(actor.train_step, args, "train_step")
-        with prof.phase("update", times):
-            self.params, self.opt_state, m = actor.train_step(*args)
-            # Replicated (the program's out_shardings): each process's first shard is the whole value.
-            m = jax.device_get(jax.tree.map(lambda x: x.addressable_data(0), m))
+        # 4-7. Advantages, pruning, reference (and snapshot) log-probs, the mu updates: one program
+        # and one fetch of its metrics (`trainer_update`; the phases apart in profiled steps).
+        m = trainer_update.after_rewards(self, rollout, rewards_QG, sample_params, step, times)
+        sample_params = None  # the snapshot that sampled: not kept through the update
         self.params_step = step + 1
         if self.overlap is not None:  # the server must be idle before new weights go in
             times["rollout"] += self.overlap.wait()
         if (step + 1) % cfg.rollout.push_every == 0:
             with prof.phase("weight_sync", times):
                 metrics.update(self.rollout.push(self.policy_params(), step + 1))
-        metrics.update({k: float(v) for k, v in m.items()})
-        metrics["learning_rate"] = actor.learning_rate(self.opt_state)
+        metrics.update(m)  # with the learning rate and cppo/tokens_trained
         metrics.update(
             {
                 "cppo/questions": float(sh.Q),
                 "cppo/questions_trained": float(sh.U),
                 "cppo/kept": float(sh.M),
-                "cppo/tokens_trained": float(distributed.to_host(jnp.sum(pruned.mask_MC))),
             }
         )
         if m["update_skipped"]:  # any of the mu updates

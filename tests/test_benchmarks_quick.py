@@ -149,7 +149,8 @@ def test_phase_speedup_quick(tmp_path):
         assert r["compiles_while_measured"] == 0  # the warm-up step compiled everything
         assert r["max_length"] == 8  # fixed completion length: C decoded positions
         for clock in ("times", "cpu"):  # wall and CPU seconds, each phase measured
-            assert all(r[clock][ph] > 0 for ph in ("rollout", "ref_logps", "update"))
+            assert all(r[clock][ph] > 0 for ph in ("rollout", "update"))
+            assert r[clock]["ref_logps"] == 0.0  # in the fused update program (update_program)
             assert r[clock]["step"] >= r[clock]["update"]
             # Two rounds: each configuration measured twice, each round against its own GRPO.
             assert len(r["rounds"]) == 2 and len(r[f"{clock}_round_speedups"]) == 2
@@ -298,7 +299,12 @@ def test_aot_quick(tmp_path):
     assert tpu["device_kind"] == "TPU v5 lite" and tpu["fits_as_configured"] is True
     assert cpu["hbm_bytes"] is None and cpu["fits_as_configured"] is None  # no memory to judge by
     for r in rows:
-        assert [p["program"] for p in r["programs"]] == ["train_step", "ref_logps", "sampler"]
+        assert [p["program"] for p in r["programs"]] == [
+            "train_step",
+            "ref_logps",
+            "step",
+            "sampler",
+        ]
         assert all(p["total"] > 0 and p["compile_s"] > 0 for p in r["programs"])
     report = (tmp_path / "aot_tpu.md").read_text()
     assert "| tiny_cpu | 0.75 | v5e:2x2 |" in report and "Largest |plan/compiled - 1|" in report

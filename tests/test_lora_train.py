@@ -186,6 +186,7 @@ def test_lora_overlap_takes_the_old_logps_of_the_adapters_that_sampled(tmp_path,
         return inner(params, opt_state, batch, frozen)
 
     trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
+    trainer.phase_split = True  # the programs apart, so the updates' batch is seen
     try:
         history = [trainer.step(s) for s in range(3)]
         _, plain_logps = step_lib.compiled(

@@ -104,6 +104,7 @@ def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_
         return inner(params, opt_state, batch)
 
     trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
+    trainer.phase_split = True  # the programs apart, so the updates' batch is seen
     before_step = []  # host copies of the params at the start of each step
     history = []
     try:
@@ -248,6 +249,7 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
         return inner(params, opt_state, batch)
 
     trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
+    trainer.phase_split = True  # the programs apart, so the updates' batch is seen
     before_step, history = [], []
     try:
         for s in range(3):

@@ -1,8 +1,10 @@
 """`programs.build` gives the programs the trainer runs: what `plan --compile-for` compiles is that code.
 
-A real trainer takes one step with each program recorded as it is called; each recorded call, lowered
-with the arguments it got, must give the same program text as `programs.build`'s function lowered with
-its abstract arguments (shapes, dtypes and shardings built from the config alone).
+A real trainer takes two steps with each program recorded as it is called (the first step fused, the
+program "step"; the second with the phases apart, as in `trainer.profile_steps`: "train_step",
+"ref_logps"); each recorded call, lowered with the arguments it got, must give the same program text as
+`programs.build`'s function lowered with its abstract arguments (shapes, dtypes and shardings built from
+the config alone).
 """
 
 from __future__ import annotations
@@ -50,11 +52,14 @@ class Recorder:
     ],
 )
 def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides, monkeypatch):
-    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=1", *overrides)
+    cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=2", *overrides)
     trainer = Trainer(cfg)
     try:
         actor, ref = trainer.actor, trainer.reference
-        trainer.actor = dataclasses.replace(actor, train_step=Recorder(actor.train_step))
+        fused = actor.fused._replace(update=Recorder(actor.fused.update))
+        trainer.actor = dataclasses.replace(
+            actor, train_step=Recorder(actor.train_step), fused=fused
+        )
         # The reference's log-probs: of the packed rows the packer's program; with LoRA the base's
         # forward, its own program; else the actor's program on the reference's copy.
         if actor.packer is not None:
@@ -70,9 +75,12 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides, m
             return seen.setdefault("sampler", Recorder(made(*args, **kw)))
 
         monkeypatch.setattr(backend_lib, "make_sampler", recording_make_sampler)
-        trainer.step(0)
+        trainer.step(0)  # fused
+        trainer.phase_split = True
+        trainer.step(1)  # the phases apart
         built = programs.build(cfg, jax.devices()).programs
         recorded = {
+            "step": trainer.actor.fused.update,
             "train_step": trainer.actor.train_step,
             "ref_logps": trainer.reference.packed_logps or trainer.reference.logps,
             "sampler": seen["sampler"],

@@ -290,6 +290,7 @@ def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
         return inner(params, opt_state, batch)
 
     cut.actor = dataclasses.replace(cut.actor, train_step=poisoned)
+    cut.phase_split = True  # the programs apart, so the updates' batch is seen
     with pytest.raises(NonFiniteError, match="at step 3"):
         cut.train()
     cut.close()

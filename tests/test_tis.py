@@ -239,6 +239,7 @@ def _spy(trainer):
         return inner(params, opt_state, batch)
 
     trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
+    trainer.phase_split = True  # the programs apart, so the updates' batch is seen
     return seen
 
 

@@ -418,6 +418,7 @@ class TestTiedServer:
             return inner(params, opt_state, batch)
 
         trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
+        trainer.phase_split = True  # the programs apart, so the updates' batch is seen
         try:
             history = [trainer.step(s) for s in range(2)]
         finally:

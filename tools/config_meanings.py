@@ -242,7 +242,9 @@ MEANINGS: dict[str, str] = {
     "nothing (no weights needed).",
     "trainer.profile_steps": "`[first, last]`, steps numbered as in metrics.jsonl: record an XLA "
     "trace of these steps under `<run>/profile` (cppo_jax/profile.py), and the train step's HLO; "
-    "`[]`: no trace.",
+    "these steps run pruning, the reference's and the old policy's log-probs and the updates as "
+    "separate programs, each timed (`timing_s/ref_logps`, `timing_s/old_logps`), where other steps "
+    "run them as one (cppo_jax/update_program.py). `[]`: no trace.",
     "trainer.compile_cache_dir": "Persistent XLA compilation cache: `auto` (`$JAX_COMPILATION_CACHE_DIR` "
     "when set, else `~/.cache/cppo_jax/xla`), a folder, or `none`. A repeated or resumed run (or "
     "another run with the same shapes) loads its programs instead of compiling them again.",

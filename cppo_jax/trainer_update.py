@@ -1,0 +1,155 @@
+"""Steps 4-7 of the trainer's step, after the rewards: how the trainer runs `update_program`.
+
+`after_rewards(trainer, rollout, rewards_QG, sample_params, step, times)` updates the trainer's
+params and optimizer state and returns the step's training metrics as floats. Three ways:
+
+- fused (the default): one program (`Actor.fused.update`: pruning, reference and snapshot
+  log-probs, the mu updates) and one fetch of its metrics; timed as the phase `update`;
+- packed (`trainer.pack`): the host packs the kept sequences between pruning and the forwards, so
+  pruning is a program of its own (`Actor.fused.prune`), the packing fetches the kept tokens, and
+  reference + snapshot + updates of the packed batch are one program; timed as `update`;
+- split (steps inside `trainer.profile_steps`, or `trainer.phase_split`): the phases as separate
+  programs, each blocked on, so a trace and the metrics show `ref_logps`, `old_logps` and `update`
+  apart (the sequence the fused program equals; tests/test_update_program.py).
+
+Host round trips and programs per step are counted in docs/metrics.md ("One step's programs").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cppo_jax import cppo, distributed
+from cppo_jax import profile as prof
+from cppo_jax import step as step_lib
+from cppo_jax.models.transformer import forward_copy
+from cppo_jax.update_program import Rolled
+
+
+def fetch(metrics) -> dict:
+    """The program's replicated metrics as floats: each process's first shard is the whole value."""
+    m = jax.device_get(jax.tree.map(lambda x: x.addressable_data(0), metrics))
+    return {k: float(v) for k, v in m.items()}
+
+
+def rolled_of(trainer, rollout, rewards_QG) -> Rolled:
+    """The rollout and rewards as the fused programs take them, in their declared layout."""
+    s, mesh = rollout.samples, trainer.mesh
+    sampler_logps = s.logp_NC if trainer.actor.sources.behav == "sampler" else None
+    rolled = Rolled(
+        distributed.rows(np.asarray(rewards_QG, np.float32), mesh),
+        rollout.prompt_QP,
+        rollout.pvalid_QP,
+        s.tokens_NC,
+        s.valid_NC,
+        s.finished_N,
+        sampler_logps,
+    )
+    at = trainer.actor.fused.rolled_sharding
+    return rolled if at is None else jax.device_put(rolled, at)  # a no-op where they lie so
+
+
+def _state_args(trainer, sample_params) -> tuple:
+    """(ref_params, snap_params): the reference's own params (None at beta = 0 and with LoRA) and
+    the snapshot that sampled (None unless the step needs it; the first step of a run sampled
+    with the current params: a forward copy of them, so every step has the same program)."""
+    actor, ref = trainer.actor, trainer.reference
+    ref_params = ref.params if ref is not None and actor.frozen is None else None
+    snap = None
+    if actor.sources.needs_snapshot:
+        dtype = actor.model_cfg.compute_dtype
+        snap = sample_params if sample_params is not None else forward_copy(trainer.params, dtype)
+    return ref_params, snap
+
+
+def after_rewards(trainer, rollout, rewards_QG, sample_params, step: int, times: dict) -> dict:
+    """Steps 4-7 (see the module docstring): new params and optimizer state; the metrics."""
+    split = trainer.phase_split or trainer.host.tracer.active
+    if split:
+        return _split(trainer, rollout, rewards_QG, sample_params, step, times)
+    actor, mesh = trainer.actor, trainer.mesh
+    rolled = rolled_of(trainer, rollout, rewards_QG)
+    step_i32 = distributed.global_array(np.int32(step), mesh)
+    ref_params, snap = _state_args(trainer, sample_params)
+    if actor.packer is None:
+        with prof.phase("update", times):
+            args = (trainer.params, trainer.opt_state, step_i32, rolled, ref_params, snap)
+            trainer.params, trainer.opt_state, m = actor.fused.update(*args, *actor.frozen_args)
+            return fetch(m)
+    with prof.phase("update", times):
+        pruned = actor.fused.prune(step_i32, rolled)
+        packed = actor.packer.batch(
+            pruned.tokens_MT, pruned.valid_MT, pruned.mask_MC, pruned.adv_M, trainer.host.log, step
+        )
+        if packed is not None:
+            packed = packed._replace(behav_logp_MC=pruned.behav_logp_MC)
+            args = (trainer.params, trainer.opt_state, packed, ref_params, snap)
+            trainer.params, trainer.opt_state, m = actor.fused.update(*args)
+            return {**fetch(m), **actor.packer.metrics}
+    # The kept sequences do not fit R rows (`Packer.batch`): this step trains on the padded batch,
+    # by the padded programs (the phases apart, compiled the first time it happens).
+    return _split(trainer, rollout, rewards_QG, sample_params, step, times, pack=False)
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+def _split(
+    trainer, rollout, rewards_QG, sample_params, step: int, times: dict, pack: bool = True
+) -> dict:
+    """The phases as separate programs, each timed (see the module docstring); `pack=False`: the
+    padded batch even with a packer (a step whose sequences do not fit its rows)."""
+    cfg, actor, s, host = trainer.cfg, trainer.actor, rollout.samples, trainer.host
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
+    pruned = cppo.prune(
+        distributed.global_array(np.asarray(rewards_QG, np.float32), trainer.mesh),
+        key,
+        rollout.prompt_QP,
+        rollout.pvalid_QP,
+        s.tokens_NC,
+        s.valid_NC,
+        s.finished_N,
+        s.logp_NC if actor.sources.behav == "sampler" else None,
+        shapes=trainer.shapes,
+        algo=cfg.cppo,
+        mesh=trainer.mesh,
+    )
+    tokens_MT, valid_MT = pruned.tokens_MT, pruned.valid_MT
+    # 6. Reference log-probs, and the overlap snapshot's (the old policy's, or with cppo.tis_cap
+    # the behaviour policy's: `logp_sources`), kept completions only. When the old policy is the
+    # current one its log-probs come from the update's own forward, in the train step.
+    src, ref, old, behav = actor.sources, None, None, pruned.behav_logp_MC
+    packed = None
+    if actor.packer is not None and pack:  # None: the step does not fit R rows, trained padded
+        packed = actor.packer.batch(
+            tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, host.log, step
+        )
+    with prof.phase("ref_logps", times):
+        if cfg.cppo.beta > 0:
+            ref = _block(trainer.reference.logps_of(tokens_MT, valid_MT, packed))
+    with prof.phase("old_logps", times):
+        if src.needs_snapshot:  # the params that sampled (one update behind after step 1)
+            sampled_by = trainer.params if sample_params is None else sample_params
+            snap = _block(actor.logps_of(sampled_by, tokens_MT, valid_MT, packed))
+            old = snap if src.old == "snapshot" else None
+            behav = snap if src.behav == "snapshot" else behav
+    sample_params = sampled_by = None  # the snapshot that sampled: not kept through the update
+
+    # 7. mu updates, one program; its metrics (the last update's) fetched once.
+    if packed is None:
+        train_batch = step_lib.Batch(
+            tokens_MT, valid_MT, pruned.mask_MC, pruned.adv_M, old, ref, behav
+        )
+    else:
+        train_batch = packed._replace(old_logp_MC=old, ref_logp_MC=ref, behav_logp_MC=behav)
+    args = (trainer.params, trainer.opt_state, train_batch, *actor.frozen_args)  # before donating
+    host.tracer.dump_hlo_once(actor.train_step, args, "train_step")
+    with prof.phase("update", times):
+        trainer.params, trainer.opt_state, m = actor.train_step(*args)
+        m = fetch(m)
+    m["learning_rate"] = actor.learning_rate(trainer.opt_state)
+    m["cppo/tokens_trained"] = float(distributed.to_host(jnp.sum(pruned.mask_MC)))
+    return m if actor.packer is None else {**m, **actor.packer.metrics}
