@@ -87,6 +87,34 @@ def restore_in_memory_compilation() -> None:
         compilation_cache.reset_cache()
 
 
+# `make test` runs the files on two workers (pytest-xdist, `--dist loadfile`), which take them in
+# collection order, one whole file at a time: the longest files go first, so that neither worker is
+# left running a long file at the end while the other has nothing to do. The longest files of a
+# one-process run (2026-12-03, 2 cores), longest first; the rest keep their order after them.
+_LONGEST_FIRST = (
+    "test_vllm.py",
+    "test_trainer.py",
+    "test_benchmarks_quick.py",
+    "test_step.py",
+    "test_qwen_vocab_train.py",
+    "test_packed_rows.py",
+    "test_model.py",
+    "test_gpu_node.py",
+    "test_lora_train.py",
+    "test_documented_commands.py",
+    "test_splash.py",
+    "test_update_program.py",
+    "test_skipping.py",
+    "test_aot.py",
+    "test_weight_transfer.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
