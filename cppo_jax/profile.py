@@ -291,17 +291,21 @@ def compile_cache_folder(setting: str) -> Path | None:
 def use_compile_cache(setting: str) -> Path | None:
     """Point JAX's persistent compilation cache at `compile_cache_folder(setting)`.
 
-    Call it before the first compilation of the process (`cppo_jax.launch` does): JAX decides once,
-    at its first compile, whether a cache is used. Every program is stored, however fast it compiled
-    (JAX's default skips those under a second: a run's dozens of small programs, seconds in all).
-    Returns the folder, or None when off.
+    `cppo_jax.launch` calls it before its run compiles. JAX decides at its first compile whether a
+    cache is used and keeps that answer, so the decision is reset here: a process that compiled
+    before (a notebook, a launch called in-process after other work) uses the cache from now on.
+    Every program is stored, however fast it compiled (JAX's default skips those under a second: a
+    run's dozens of small programs, seconds in all). Returns the folder, or None when off.
     """
+    from jax.experimental.compilation_cache import compilation_cache
+
     folder = compile_cache_folder(setting)
     if folder is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()  # JAX's kept answer "no cache" of an earlier compile
     return folder
 
 

@@ -25,9 +25,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import jax  # imported before the cache variable is set: see above
-import pytest
-from jax.experimental.compilation_cache import compilation_cache
+# `make test`'s worker processes (pytest-xdist) inherit the variable from the process that started
+# them, whose folder it is (named again in _SUITE_CACHE_VAR): hidden while JAX is imported, so each
+# worker compiles in memory as the one-process suite does, and given back for its subprocesses.
+_CACHE_VAR, _SUITE_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR", "CPPO_TEST_XLA_CACHE"
+_INHERITED = os.environ.get(_SUITE_CACHE_VAR)
+if _INHERITED and os.environ.get(_CACHE_VAR) == _INHERITED:
+    del os.environ[_CACHE_VAR]
+
+import jax  # noqa: E402  imported before the cache variable is set: see above
+import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 _SUITE_CACHE_CONFIG = {
     name: getattr(jax.config, name)
@@ -38,11 +46,12 @@ _SUITE_CACHE_CONFIG = {
     )
 }
 
-_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
 _OWN_CACHE = None
-if _CACHE_VAR not in os.environ:
+if _INHERITED and _CACHE_VAR not in os.environ:  # a worker: the starting process's folder
+    os.environ[_CACHE_VAR] = _INHERITED
+elif _CACHE_VAR not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="cppo_test_xla_cache_")
-    os.environ[_CACHE_VAR] = _OWN_CACHE
+    os.environ[_CACHE_VAR] = os.environ[_SUITE_CACHE_VAR] = _OWN_CACHE
 
 
 _MAPS = {"peak": 0, "clears": 0}

@@ -76,6 +76,8 @@ def test_the_suite_process_goes_back_to_compiling_in_memory(tmp_path):
         return sum(1 for p in cache.rglob("*") if p.is_file())
 
     cache = tmp_path / "xla_cache"
+    # A compile before: JAX has decided (and kept) that this process uses no persistent cache.
+    jax.jit(lambda x: jnp.tan(x) * 1.75)(jnp.ones(5)).block_until_ready()
     try:
         assert use_compile_cache(str(cache)) == cache
         jax.jit(lambda x: jnp.sin(x) * 3.25)(jnp.ones(7)).block_until_ready()
@@ -85,3 +87,15 @@ def test_the_suite_process_goes_back_to_compiling_in_memory(tmp_path):
         restore_in_memory_compilation()
     jax.jit(lambda x: jnp.cos(x) * 5.5)(jnp.ones(9)).block_until_ready()
     assert stored() == written, "a program compiled after the restore was written to the cache"
+
+
+def test_every_suite_process_compiles_in_memory():
+    """The one-process suite and each of `make test`'s workers compile in memory (tests count
+    compilations); the suite's shared folder is only for the subprocesses they start."""
+    import os
+
+    from tests import conftest
+
+    assert conftest._SUITE_CACHE_CONFIG["jax_compilation_cache_dir"] in (None, "")
+    if os.environ.get("CPPO_TEST_XLA_CACHE"):  # the suite made the folder (not a user's own)
+        assert os.environ["JAX_COMPILATION_CACHE_DIR"] == os.environ["CPPO_TEST_XLA_CACHE"]
