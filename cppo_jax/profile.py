@@ -291,9 +291,8 @@ def compile_cache_folder(setting: str) -> Path | None:
 def use_compile_cache(setting: str) -> Path | None:
     """Point JAX's persistent compilation cache at `compile_cache_folder(setting)`.
 
-    `cppo_jax.launch` calls it before its run compiles. JAX decides at its first compile whether a
-    cache is used and keeps that answer, so the decision is reset here: a process that compiled
-    before (a notebook, a launch called in-process after other work) uses the cache from now on.
+    `cppo_jax.launch` calls it before its run compiles. JAX keeps the answer of its first compile
+    (cache or not), so it is reset here: a process that compiled before uses the cache from now on.
     Every program is stored, however fast it compiled (JAX's default skips those under a second: a
     run's dozens of small programs, seconds in all). Returns the folder, or None when off.
     """
