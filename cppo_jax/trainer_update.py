@@ -25,7 +25,7 @@ from cppo_jax import cppo, distributed
 from cppo_jax import profile as prof
 from cppo_jax import step as step_lib
 from cppo_jax.models.transformer import forward_copy
-from cppo_jax.update_program import Rolled
+from cppo_jax.update_program import Rolled, pruning_key
 
 
 def fetch(metrics) -> dict:
@@ -90,7 +90,7 @@ def after_rewards(trainer, rollout, rewards_QG, sample_params, step: int, times:
             return {**fetch(m), **actor.packer.metrics}
     # The kept sequences do not fit R rows (`Packer.batch`): this step trains on the padded batch,
     # by the padded programs (the phases apart, compiled the first time it happens).
-    return _split(trainer, rollout, rewards_QG, sample_params, step, times, pack=False)
+    return _split(trainer, rollout, rewards_QG, sample_params, step, times, pruned=pruned)
 
 
 def _block(x):
@@ -98,25 +98,27 @@ def _block(x):
 
 
 def _split(
-    trainer, rollout, rewards_QG, sample_params, step: int, times: dict, pack: bool = True
+    trainer, rollout, rewards_QG, sample_params, step: int, times: dict, pruned=None
 ) -> dict:
-    """The phases as separate programs, each timed (see the module docstring); `pack=False`: the
-    padded batch even with a packer (a step whose sequences do not fit its rows)."""
+    """The phases as separate programs, each timed (see the module docstring). `pruned`: this
+    step's pruning, already run (a packed step whose sequences do not fit its rows: trained on the
+    padded batch)."""
     cfg, actor, s, host = trainer.cfg, trainer.actor, rollout.samples, trainer.host
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.trainer.seed), step)
-    pruned = cppo.prune(
-        distributed.global_array(np.asarray(rewards_QG, np.float32), trainer.mesh),
-        key,
-        rollout.prompt_QP,
-        rollout.pvalid_QP,
-        s.tokens_NC,
-        s.valid_NC,
-        s.finished_N,
-        s.logp_NC if actor.sources.behav == "sampler" else None,
-        shapes=trainer.shapes,
-        algo=cfg.cppo,
-        mesh=trainer.mesh,
-    )
+    pack = pruned is None
+    if pruned is None:
+        pruned = cppo.prune(
+            distributed.global_array(np.asarray(rewards_QG, np.float32), trainer.mesh),
+            pruning_key(cfg.trainer.seed, step),
+            rollout.prompt_QP,
+            rollout.pvalid_QP,
+            s.tokens_NC,
+            s.valid_NC,
+            s.finished_N,
+            s.logp_NC if actor.sources.behav == "sampler" else None,
+            shapes=trainer.shapes,
+            algo=cfg.cppo,
+            mesh=trainer.mesh,
+        )
     tokens_MT, valid_MT = pruned.tokens_MT, pruned.valid_MT
     # 6. Reference log-probs, and the overlap snapshot's (the old policy's, or with cppo.tis_cap
     # the behaviour policy's: `logp_sources`), kept completions only. When the old policy is the

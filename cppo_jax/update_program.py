@@ -59,14 +59,19 @@ class Program:
     spec: step_lib.StepSpec
     shapes: cppo.Shapes
     algo: CPPOConfig
-    seed: int  # trainer.seed: pruning's key is fold_in(PRNGKey(seed), step)
+    seed: int  # trainer.seed: pruning's key is `pruning_key(seed, step)`
     sources: LogpSources
     lora: bool  # the reference is the frozen base (no params of its own)
 
 
+def pruning_key(seed: int, step):
+    """Pruning's key at `step` (an int, or an int32 scalar traced): one rule for every path."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
+
 def prune_step(step, rolled: Rolled, *, prog: Program, mesh=None) -> cppo.Pruned:
     """Steps 4-5: `cppo.prune` of `rolled` with the key of `step` (an int32 scalar, traced)."""
-    key = jax.random.fold_in(jax.random.PRNGKey(prog.seed), step)
+    key = pruning_key(prog.seed, step)
     r = rolled
     return cppo.prune(
         *(r.rewards_QG, key, r.prompt_QP, r.pvalid_QP, r.tokens_NC, r.valid_NC, r.finished_N),

@@ -1,13 +1,16 @@
 """Shared fixtures: a tiny arith model folder (random weights + the arith tokenizer).
 
-Also one persistent XLA compilation cache for the subprocesses the suite starts (trainers, launch
-scripts, notebooks, benchmarks' quick runs): each would otherwise compile the same programs again. The
-suite's own process keeps compiling in memory (JAX reads the variable when it is imported, which
-happens here first), so tests that count compilations see every compile. The cache lives in a fresh
-folder per session, removed at the end, so a run never reuses programs from an earlier checkout.
+Also one persistent XLA compilation cache for the whole session: the suite's processes (one, or the
+workers of `make test`) and every subprocess they start (trainers, launch scripts, notebooks,
+benchmarks' quick runs) store every program they compile there and load it where another test
+compiled it first (the tiny models' programs recur across files). The folder is fresh per session,
+made by the starting process, given to workers and subprocesses through the environment, and
+removed at the end, so a run never reuses programs from an earlier checkout. Counting compilations
+still sees every program: JAX reports a program loaded from the cache as a backend compile too
+(`tests.helpers.count_compiles`), and `cppo_jax.profile` tells the two apart.
 
-Tests that call `cppo_jax.launch.main` in this process turn JAX's persistent cache on here too (launch
-does so before its run compiles); after each test the process is put back to compiling in memory.
+Tests that call `cppo_jax.launch.main` in this process point JAX's cache at their run's folder
+(launch does so before its run compiles); after each test the process is put back on the suite's.
 
 The suite's process compiles thousands of programs, each holding a dozen or more memory mappings while
 it lives. At the kernel's limit (vm.max_map_count, 65530 by default) LLVM's next compile fails and the
@@ -25,15 +28,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# `make test`'s worker processes (pytest-xdist) inherit the variable from the process that started
-# them, whose folder it is (named again in _SUITE_CACHE_VAR): hidden while JAX is imported, so each
-# worker compiles in memory as the one-process suite does, and given back for its subprocesses.
+# Set before JAX is imported (it reads them then): the starting process makes the folder and names it
+# again in _SUITE_CACHE_VAR; make test's workers (pytest-xdist) inherit both. Every program is
+# stored, however fast it compiled (JAX's default skips those under a second: most of the suite's).
 _CACHE_VAR, _SUITE_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR", "CPPO_TEST_XLA_CACHE"
-_INHERITED = os.environ.get(_SUITE_CACHE_VAR)
-if _INHERITED and os.environ.get(_CACHE_VAR) == _INHERITED:
-    del os.environ[_CACHE_VAR]
+_MIN_TIME_VAR = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+_OWN_CACHE = None
+if not os.environ.get(_SUITE_CACHE_VAR):
+    _OWN_CACHE = os.environ[_SUITE_CACHE_VAR] = tempfile.mkdtemp(prefix="cppo_test_xla_cache_")
+os.environ[_CACHE_VAR] = os.environ[_SUITE_CACHE_VAR]
+os.environ[_MIN_TIME_VAR] = "0"
 
-import jax  # noqa: E402  imported before the cache variable is set: see above
+import jax  # noqa: E402  imported after the cache variables are set: see above
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
@@ -45,13 +51,6 @@ _SUITE_CACHE_CONFIG = {
         "jax_enable_compilation_cache",  # benchmarks/compile.py turns it off
     )
 }
-
-_OWN_CACHE = None
-if _INHERITED and _CACHE_VAR not in os.environ:  # a worker: the starting process's folder
-    os.environ[_CACHE_VAR] = _INHERITED
-elif _CACHE_VAR not in os.environ:
-    _OWN_CACHE = tempfile.mkdtemp(prefix="cppo_test_xla_cache_")
-    os.environ[_CACHE_VAR] = os.environ[_SUITE_CACHE_VAR] = _OWN_CACHE
 
 
 _MAPS = {"peak": 0, "clears": 0}
@@ -75,10 +74,10 @@ def _map_limit() -> int:
 
 @pytest.fixture(autouse=True)
 def _suite_process_state():
-    """After each test: compiling in memory again, and memory mappings kept below half the kernel's
-    limit (see the module docstring)."""
+    """After each test: the suite's compilation cache again, and memory mappings kept below half the
+    kernel's limit (see the module docstring)."""
     yield
-    restore_in_memory_compilation()
+    restore_suite_compilation()
     maps = _memory_maps()
     _MAPS["peak"] = max(_MAPS["peak"], maps)
     if maps > _map_limit() // 2:
@@ -87,8 +86,8 @@ def _suite_process_state():
         _MAPS["clears"] += 1
 
 
-def restore_in_memory_compilation() -> None:
-    """Put this process's persistent-cache settings back to the suite's (off), if a test changed them."""
+def restore_suite_compilation() -> None:
+    """Put this process's persistent-cache settings back to the suite's, if a test changed them."""
     changed = {k: v for k, v in _SUITE_CACHE_CONFIG.items() if getattr(jax.config, k) != v}
     if changed:
         for name, value in changed.items():

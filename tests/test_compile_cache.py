@@ -64,38 +64,39 @@ def test_cache_folder_setting(monkeypatch, tmp_path):
     assert compile_cache_folder("auto") == Path("/from/env")
 
 
-def test_the_suite_process_goes_back_to_compiling_in_memory(tmp_path):
-    """An in-process launch turns the persistent cache on; the suite's fixture turns it off again."""
+def test_the_suite_process_goes_back_to_the_suites_cache(tmp_path):
+    """An in-process launch points the persistent cache at its own folder; the suite's fixture puts
+    the process back on the session's folder."""
     import jax
     import jax.numpy as jnp
 
     from cppo_jax.profile import use_compile_cache
-    from tests.conftest import restore_in_memory_compilation
+    from tests.conftest import restore_suite_compilation
 
-    def stored() -> int:
-        return sum(1 for p in cache.rglob("*") if p.is_file())
+    def stored(folder: Path) -> set[str]:
+        return {p.name for p in folder.rglob("*") if p.is_file()}
 
-    cache = tmp_path / "xla_cache"
-    # A compile before: JAX has decided (and kept) that this process uses no persistent cache.
-    jax.jit(lambda x: jnp.tan(x) * 1.75)(jnp.ones(5)).block_until_ready()
+    suite, cache = Path(os.environ["CPPO_TEST_XLA_CACHE"]), tmp_path / "xla_cache"
+    jax.jit(lambda x: jnp.tan(x) * 1.75)(jnp.ones(5)).block_until_ready()  # JAX has decided
     try:
         assert use_compile_cache(str(cache)) == cache
         jax.jit(lambda x: jnp.sin(x) * 3.25)(jnp.ones(7)).block_until_ready()
-        written = stored()
-        assert written > 0, "use_compile_cache did not turn the cache on in this process"
+        written = stored(cache)
+        assert written, "use_compile_cache did not turn the cache on in this process"
     finally:
-        restore_in_memory_compilation()
+        restore_suite_compilation()
+    before = stored(suite)
     jax.jit(lambda x: jnp.cos(x) * 5.5)(jnp.ones(9)).block_until_ready()
-    assert stored() == written, "a program compiled after the restore was written to the cache"
+    assert stored(cache) == written, "a program compiled after the restore went to the run's folder"
+    assert stored(suite) - before, "a program compiled after the restore missed the suite's folder"
 
 
-def test_every_suite_process_compiles_in_memory():
-    """The one-process suite and each of `make test`'s workers compile in memory (tests count
-    compilations); the suite's shared folder is only for the subprocesses they start."""
-    import os
-
+def test_every_suite_process_shares_the_sessions_cache():
+    """The one-process suite and each of `make test`'s workers store every program in the session's
+    one folder (the starting process's), which their subprocesses inherit."""
     from tests import conftest
 
-    assert conftest._SUITE_CACHE_CONFIG["jax_compilation_cache_dir"] in (None, "")
-    if os.environ.get("CPPO_TEST_XLA_CACHE"):  # the suite made the folder (not a user's own)
-        assert os.environ["JAX_COMPILATION_CACHE_DIR"] == os.environ["CPPO_TEST_XLA_CACHE"]
+    folder = os.environ["CPPO_TEST_XLA_CACHE"]
+    assert conftest._SUITE_CACHE_CONFIG["jax_compilation_cache_dir"] == folder
+    assert conftest._SUITE_CACHE_CONFIG["jax_persistent_cache_min_compile_time_secs"] == 0
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == folder and Path(folder).is_dir()
