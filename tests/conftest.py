@@ -124,8 +124,20 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # a worker of make test: its figures go to the starting process's summary
+        out["memory_maps"] = dict(_MAPS)
+        out["documented_commands"] = getattr(session.config, "documented_commands", None)
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+_WORKERS: list[dict] = []  # what each worker sent back (the starting process of make test)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKERS.append(getattr(node, "workeroutput", {}))
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,13 +190,18 @@ def qwen_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The suite process's peak memory mappings; the list tests/test_documented_commands.py ran, with
-    what happened to each command."""
+    """The peak memory mappings of the processes that ran tests (this one, or each worker); the list
+    tests/test_documented_commands.py ran, with what happened to each command."""
+    ran = [w["memory_maps"] for w in _WORKERS if "memory_maps" in w] or [_MAPS]
+    who = "the suite's process" if not _WORKERS else f"the suite's {len(ran)} worker processes"
     terminalreporter.write_line(
-        f"memory mappings of the suite's process: peak {_MAPS['peak']} after a test, limit "
-        f"{_map_limit()}; JAX's caches cleared {_MAPS['clears']} time(s) above half the limit"
+        f"memory mappings of {who}: peak {max(m['peak'] for m in ran)} after a test, limit "
+        f"{_map_limit()}; JAX's caches cleared {sum(m['clears'] for m in ran)} time(s) above half "
+        "the limit"
     )
-    lines = getattr(config, "documented_commands", None)
+    lines = getattr(config, "documented_commands", None) or next(
+        (w["documented_commands"] for w in _WORKERS if w.get("documented_commands")), None
+    )
     if lines:
         terminalreporter.section("documented commands")
         for line in lines:
