@@ -39,11 +39,11 @@ libtpu: $(STAMP)
 	$(PY) -m cppo_jax.aot --install-libtpu
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker, so a file's
-# servers and compiled programs are shared by its tests as in a one-process run. The suite measured on
-# a 2-core machine of CI's kind: docs/reliability.md / README.
+# servers and compiled programs are shared by its tests as in a one-process run; the longest files
+# first (tests/conftest.py), in that order. The suite measured on a 2-core machine of CI's kind: README.
 TEST_WORKERS ?= 2
 test: lint libtpu
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A wheel of the package (with its data: the shipped warm start and data sets), for notebooks on a fresh
 # runtime (their first cell installs it) or any machine without a clone.
