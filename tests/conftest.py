@@ -206,8 +206,9 @@ def qwen_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The peak memory mappings of the processes that ran tests (this one, or each worker); the list
     tests/test_documented_commands.py ran, with what happened to each command."""
-    ran = [w["memory_maps"] for w in _WORKERS if "memory_maps" in w] or [_MAPS]
-    who = "the suite's process" if not _WORKERS else f"the suite's {len(ran)} worker processes"
+    ran = [w["memory_maps"] for w in _WORKERS if "memory_maps" in w]
+    who = f"the suite's {len(ran)} worker processes" if ran else "the suite's process"
+    ran = ran or [_MAPS]
     terminalreporter.write_line(
         f"memory mappings of {who}: peak {max(m['peak'] for m in ran)} after a test, limit "
         f"{_map_limit()}; JAX's caches cleared {sum(m['clears'] for m in ran)} time(s) above half "
