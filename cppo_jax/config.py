@@ -99,6 +99,7 @@ class RolloutConfig:
     )
     push_every: int = 1
     timeout_s: float = 600.0
+    server_wait_s: float = 240.0
     probe_tol: float = (
         0.0  # max |log-prob difference| server vs trainer after a push; 0: derived from the dtype
     )
@@ -117,6 +118,7 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", self.top_k, ">= 0 (0 is off)")
         _check(self.push_every >= 1, "rollout.push_every", self.push_every, ">= 1")
+        _check(self.server_wait_s >= 0, "rollout.server_wait_s", self.server_wait_s, ">= 0")
         _check(self.probe_tol >= 0, "rollout.probe_tol", self.probe_tol, ">= 0 (0: from the dtype)")
         _check(
             self.temperature <= 2 or self.backend != "vllm",

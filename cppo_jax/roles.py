@@ -251,6 +251,10 @@ class Rollout:
         """The policy's weights after `step` updates into the backend; returns its metrics."""
         return self.backend.sync_weights(weights, step)
 
+    def wait_ready(self) -> None:
+        """Return once the backend can sample: a vLLM server still loading is waited for."""
+        self.backend.wait_ready()
+
 
 def build_rollout(
     cfg: Config, shapes: cppo.Shapes, tokenizer: Tokenizer, graphdef, out_dir: Path, mesh

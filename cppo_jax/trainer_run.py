@@ -44,6 +44,9 @@ def train(trainer, progress=None) -> dict:
 
 def _run(trainer, progress) -> dict:
     cfg = trainer.cfg.trainer
+    # A rollout server started beside the trainer may still be loading. A signal during this wait ends
+    # the run at once, as no handler is installed yet: nothing was trained, so nothing is lost.
+    trainer.rollout.wait_ready()
     with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
         before = trainer.evaluate(trainer.start_step, sampled=True)
         trainer_eval.validate(trainer, trainer.start_step)

@@ -10,14 +10,16 @@
 # policy in the serving dtype, e.g. 2 x 15.2 GB for 7B in bf16), which both processes see at the same path.
 #
 # Steps: (0) resolve CONFIG with the overrides (a bad key or value stops here, before any server starts);
-# (1) CUDA_VISIBLE_DEVICES=0 launch/vllm_server.sh MODEL_DIR PORT (waits for /health): served in the
+# (1) CUDA_VISIBLE_DEVICES=0 launch/vllm_server.sh MODEL_DIR PORT (in the background): served in the
 # trainer's compute dtype (model.dtype; VLLM_DTYPE overrides), context data.max_prompt_len +
 # rollout.max_new_tokens (VLLM_MAX_MODEL_LEN overrides), --gpu-memory-utilization 0.85, prefix caching,
 # plus every --server-arg, with vLLM's weight-transfer routes and the cppo_shm engine (VLLM_WEIGHT_TRANSFER=1;
 # 0: file reloads only), and with model.lora.enabled runtime LoRA loading up to model.lora.rank
-# (VLLM_LORA_RANK; adapter-only pushes, rollout.lora_push); (2) CUDA_VISIBLE_DEVICES=1..N-1 python -m cppo_jax.launch --config CONFIG
-# rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ...: pushes weights in the serving dtype after
-# each update and checks them; (3) stop the server when the trainer exits (also on errors, Ctrl-C and
+# (VLLM_LORA_RANK; adapter-only pushes, rollout.lora_push); (2) at the same time CUDA_VISIBLE_DEVICES=1..N-1
+# python -m cppo_jax.launch --config CONFIG rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ...:
+# loads and compiles while the server loads, waits for its /health before the first request (up to
+# VLLM_HEALTH_TIMEOUT, 600 s; a server that fails to start stops the trainer), pushes weights in the serving
+# dtype after each update and checks them; (3) stop the server when the trainer exits (also on errors, Ctrl-C and
 # SIGTERM, which is passed on to the trainer); the script exits with the trainer's status. The server
 # listens on 127.0.0.1 only: its weight-reload routes are unauthenticated.
 # The trainer's mesh is `python -m cppo_jax.plan --pick-mesh` for the N-1 GPUs of GPU_MEMORY_GB GB each
@@ -46,7 +48,7 @@ while [[ $# -gt 0 ]]; do
         --weights-dir) WEIGHTS_DIR="$2"; shift 2 ;;
         --server-arg) SERVER_ARGS+=("$2"); shift 2 ;;
         --) shift; OVERRIDES=("$@"); break ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         *) echo "$0: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -69,8 +71,10 @@ URL="http://127.0.0.1:$PORT"
 TRAIN_GPUS="$(seq -s, 1 $(( GPUS - 1 )))"
 PID_FILE="${TMPDIR:-/tmp}/cppo_vllm_$PORT.pid"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
+HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-600}"
 BASE_ARGS=(--config "$CONFIG" rollout.backend=vllm "rollout.vllm_url=$URL"
-           "rollout.weights_dir=$WEIGHTS_DIR" "model.path=$MODEL")
+           "rollout.weights_dir=$WEIGHTS_DIR" "model.path=$MODEL"
+           "rollout.server_wait_s=$HEALTH_TIMEOUT")
 TRAIN_ARGS=("${BASE_ARGS[@]}" "${OVERRIDES[@]}")
 
 # (0) The resolved config: the serving dtype and context follow from it (one copy of each fact).
@@ -114,7 +118,7 @@ else
 fi
 SERVER=(env CUDA_VISIBLE_DEVICES=0 "${SERVER_DEVICE[@]}" VLLM_DTYPE="${VLLM_DTYPE:-$MODEL_DTYPE}"
         VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-$CONTEXT}" VLLM_PID_FILE="$PID_FILE"
-        VLLM_HEALTH_TIMEOUT="${VLLM_HEALTH_TIMEOUT:-600}" VLLM_WEIGHT_TRANSFER="${VLLM_WEIGHT_TRANSFER:-1}"
+        VLLM_HEALTH_TIMEOUT="$HEALTH_TIMEOUT" VLLM_WEIGHT_TRANSFER="${VLLM_WEIGHT_TRANSFER:-1}"
         VLLM_LORA_RANK="${VLLM_LORA_RANK:-$LORA_RANK}"
         "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching "${SERVER_ARGS[@]}")
 TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" "${TRAINER_DEVICE[@]}" CPPO_VLLM_URL="$URL"
@@ -153,9 +157,22 @@ forward() {  # pass a signal on to the trainer (it checkpoints and exits); the E
 trap stop_server EXIT
 trap 'forward INT' INT
 trap 'forward TERM' TERM
-"${SERVER[@]}"
+# The server loads its model while the trainer loads its own and compiles; the trainer's first
+# request waits for /health (rollout.server_wait_s). A server that fails to start stops the trainer.
+"${SERVER[@]}" &
+STARTER_PID=$!
 "${TRAINER[@]}" &
 TRAINER_PID=$!
+while kill -0 "$STARTER_PID" 2>/dev/null && kill -0 "$TRAINER_PID" 2>/dev/null; do
+    sleep 0.5
+done
+if ! kill -0 "$STARTER_PID" 2>/dev/null && ! wait "$STARTER_PID"; then
+    echo "$0: the vLLM server did not start (its log is named above); stopping the trainer" >&2
+    kill -TERM "$TRAINER_PID" 2>/dev/null || true
+    wait "$TRAINER_PID" 2>/dev/null || true
+    exit 1
+fi
+kill "$STARTER_PID" 2>/dev/null || true  # the trainer ended first: stop waiting for /health
 status=0
 while true; do  # `wait` returns early when a trapped signal arrives: wait again until the trainer is gone
     wait "$TRAINER_PID" && status=0 || status=$?

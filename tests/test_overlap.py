@@ -68,6 +68,9 @@ class RecordingBackend:
     def greedy(self, *args, **kw):
         return self.inner.greedy(*args, **kw)
 
+    def wait_ready(self):
+        self.inner.wait_ready()
+
     def sync_weights(self, params, step):
         assert self.in_flight == 0, f"weights of step {step} pushed during a generation"
         self.pushed.append(step)

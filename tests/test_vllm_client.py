@@ -43,7 +43,8 @@ class FakeVLLM:
     Modes: "ok", "500" (every request), "500x2" (the first two requests of each route), "few" (one
     choice fewer), "malformed" (not JSON), "count" (token_ids and logprobs of different lengths),
     "long" (more tokens than max_tokens), "shuffled" (choices in reverse order, with indices),
-    "wrong_prompt" (echoes another prompt), "401", "no_dev" (404 on dev routes).
+    "wrong_prompt" (echoes another prompt), "401", "no_dev" (404 on dev routes), "starting" (a server
+    still loading: HTTP 503 on every route until /health has answered 503 twice, then "ok").
     """
 
     def __init__(self, mode: str = "ok"):
@@ -91,6 +92,8 @@ class FakeVLLM:
             return 500, {"error": "internal"}
         if mode == "401":
             return 401, {"error": "Unauthorized"}
+        if mode == "starting" and self.counts.get("/health", 0) <= 2:
+            return 503, {"error": "loading"}
         if path == "/health":
             return 200, b""
         if path == "/v1/models":
@@ -287,6 +290,38 @@ def test_server_that_never_answers_times_out():
         ):
             client.complete([[5]], n=1, max_tokens=2)
         assert time.monotonic() - t0 < 3  # a read timeout is not retried
+
+
+@pytest.mark.parametrize("fake", ["starting"], indirect=True)
+def test_the_first_request_waits_for_a_server_still_starting(fake, capsys):
+    """`startup_wait_s` (rollout.server_wait_s): the first request waits until /health answers 200,
+    then goes through without a retry; later requests do not ask /health again. Without the wait the
+    same server fails the request."""
+    with pytest.raises(RolloutServerError, match="HTTP 503"):
+        _client(fake.url, retries=0, model="m").complete([[5]], n=1, max_tokens=2)
+    fake.requests.clear()
+    client = _client(fake.url, retries=0, startup_wait_s=30.0)
+    client.complete([[5]], n=1, max_tokens=2)
+    client.complete([[6]], n=1, max_tokens=2)
+    paths = [r[1] for r in fake.requests]
+    assert paths == ["/health"] * 3 + ["/v1/models", "/v1/completions", "/v1/completions"], paths
+    err = capsys.readouterr().err
+    assert f"waiting up to 30 s for the vLLM server at {fake.url}" in err
+    assert f"{fake.url} answered after " in err
+
+
+def test_a_server_that_never_starts_fails_after_the_wait():
+    url = f"http://127.0.0.1:{_unused_port()}"
+    client = _client(url, startup_wait_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServerError) as info:
+        client.complete([[5]], n=1, max_tokens=2)
+    waited = time.monotonic() - t0
+    msg = str(info.value)
+    assert url in msg and "within 1.5 s" in msg and "rollout.server_wait_s" in msg, msg
+    assert info.value.url == url
+    # One more poll (1 s) at most after the deadline, then the error: no retries after the wait.
+    assert 1.5 <= waited < 1.5 + 5
 
 
 def test_bad_url_rejected():

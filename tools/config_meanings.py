@@ -111,6 +111,11 @@ MEANINGS: dict[str, str] = {
     "rollout.vllm_api_key": "Sent as `Authorization: Bearer <key>` to the server's /v1 routes.",
     "rollout.push_every": "Push the policy's weights to the vLLM server every this many steps.",
     "rollout.timeout_s": "Read timeout of one request to the vLLM server, in seconds.",
+    "rollout.server_wait_s": (
+        "Before its first request the vLLM backend waits this many seconds for the server's `GET "
+        "/health` (a server still loading its model; launch/gpu_node.sh starts both at once); 0: no "
+        "wait, a server that is not up fails the first request after its retries."
+    ),
     "rollout.weight_sync": "How the vLLM backend pushes weights: `file` (a safetensors folder and "
     "`reload_weights`), `protocol` (vLLM's weight-transfer routes with the `cppo_shm` engine; full pushes "
     "and sparse patches of the changed serving-dtype elements), `auto` (protocol when the server was "

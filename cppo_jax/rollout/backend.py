@@ -36,6 +36,10 @@ class RolloutBackend(Protocol):
         """Make the backend sample from `params` from now on; returns timings/metrics."""
         ...
 
+    def wait_ready(self) -> None:
+        """Return once the backend can sample (a server still starting is waited for)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -72,6 +76,9 @@ class EmbeddedBackend:
 
     def sync_weights(self, params, step: int) -> dict:
         return {}
+
+    def wait_ready(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

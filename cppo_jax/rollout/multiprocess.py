@@ -103,6 +103,9 @@ class MainProcessBackend:
         metrics = self._on_main(lambda: self.inner.sync_weights(host, step))
         return metrics or {}
 
+    def wait_ready(self) -> None:
+        self._on_main(lambda: self.inner.wait_ready())  # a failure on process 0 reaches every one
+
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()

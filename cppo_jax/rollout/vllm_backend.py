@@ -104,7 +104,10 @@ class VLLMBackend:
         self.graphdef = graphdef
         self.sp = sp
         self.client = client or VLLMClient(
-            cfg.vllm_url, api_key=cfg.vllm_api_key, timeout_s=cfg.timeout_s
+            cfg.vllm_url,
+            api_key=cfg.vllm_api_key,
+            timeout_s=cfg.timeout_s,
+            startup_wait_s=cfg.server_wait_s,
         )
         self.weights_dir = push_folder(cfg.weights_dir, run_dir)
         # An absolute tolerance when given (or rollout.probe_tol > 0), else derived from the dtype.
@@ -339,6 +342,10 @@ class VLLMBackend:
             )
         self.last_margin = max(float((diffs / tol).max()), token_diff / token_tol)
         return max(max_diff, token_diff)
+
+    def wait_ready(self) -> None:
+        """Wait for a server that is still starting (`rollout.server_wait_s`; `JSONClient`)."""
+        self.client.wait_until_up()
 
     def sync_weights(self, params, step: int) -> dict:
         """Push `params` to the server and confirm them with the probe check (see the module

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
+import threading
 import time
 import urllib.parse
 from typing import Any
@@ -57,7 +59,9 @@ class JSONClient:
 
     `timeout_s` bounds the wait for an answer (read timeout); `connect_timeout_s` the TCP connect.
     Connection errors and 5xx answers are retried `retries` times, waiting `backoff_s`, 2 `backoff_s`,
-    4 `backoff_s`, ... (at most `max_backoff_s`) in between.
+    4 `backoff_s`, ... (at most `max_backoff_s`) in between. With `startup_wait_s` > 0 the first request
+    waits until `GET /health` answers 200, up to that many seconds: a server still loading its model
+    (started beside the trainer, as launch/gpu_node.sh does) is waited for, not retried into an error.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class JSONClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
+        startup_wait_s: float = 0.0,
     ):
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
@@ -87,6 +92,9 @@ class JSONClient:
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
         self.max_backoff_s = float(max_backoff_s)
+        self.startup_wait_s = float(startup_wait_s)
+        self._up = self.startup_wait_s <= 0  # True once /health answered (or no wait asked)
+        self._up_lock = threading.Lock()
 
     def _headers(self, body: bytes | None) -> dict[str, str]:
         headers = {"Accept": "application/json"}
@@ -127,6 +135,8 @@ class JSONClient:
 
         `what` says in words what the request was for (it appears in every error message).
         """
+        if not self._up:
+            self.wait_until_up()
         body = None if payload is None else json.dumps(payload).encode()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         retries = self.retries if retries is None else retries
@@ -196,11 +206,34 @@ class JSONClient:
             return False
         return status == 200
 
-    def wait_healthy(self, timeout_s: float = 180.0, poll_s: float = 1.0) -> None:
-        deadline = time.monotonic() + timeout_s
+    def wait_healthy(self, timeout_s: float = 180.0, poll_s: float = 1.0) -> float:
+        """Wait until `GET /health` answers 200; return the seconds waited. Raises
+        `RolloutServerError` naming the URL when it has not answered within `timeout_s`."""
+        t0 = time.monotonic()
         while not self.health():
-            if time.monotonic() > deadline:
+            if time.monotonic() - t0 > timeout_s:
                 raise RolloutServerError(
-                    f"{self.url}/health did not answer 200 within {timeout_s:g} s", url=self.url
+                    f"{self.url}/health did not answer 200 within {timeout_s:g} s "
+                    f"(rollout.server_wait_s); is the vLLM server at {self.url} starting? "
+                    f"(launch/vllm_server.sh MODEL_DIR PORT)",
+                    url=self.url,
                 )
             time.sleep(poll_s)
+        return time.monotonic() - t0
+
+    def wait_until_up(self) -> None:
+        """Wait for a server that is still starting, up to `startup_wait_s` (once; any thread). The
+        first request calls it; a caller may call it earlier, e.g. before installing signal handlers."""
+        with self._up_lock:
+            if self._up:
+                return
+            if not self.health():
+                print(
+                    f"waiting up to {self.startup_wait_s:g} s for the vLLM server at {self.url} "
+                    f"(GET /health)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                waited = self.wait_healthy(self.startup_wait_s)
+                print(f"{self.url} answered after {waited:.1f} s", file=sys.stderr, flush=True)
+            self._up = True
