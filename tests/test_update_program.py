@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from cppo_jax.trainer import Trainer
+from tests.conftest import xla_flags
 from tests.helpers import spread_reward
 from tests.step_counts import count_after_rewards
 from tests.test_overlap import overlap_trainer
@@ -125,7 +126,7 @@ def test_a_two_device_mesh_trains_as_one_device(tmp_path, arith_model_dir):
         f"np.savez({str(out)!r}, *leaves)\n"
         "print(json.dumps({'loss': [r['loss'] for r in rows], 'devices': len(jax.devices())}))\n"
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"))
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900

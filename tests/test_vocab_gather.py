@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 V, D = 61, 32
 EPS_BF16 = float(2.0**-7)  # bfloat16's machine epsilon (8 significant bits)
@@ -135,7 +137,7 @@ def _run(target: str, env: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def on_cpu():
-    flags = "--xla_force_host_platform_device_count=8"
+    flags = xla_flags("--xla_force_host_platform_device_count=8")
     return _run("cpu", {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"})
 
 
