@@ -19,7 +19,7 @@ from cppo_jax import step as step_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.config_choices import LOSS_TYPES
 from cppo_jax.packed_rows import packed_batch
-from tests.conftest import xla_flags
+from tests.conftest import default_xla_env, xla_flags
 
 try:
     from helpers import count_compiles, random_model, tiny_config
@@ -264,6 +264,29 @@ def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device()
     assert "trainer.pack_rows' = 3" in out["refused"]
 
 
+# The two 3-step runs of the next test, in a subprocess compiled with XLA's default flags: the packed
+# and the padded programs add the same terms in their own orders, and at the suite's -O0 the roundings
+# differ where XLA's default code adds alike; AdamW then turns a rounding in a near-zero gradient into a
+# whole step of the learning rate either way, so the params would differ by far more than a rounding.
+_OVERFLOW_WORKER = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+import test_packed_rows as t
+
+out, model = Path(sys.argv[1]), sys.argv[2]
+result = {{}}
+for name, extra in (("padded", []), ("overflowing", t.OVERFLOW)):
+    trainer, metrics, events = t._train(out / name, model, *extra)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(trainer.params))]
+    np.savez(out / (name + ".npz"), *leaves)
+    result[name] = {{"metrics": metrics, "events": events}}
+print("RESULT " + json.dumps(result))
+"""
+OVERFLOW = ["trainer.pack=true", "trainer.pack_rows=3", "trainer.pack_len=230"]
+
+
 def test_a_step_that_does_not_fit_trains_padded_and_the_run_equals_an_unpacked_one(
     tmp_path, arith_model_dir
 ):
@@ -271,12 +294,26 @@ def test_a_step_that_does_not_fit_trains_padded_and_the_run_equals_an_unpacked_o
     most steps but not all (with this model and seed: steps 1 and 3 fit, step 2 needs 4 rows). The
     run does not stop: the step that does not fit trains on the padded batch (logged as
     `pack_overflow`, counted in `pack/overflow*`), the next packed step compiles nothing new, and
-    the params equal an unpacked run's to float32 rounding."""
-    params, metrics = {}, {}
-    packed = ["trainer.pack=true", "trainer.pack_rows=3", "trainer.pack_len=230"]
-    for name, extra in (("padded", []), ("overflowing", packed)):
-        trainer, metrics[name], events = _train(tmp_path / name, arith_model_dir, *extra)
-        params[name] = jax.device_get(trainer.params)
+    the params equal an unpacked run's to float32 rounding (both runs in `_OVERFLOW_WORKER`)."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = _OVERFLOW_WORKER.format(tests=str(root / "tests"))
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), str(arith_model_dir)],
+        capture_output=True,
+        text=True,
+        env={**default_xla_env(), "PYTHONPATH": str(root)},
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])
+    metrics = {name: r["metrics"] for name, r in out.items()}
+    events = out["overflowing"]["events"]
+    params = {name: list(np.load(tmp_path / f"{name}.npz").values()) for name in out}
     steps = metrics["overflowing"]
     overflow = [r["pack/overflow"] for r in steps]
     assert 0.0 in overflow and 1.0 in overflow, f"want a mix: pick another pack_len {overflow}"
@@ -291,7 +328,8 @@ def test_a_step_that_does_not_fit_trains_padded_and_the_run_equals_an_unpacked_o
     if first_padded + 1 < len(steps):  # the padded programs compiled once, then none
         compiles = [r["jit/compilations"] for r in steps]
         assert compiles[-1] == compiles[first_padded], compiles
-    for a, b in zip(jax.tree.leaves(params["overflowing"]), jax.tree.leaves(params["padded"])):
+    assert len(params["overflowing"]) == len(params["padded"]) > 0
+    for a, b in zip(params["overflowing"], params["padded"]):
         _close(a, b)
     doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     logged = [k for k in steps[0] if k.startswith("pack/")] + ["pack_rows", "pack_overflow"]
