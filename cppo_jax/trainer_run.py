@@ -24,6 +24,7 @@ from cppo_jax.export import ADAPTER_DIR, EXPORT_DIR, export_policy
 from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.rollout.vllm_client import RolloutServerError
 from cppo_jax.stopping import SignalStopError, StopSignals
+from cppo_jax.trainer_update import compile_ahead
 
 
 def train(trainer, progress=None) -> dict:
@@ -44,8 +45,11 @@ def train(trainer, progress=None) -> dict:
 
 def _run(trainer, progress) -> dict:
     cfg = trainer.cfg.trainer
-    # A rollout server started beside the trainer may still be loading. A signal during this wait ends
-    # the run at once, as no handler is installed yet: nothing was trained, so nothing is lost.
+    # A rollout server started beside the trainer may still be loading: the first step's program is
+    # compiled meanwhile. A signal during this wait ends the run at once, as no handler is installed
+    # yet: nothing was trained, so nothing is lost.
+    if trainer.cfg.rollout.backend == "vllm":
+        trainer.host.log.event("compiled_ahead", seconds=round(compile_ahead(trainer), 3))
     trainer.rollout.wait_ready()
     with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
         before = trainer.evaluate(trainer.start_step, sampled=True)

@@ -28,6 +28,24 @@ from cppo_jax.models.transformer import forward_copy
 from cppo_jax.update_program import Rolled, pruning_key
 
 
+def compile_ahead(trainer) -> float:
+    """Compile the program the first step runs after its rewards before any rollout exists, from the
+    config's abstract arguments (`programs.build`: the shapes, dtypes and shardings the step's
+    arguments will have, tests/test_programs.py), into the trainer's own jitted function, whose first
+    call then compiles nothing. Returns the seconds spent; 0 where the first step runs the phases
+    apart. For a run whose rollout server is still loading (`trainer_run`)."""
+    import time
+
+    from cppo_jax import programs
+
+    if trainer.phase_split or trainer.cfg.trainer.profile_steps:
+        return 0.0
+    t0 = time.perf_counter()
+    _, args = programs.build(trainer.cfg, jax.devices()).programs["step"]  # the trainer's mesh
+    trainer.actor.fused.update.lower(*args).compile()
+    return time.perf_counter() - t0
+
+
 def fetch(metrics) -> dict:
     """The program's replicated metrics as floats: each process's first shard is the whole value."""
     m = jax.device_get(jax.tree.map(lambda x: x.addressable_data(0), metrics))

@@ -17,7 +17,7 @@
 # 0: file reloads only), and with model.lora.enabled runtime LoRA loading up to model.lora.rank
 # (VLLM_LORA_RANK; adapter-only pushes, rollout.lora_push); (2) at the same time CUDA_VISIBLE_DEVICES=1..N-1
 # python -m cppo_jax.launch --config CONFIG rollout.backend=vllm rollout.vllm_url=http://127.0.0.1:PORT ...:
-# loads and compiles while the server loads, waits for its /health before the first request (up to
+# loads and compiles its first step while the server loads, waits for /health before the first request (up to
 # VLLM_HEALTH_TIMEOUT, 600 s; a server that fails to start stops the trainer), pushes weights in the serving
 # dtype after each update and checks them; (3) stop the server when the trainer exits (also on errors, Ctrl-C and
 # SIGTERM, which is passed on to the trainer); the script exits with the trainer's status. The server

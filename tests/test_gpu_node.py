@@ -109,8 +109,12 @@ def _rehearse(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[dict],
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["dtype"] == "bfloat16" and config["rollout"]["backend"] == "vllm"
     assert config["data"]["task"] == "gsm8k" and config["cppo"]["num_generations"] == 16
-    # The trainer starts beside the server, not after it: its banner comes before the server is up.
+    # The trainer starts beside the server, not after it: its banner comes before the server is up,
+    # and it compiles its first step's program meanwhile.
     assert out.index("CPPO: G=16") < out.index("vLLM server ready"), out[-6000:]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    ahead = [e for e in events if e.get("event") == "compiled_ahead"]
+    assert len(ahead) == 1 and ahead[0]["seconds"] > 0, ahead
     server_log = (tmp_path / f"cppo_vllm_{port}.log").read_text()
     return [m for m in metrics if "weight_sync/bytes" in m], out + server_log, elapsed
 

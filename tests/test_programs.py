@@ -93,3 +93,37 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides, m
             assert fn.lower(*args).as_text() == want, name
     finally:
         trainer.close()
+
+
+def test_compiling_ahead_leaves_the_first_step_nothing_to_compile(tmp_path, arith_model_dir):
+    """What a run with a vLLM server does while the server loads (`trainer_update.compile_ahead`,
+    from `trainer_run`): the first step's program compiled from the config alone into the trainer's
+    own function. The first step then compiles every program but that one; the packed run's pruning
+    program is its own."""
+    from cppo_jax.trainer_update import compile_ahead
+
+    def compiled_names(fn) -> list[str]:
+        names = []
+
+        def listener(event, _seconds, fun_name="", **_kw):
+            if event == "/jax/core/compile/backend_compile_duration":
+                names.append(fun_name)
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            fn()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        return names
+
+    for extra in ((), ("trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168")):
+        trainer = Trainer(small_config(tmp_path / str(len(extra)), arith_model_dir, *extra))
+        try:
+            fused = f"jit({trainer.actor.fused.update.__name__})"  # as JAX names its compile
+            seconds = []
+            ahead = compiled_names(lambda: seconds.append(compile_ahead(trainer)))  # noqa: B023
+            assert ahead == [fused] and seconds[0] > 0, (ahead, fused)
+            first = compiled_names(lambda: trainer.step(0))  # noqa: B023
+            assert fused not in first, first
+        finally:
+            trainer.close()
