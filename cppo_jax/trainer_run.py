@@ -49,7 +49,7 @@ def _run(trainer, progress) -> dict:
     # compiled meanwhile. A signal during this wait ends the run at once, as no handler is installed
     # yet: nothing was trained, so nothing is lost.
     if trainer.cfg.rollout.backend == "vllm":
-        trainer.host.log.event("compiled_ahead", seconds=round(compile_ahead(trainer), 3))
+        trainer.host.log.event("compiled_ahead", **compile_ahead(trainer))
     trainer.rollout.wait_ready()
     with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
         before = trainer.evaluate(trainer.start_step, sampled=True)

@@ -28,22 +28,29 @@ from cppo_jax.models.transformer import forward_copy
 from cppo_jax.update_program import Rolled, pruning_key
 
 
-def compile_ahead(trainer) -> float:
+def compile_ahead(trainer) -> dict:
     """Compile the program the first step runs after its rewards before any rollout exists, from the
     config's abstract arguments (`programs.build`: the shapes, dtypes and shardings the step's
     arguments will have, tests/test_programs.py), into the trainer's own jitted function, whose first
-    call then compiles nothing. Returns the seconds spent; 0 where the first step runs the phases
-    apart. For a run whose rollout server is still loading (`trainer_run`)."""
+    call then compiles nothing. For a run whose rollout server is still loading (`trainer_run`).
+    Returns the `compiled_ahead` event's fields: the seconds spent (0 where the first step runs the
+    phases apart), and the error where it failed: it only saves time, so the run goes on without."""
     import time
 
     from cppo_jax import programs
 
     if trainer.phase_split or trainer.cfg.trainer.profile_steps:
-        return 0.0
+        return {"seconds": 0.0}
     t0 = time.perf_counter()
-    _, args = programs.build(trainer.cfg, jax.devices()).programs["step"]  # the trainer's mesh
-    trainer.actor.fused.update.lower(*args).compile()
-    return time.perf_counter() - t0
+    try:
+        _, args = programs.build(trainer.cfg, jax.devices()).programs["step"]  # the trainer's mesh
+        trainer.actor.fused.update.lower(*args).compile()
+    except Exception as e:  # the first step compiles it then, and says why if it cannot
+        return {
+            "seconds": round(time.perf_counter() - t0, 3),
+            "error": f"{type(e).__name__}: {e}"[:400],
+        }
+    return {"seconds": round(time.perf_counter() - t0, 3)}
 
 
 def fetch(metrics) -> dict:

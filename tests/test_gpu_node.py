@@ -114,7 +114,7 @@ def _rehearse(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[list[dict],
     assert out.index("CPPO: G=16") < out.index("vLLM server ready"), out[-6000:]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     ahead = [e for e in events if e.get("event") == "compiled_ahead"]
-    assert len(ahead) == 1 and ahead[0]["seconds"] > 0, ahead
+    assert len(ahead) == 1 and ahead[0]["seconds"] > 0 and "error" not in ahead[0], ahead
     server_log = (tmp_path / f"cppo_vllm_{port}.log").read_text()
     return [m for m in metrics if "weight_sync/bytes" in m], out + server_log, elapsed
 

@@ -120,10 +120,31 @@ def test_compiling_ahead_leaves_the_first_step_nothing_to_compile(tmp_path, arit
         trainer = Trainer(small_config(tmp_path / str(len(extra)), arith_model_dir, *extra))
         try:
             fused = f"jit({trainer.actor.fused.update.__name__})"  # as JAX names its compile
-            seconds = []
-            ahead = compiled_names(lambda: seconds.append(compile_ahead(trainer)))  # noqa: B023
-            assert ahead == [fused] and seconds[0] > 0, (ahead, fused)
+            event = []
+            ahead = compiled_names(lambda: event.append(compile_ahead(trainer)))  # noqa: B023
+            assert ahead == [fused] and event[0]["seconds"] > 0 and "error" not in event[0], ahead
             first = compiled_names(lambda: trainer.step(0))  # noqa: B023
             assert fused not in first, first
         finally:
             trainer.close()
+
+
+def test_a_failed_compile_ahead_says_why_and_the_run_goes_on(
+    tmp_path, arith_model_dir, monkeypatch
+):
+    """Compiling ahead only saves time: when it fails the event says why, and the step compiles and
+    trains as without it."""
+    from cppo_jax.trainer_update import compile_ahead
+
+    def broken(cfg, devices):
+        raise ValueError("no abstract arguments for this config")
+
+    trainer = Trainer(small_config(tmp_path, arith_model_dir))
+    try:
+        monkeypatch.setattr(programs, "build", broken)
+        event = compile_ahead(trainer)
+        assert event["error"] == "ValueError: no abstract arguments for this config", event
+        metrics = trainer.step(0)
+        assert metrics["cppo/kept"] > 0 and "loss" in metrics
+    finally:
+        trainer.close()
