@@ -341,3 +341,69 @@ def test_a_three_step_cppo_run_with_the_embedded_sampler(tmp_path, arch, loss_ty
     assert (
         type(helpers.load_hf_torch(export)).__name__ == trained.cfg.to_hf_dict()["architectures"][0]
     )
+
+
+def _gemma_tiny(**changes):
+    cfg = helpers.tiny_config(
+        arch="gemma3",
+        hidden_size=44,
+        attention_bias=False,
+        num_layers=3,
+        sliding_window=4,
+        layer_types=tuple(GEMMA_LAYERS),
+        query_pre_attn_scalar=13.0,
+        max_position_embeddings=64,
+    )
+    return dataclasses.replace(cfg, **changes)
+
+
+def test_gemma_library_attention_and_packed_rows_keep_the_window():
+    """model.attention=xla (jax.nn.dot_product_attention, the window in its mask) and packed rows
+    (trainer.pack: several sequences a row, the window within each) give the einsum path's padded
+    log-probs; a packed forward whose window were ignored would not."""
+    from flax import nnx
+
+    from cppo_jax import packing
+    from cppo_jax import step as step_lib
+    from cppo_jax.config import CPPOConfig
+    from cppo_jax.packed_rows import packed_batch, packed_completion_logps
+
+    M, P, C = 5, 5, 9
+    model = helpers.random_model(_gemma_tiny(), seed=2)
+    rng = np.random.default_rng(3)
+    p_M, c_M = rng.integers(2, P + 1, M), rng.integers(5, C + 1, M)
+    slot = np.arange(P + C)
+    valid = ((slot >= P - p_M[:, None]) & (slot < P)) | ((slot >= P) & (slot < P + c_M[:, None]))
+    tokens = np.where(valid, rng.integers(1, 257, (M, P + C)), 0).astype(np.int32)
+    mask = valid[:, P:].astype(np.float32)
+    spec = step_lib.StepSpec.make(CPPOConfig(), P, C, 1.0)
+    padded = jax_jit_partial(step_lib.completion_logps, spec)(model, tokens, valid)
+    eps = np.finfo(np.float32).eps
+    tol = 256 * eps * max(1.0, float(np.abs(np.asarray(padded)[mask > 0]).max()))
+
+    def close(got):
+        return float(np.abs(np.where(mask > 0, np.asarray(got) - np.asarray(padded), 0)).max())
+
+    _, state = nnx.split(model)  # the same weights under other configs
+    xla = nnx.merge(nnx.split(helpers.random_model(_gemma_tiny(attention="xla"), seed=2))[0], state)
+    assert close(jax_jit_partial(step_lib.completion_logps, spec)(xla, tokens, valid)) <= tol
+
+    L = P + C + 8
+    rows = packing.rows_for(valid.sum(axis=1), L)
+    packed = packing.pack(tokens, valid, P, rows, L, mask_MC=mask)
+    batch = packed_batch(packed, mask, np.zeros(M, np.float32))
+    assert batch.tokens_RL.shape[0] < M  # sequences really share rows
+    logps = jax_jit_partial(packed_completion_logps, spec)
+    assert close(logps(model, batch)) <= tol
+    wide = nnx.merge(
+        nnx.split(helpers.random_model(_gemma_tiny(sliding_window=64), seed=2))[0], state
+    )
+    assert close(logps(wide, batch)) > 100 * tol
+
+
+def jax_jit_partial(fn, spec):
+    import functools
+
+    from flax import nnx
+
+    return nnx.jit(functools.partial(fn, spec=spec))
