@@ -407,3 +407,21 @@ def jax_jit_partial(fn, spec):
     from flax import nnx
 
     return nnx.jit(functools.partial(fn, spec=spec))
+
+
+def test_known_sizes_of_qwen3_and_gemma3():
+    """`plan` sizes these by name without a folder: each count is the sum, by hand, of the released
+    config's tensors (Qwen3-4B: 36 layers of 100,930,816 (q, o 2560 x 4096; k, v 2560 x 1024; MLP
+    3 x 2560 x 9728; four norms) + tied 151936 x 2560 + 2560; 8B untied; Gemma 3 1B: 26 layers of
+    26,842,112, six norms each, + tied 262144 x 1152 + 1152): the model cards' 4.0B, 8.2B and 1B."""
+    from cppo_jax.models import known
+
+    want = {"Qwen3-4B": 4_022_468_096, "Qwen3-8B": 8_190_735_360, "gemma-3-1b-it": 999_885_952}
+    for name, params in want.items():
+        assert known.model_size(known.KNOWN_MODELS[name]).params == params, name
+    assert known.find_known_model("/models/Qwen3-8B") == "Qwen3-8B"
+    assert known.find_known_model("/models/gemma-3-1b-it") == "gemma-3-1b-it"
+    gemma = TransformerConfig.from_hf_dict(known.KNOWN_MODELS["gemma-3-1b-it"])
+    assert (
+        gemma.local_layers.count(False) == 4 and gemma.sliding_window == 512
+    )  # layers 6, 12, 18, 24
