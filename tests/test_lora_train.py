@@ -148,6 +148,10 @@ def test_a_lora_trainer_step_runs_end_to_end(tmp_path, arith_model_dir):
         ("cppo.tis_cap=2",),  # truncated importance sampling against the sampler's log-probs
         ("cppo.metric=largest", "cppo.allocation=false"),  # another pruning rule
         ("model.dtype=bfloat16", "cppo.mu=2"),  # a bf16 base, float32 adapters
+        # GSPO (its paper's clip, two updates: the second off-policy) and CISPO with TIS, under
+        # small_config's pruning and allocation
+        ("cppo.loss_type=gspo", "cppo.eps_low=0.0003", "cppo.eps_high=0.0004", "cppo.mu=2"),
+        ("cppo.loss_type=cispo", "cppo.tis_cap=2"),
     ],
 )
 def test_lora_steps_with_the_step_options(tmp_path, arith_model_dir, extra):

@@ -171,7 +171,13 @@ MEANINGS: dict[str, str] = {
     "DAPO's token-level loss, micro-batched or not), `seq_mean` (GRPO paper), `dr_grpo` (a constant "
     "denominator; needs `adv_scale=none`) (see cppo_jax/loss.py). `dapo` is refused: it was "
     "`token_mean`; DAPO here is `token_mean` with `eps_high=0.28`, `mask_truncated` and "
-    "`filter_groups`.",
+    '`filter_groups`. Two other objectives (docs/concepts.md, "GSPO and CISPO"): `gspo` (one '
+    "length-normalised ratio per completion, clipped per completion, averaged over completions; its "
+    "paper's clip is `eps_low=3e-4`, `eps_high=4e-4`) and `cispo` (each token's REINFORCE term "
+    "weighted by min(ratio, `cispo_cap`) without its gradient, no token clipped away, token-averaged).",
+    "cppo.cispo_cap": "`loss_type=cispo`: the cap of its stop-gradient token weight min(pi / pi_old, "
+    "cap); 5.0 is the ScaleRL paper's eps_max (TRL's recommended value); >= 1, inf: no cap (the "
+    "unclipped importance-sampled gradient).",
     "cppo.mask_truncated": "Leave completions that hit `rollout.max_new_tokens` without an EOS out of "
     "the loss (DAPO-style).",
     "cppo.filter_groups": "Zero-variance filtering (DAPO's dynamic sampling with a fixed shape): roll "
