@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import tempfile
@@ -127,10 +128,15 @@ def target_devices(target: str) -> list:
 
     if target == "cpu":
         return jax.devices("cpu")
+    from cppo_jax import aot_gpu
+
+    if aot_gpu.is_gpu_target(target):
+        return aot_gpu.gpu_devices(target)
     if not _TOPOLOGY.match(target):
         raise AotError(
-            f"--compile-for {target!r}: not a target; give `cpu` or a TPU topology name "
-            f"(chip:shape, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1)"
+            f"--compile-for {target!r}: not a target; give `cpu`, a TPU topology name "
+            f"(chip:shape, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1, v5e:1x1) or GPUs "
+            f"(gpu:N or gpu:HOSTSxN, e.g. h100:8, h200:2x8, a100:1, b200:8)"
         )
     path = libtpu_path()
     os.environ.setdefault("TPU_LIBRARY_PATH", path)
@@ -143,6 +149,7 @@ def target_devices(target: str) -> list:
             # v4 compiles per TensorCore by default; a v4 slice runs one device per chip
             # ("megacore"), which is also the only layout jax.make_mesh accepts.
             kw = {"chip_config_name": "megacore"} if target.startswith("v4:") else {}
+            kw.update(_host_bounds(target))
             return list(topologies.get_topology_desc(target, platform="tpu", **kw).devices)
         except Exception as e:  # libtpu's own message names what is wrong with the name
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -151,6 +158,15 @@ def target_devices(target: str) -> list:
                 f"--compile-for {target!r}: libtpu refused the topology: {detail}"
                 + (f"\n(libtpu said: {noise[-800:]})" if os.environ.get("CPPO_AOT_DEBUG") else "")
             ) from None
+
+
+def _host_bounds(target: str) -> dict:
+    """A slice of fewer chips than a host of its generation holds (`v5e:1x1`, one chip: libtpu
+    assumes a 2x2x1 host and refuses a shape it does not divide) is a host of its own shape."""
+    dims = [int(d) for d in target.split(":")[1].split("x")]
+    if math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +202,27 @@ class ProgramMemory:
         )
 
 
+def _compiler_options(args) -> dict:
+    """The compiler's options for a program on the devices its arguments lie on (GPUs: aot_gpu's)."""
+    import jax
+
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            if next(iter(sharding.device_set)).platform in ("cuda", "gpu"):
+                from cppo_jax import aot_gpu
+
+                return aot_gpu.compiler_options()
+            return {}
+    return {}
+
+
 def compile_program(name: str, fn, args) -> ProgramMemory:
     """Lower and compile `fn(*args)` (abstract args); a compiler refusal becomes `error`."""
     t0 = time.perf_counter()
     with _quiet_stderr():
         try:
-            compiled = fn.lower(*args).compile()
+            compiled = fn.lower(*args).compile(_compiler_options(args))
         except Exception as e:
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text:  # a refusal for memory; anything else is a bug
@@ -222,6 +253,7 @@ class Compiled:
     programs: tuple[ProgramMemory, ...]
     resident: dict[str, int]  # state bytes per device that live through the step (see `peak`)
     args_of: dict[str, tuple[str, ...]]  # program -> the resident state it takes as arguments
+    platform: str = "tpu"  # the devices' platform (tpu, cuda, cpu)
 
     def peak(self, program: ProgramMemory) -> int:
         """The program's total plus the resident state it does not take (alive beside it)."""
@@ -253,12 +285,18 @@ def compile_run(cfg: Config, target: str, devices=None) -> Compiled:
         programs=out,
         resident=built.resident,
         args_of=built.args_of,
+        platform=devices[0].platform,
     )
 
 
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["--install-libtpu"]:
-        raise SystemExit("usage: python -m cppo_jax.aot --install-libtpu")
-    print(install_libtpu())
+    if sys.argv[1:] == ["--install-libtpu"]:
+        print(install_libtpu())
+    elif sys.argv[1:] == ["--install-cuda-compiler"]:
+        from cppo_jax import aot_gpu
+
+        print(aot_gpu.install_cuda_compiler())
+    else:
+        raise SystemExit("usage: python -m cppo_jax.aot --install-libtpu | --install-cuda-compiler")

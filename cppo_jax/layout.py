@@ -21,6 +21,16 @@ from cppo_jax.config_run import MESH_AXES
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
+# Of a GPU's memory, what JAX's allocator takes for a process (XLA_PYTHON_CLIENT_MEM_FRACTION, whose
+# default is this 0.75): a GPU program fits when its peak is at most this fraction of the HBM
+# (`plan --compile-for h100:8`). A launcher that sets XLA_PYTHON_CLIENT_MEM_FRACTION sets it to this.
+GPU_MEM_FRACTION = 0.75
+
+
+def usable_fraction(platform: str) -> float:
+    """The share of a device's memory a run may plan for: `GPU_MEM_FRACTION` on a GPU (platform
+    `cuda` or `gpu`), `USABLE` on a TPU or a CPU."""
+    return GPU_MEM_FRACTION if platform in ("cuda", "gpu") else USABLE
 
 
 def _gib(n: float) -> str:
