@@ -5,16 +5,17 @@ config's mesh, micro-batch, remat, layer scan, dtypes and shapes; `programs.buil
 no weights are read and nothing is allocated. Each is lowered and compiled by the target's compiler:
 
 - a TPU topology name (`v5e:2x4`, `v5p:2x2x1`, `v4:2x2x1`, `v6e:2x4`, any name JAX accepts): libtpu
-  compiles for that slice on this host, deviceless (as MaxText's `train_compile.py` does);
+  compiles for that slice on this host, deviceless (as MaxText's `train_compile.py` does); a
+  one-chip slice (`v5e:1x1`) is given its own host bounds;
+- NVIDIA GPUs (`h100:8`, `h200:2x8`, `a100:1`, `b200:8`): XLA:GPU through the CUDA plugin's
+  compile-only topology (`aot_gpu`);
 - `cpu`: XLA:CPU on this machine's CPU devices, the same way.
-
-XLA:GPU needs a GPU to compile: there is no deviceless route for GPUs (`benchmarks/gpu_check.py`
-prints the same table on a lent GPU beside the measured peak).
 
 For every program, per device: arguments, outputs, aliased (donated) bytes, temporaries, the total,
 and the memory plan's figure for it (`layout.MemoryPlan.programs`). A run also holds state that is not
 an argument of every program (the optimizer state while sampling, the reference during the update):
-`Compiled.peak` adds it, and `fits` compares that peak with the chip's HBM (`chips.CHIPS`).
+`Compiled.peak` adds it, and `fits` compares that peak with the usable part of the chip's HBM (`roofline.CHIPS`,
+`aot_fit.usable_fraction`: 90% of a TPU, `layout.GPU_MEM_FRACTION` of a GPU).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import dataclasses
 import math
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
+from cppo_jax import aot_gpu
+from cppo_jax.aot_gpu import AotError
+from cppo_jax.aot_gpu import quiet_stderr as _quiet_stderr
 from cppo_jax.config import Config
-from cppo_jax.config_choices import ConfigError
 
 __all__ = [
     "AotError",
@@ -42,10 +44,6 @@ __all__ = [
 ]
 
 _TOPOLOGY = re.compile(r"^v\d+[a-z]*:\d+(x\d+)*$")
-
-
-class AotError(ConfigError):
-    """The target cannot be compiled for here (no libtpu, an unknown topology); names the culprit."""
 
 
 def _libtpu_version() -> str | None:
@@ -108,28 +106,12 @@ def libtpu_path() -> str:
     )
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Hold back what C++ code writes to stderr (libtpu's warnings about a host without TPUs) and
-    yield a function returning it; it is shown only if the call fails."""
-    with tempfile.TemporaryFile(mode="w+b") as held:
-        saved = os.dup(2)
-        os.dup2(held.fileno(), 2)
-        try:
-            yield lambda: (held.seek(0), held.read().decode(errors="replace"))[1]
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def target_devices(target: str) -> list:
     """The devices of `target` (see the module docstring), compile-only for a TPU topology."""
     import jax
 
     if target == "cpu":
         return jax.devices("cpu")
-    from cppo_jax import aot_gpu
-
     if aot_gpu.is_gpu_target(target):
         return aot_gpu.gpu_devices(target)
     if not _TOPOLOGY.match(target):
@@ -210,8 +192,6 @@ def _compiler_options(args) -> dict:
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             if next(iter(sharding.device_set)).platform in ("cuda", "gpu"):
-                from cppo_jax import aot_gpu
-
                 return aot_gpu.compiler_options()
             return {}
     return {}
@@ -295,8 +275,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--install-libtpu"]:
         print(install_libtpu())
     elif sys.argv[1:] == ["--install-cuda-compiler"]:
-        from cppo_jax import aot_gpu
-
         print(aot_gpu.install_cuda_compiler())
     else:
         raise SystemExit("usage: python -m cppo_jax.aot --install-libtpu | --install-cuda-compiler")

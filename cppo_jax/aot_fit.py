@@ -49,6 +49,14 @@ class Report:
         return not c.refused and c.run_peak <= self.usable
 
 
+def usable_fraction(platform: str) -> float:
+    """Of a device's memory, what a run may plan for: `layout.GPU_MEM_FRACTION` on a GPU (what JAX's
+    allocator takes), `layout.USABLE` on a TPU or CPU."""
+    from cppo_jax.layout import GPU_MEM_FRACTION, USABLE
+
+    return GPU_MEM_FRACTION if platform in ("cuda", "gpu") else USABLE
+
+
 def _usable(hbm: int | None, fraction: float) -> int | None:
     return None if hbm is None else int(fraction * hbm)
 
@@ -132,7 +140,6 @@ def fit(
     per step for the embedded sampler) that the compiler fits in the device's memory."""
     from cppo_jax import roofline
     from cppo_jax.cppo import shapes_of
-    from cppo_jax.layout import usable_fraction
     from cppo_jax.program_memory import program_bytes
     from cppo_jax.programs import build, model_config
 

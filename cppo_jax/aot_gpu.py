@@ -16,12 +16,34 @@ the report's comparison with the memory JAX will have, `layout.GPU_MEM_FRACTION`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 from cppo_jax.config_choices import ConfigError
+
+
+class AotError(ConfigError):
+    """The target cannot be compiled for here (no compiler, an unknown topology or GPU); names the
+    culprit. (`cppo_jax.aot` raises it for TPU targets too.)"""
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Hold back what C++ code writes to stderr (libtpu's warnings about a host without TPUs) and
+    yield a function returning it; it is shown only if the call fails."""
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lambda: (held.seek(0), held.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
 
 SPECS = Path(__file__).resolve().parent / "gpu_specs"
 # --compile-for name -> the spec file (XLA's name for the GPU's spec).
@@ -50,8 +72,6 @@ def is_gpu_target(target: str) -> bool:
 
 def parse(target: str) -> tuple[str, int, int]:
     """`gpu:N` or `gpu:HxN` -> (gpu, hosts, GPUs per host); AotError naming what is wrong."""
-    from cppo_jax.aot import AotError
-
     m = _TARGET.match(target)
     known = ", ".join(GPUS)
     if m is None or m.group(1) not in GPUS:
@@ -119,8 +139,6 @@ def install_cuda_compiler() -> Path:
 
 
 def _not_installed() -> ConfigError:
-    from cppo_jax.aot import AotError
-
     return AotError(
         f"compiling for a GPU needs XLA:GPU's compiler (the CUDA PJRT plugin and ptxas), and none "
         f"is installed: run `make cuda-compiler` or `python -m cppo_jax.aot --install-cuda-compiler` "
@@ -151,15 +169,13 @@ def _register_plugin(folder: Path) -> None:
 
 def gpu_devices(target: str) -> list:
     """The compile-only devices of a GPU target (see the module docstring)."""
-    from cppo_jax.aot import AotError, _quiet_stderr
-
     gpu, hosts, per_host = parse(target)
     folder = cuda_compiler_folder()
     if not _installed(folder):
         raise _not_installed()
     from jax.experimental import topologies
 
-    with _quiet_stderr() as held:
+    with quiet_stderr() as held:
         try:
             _register_plugin(folder)  # it says it found no CUDA driver: none is needed
             topo = topologies.get_topology_desc(

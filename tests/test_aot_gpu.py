@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import aot, aot_gpu, layout, roofline
+from cppo_jax import aot, aot_fit, aot_gpu, layout, roofline
 from cppo_jax.aot import AotError, Compiled, ProgramMemory
 from cppo_jax.aot_fit import Report
 from cppo_jax.config_io import load_config
@@ -117,7 +117,7 @@ def _report(peak_bytes: int, hbm: int, platform: str) -> Report:
         platform=platform,
     )
     cfg = load_config(TINY, [])
-    fraction = layout.usable_fraction(platform)
+    fraction = aot_fit.usable_fraction(platform)
     return Report(cfg, compiled, hbm, {}, [], None, fraction=fraction)
 
 
@@ -126,8 +126,8 @@ def test_a_gpu_fits_in_the_memory_fraction_jax_takes():
     allocator takes: XLA_PYTHON_CLIENT_MEM_FRACTION); 80% of a GPU does not fit there, though it
     fits the 90% a TPU's plan counts."""
     hbm = 80 * 10**9
-    assert layout.GPU_MEM_FRACTION == 0.75 and layout.usable_fraction("cuda") == 0.75
-    assert layout.usable_fraction("tpu") == layout.USABLE
+    assert layout.GPU_MEM_FRACTION == 0.75 and aot_fit.usable_fraction("cuda") == 0.75
+    assert aot_fit.usable_fraction("tpu") == layout.USABLE
     assert _report(int(0.8 * hbm), hbm, "cuda").fits is False
     assert _report(int(0.8 * hbm), hbm, "tpu").fits is True
     assert _report(int(0.74 * hbm), hbm, "cuda").fits is True
