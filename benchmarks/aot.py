@@ -147,8 +147,8 @@ def plan_programs(row: dict) -> dict[str, int]:
     from cppo_jax.config_io import load_config
     from cppo_jax.config_run import MeshConfig
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model as model_config
     from cppo_jax.program_memory import program_bytes
-    from cppo_jax.programs import model_config
 
     cfg = load_config(ROOT / "configs" / f"{row['config']}.py", row["overrides"])
     cfg = dataclasses.replace(

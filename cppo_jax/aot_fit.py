@@ -71,8 +71,8 @@ def _with_mesh(
     from cppo_jax import layout
     from cppo_jax.config_run import MeshConfig
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model as model_config
     from cppo_jax.program_memory import run_peak
-    from cppo_jax.programs import model_config
 
     if cfg.mesh != MeshConfig():
         cfg.mesh.sizes(n)  # raises naming the keys
@@ -140,8 +140,9 @@ def fit(
     per step for the embedded sampler) that the compiler fits in the device's memory."""
     from cppo_jax import roofline
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model as model_config
     from cppo_jax.program_memory import program_bytes
-    from cppo_jax.programs import build, model_config
+    from cppo_jax.programs import build
 
     devices = target_devices(target)
     device = roofline.device_of(devices)

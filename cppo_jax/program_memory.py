@@ -56,6 +56,19 @@ REF_SCORE_BUFFERS = {"v5e": 2}
 GATHERS_APART = ("v6e",)
 
 
+def planned_model(cfg):
+    """The TransformerConfig the programs of `cfg` are built for: the model's, with `model.lora`'s
+    adapters when enabled (`programs.model_config` gives the base's alone)."""
+    from cppo_jax.programs import model_config
+
+    tcfg = model_config(cfg)
+    if not cfg.model.lora.enabled:
+        return tcfg
+    from cppo_jax.models import lora_state
+
+    return lora_state.transformer_config(tcfg, cfg.model.lora)
+
+
 def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> dict[str, int]:
     """Per-device bytes of each program of a step of `cfg` (see the module docstring) compiled
     for `target` (a topology name, `v5e:2x4`: its generation picks the terms that differ)."""
@@ -75,7 +88,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         for path, shape, names in params_shapes
         if path[0] in VOCAB
     )
-    layers_copy = (plan.params - vocab_shard) * cb // pb if pb != cb else 0
+    lora = bool(plan.frozen)  # the params are the adapters; the base is frozen in the compute dtype
+    layers_copy = (plan.params - vocab_shard) * cb // pb if pb != cb and not lora else 0
     vocab_c = V * D * cb  # one vocabulary matrix whole over fsdp, in the compute dtype
     # The unembedding gathered in the compute dtype, its gradient whole and that gradient's sum
     # over devices (the embedding is looked up in its shard); without fsdp the cast and gradient.
@@ -85,6 +99,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
     # summed (read from the buffer assignment of the 1.5B step on v5p-8, and within 5% of the
     # compiler for the 1.5B on fsdp = 2 and 4; the untied 7B on fsdp = 8 holds more: 0.82).
     vocab_train += 2 * V * D * 4 // fsdp
+    if lora:  # a frozen vocabulary: no gradient of it; with fsdp > 1 the matrix gathered for use
+        vocab_train = vocab_c if fsdp > 1 else 0
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
     if cfg.trainer.pack:  # R rows: tokens, segments, positions; the M sequences' [C] arrays
@@ -106,6 +122,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # 2 x f32[48,1535,3584] and 2 x f32[73680,3584], 7 x bf16[48,1535,3584]; the 1.5B's at
         # 1/1/4 holds the same kinds (bf16[16,1535,2240], f32[16,1535,1536], bf16[16,1535,1536]).
         backward = 6 * cb * F + (4 * 4 + 7 * cb) * D
+        if lora:  # each adapted projection's x A (rank wide) and s (x A) B (its output's width)
+            outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
+            backward += cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
         activations = n * T * (L * kept[tcfg.remat] + 3 * H * scores + backward)
         # and the probabilities cast to the compute dtype for the values' einsum (`attend`), kept
         # for the backward of the layer rebuilt: bf16[16,2,6,1535,1535] of the 1.5B at 1/1/8 on
@@ -115,6 +134,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         activations = plan.activations_no_remat
     out = {
         "train_step": 3 * plan.params
+        + plan.frozen
         + n_all * row
         + plan.grads
         + plan.logits_chunk
@@ -139,7 +159,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             work = max(forward, 2 * vocab_c)
         else:
             work = forward + gathered_c
-        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + work
+        # (LoRA: the reference is the frozen base's forward, the base its argument)
+        out["ref_logps"] = plan.reference + plan.frozen + n_all * (T + 1) * 5 + work
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
         N = _split(rows, dp) if rows % dp == 0 else rows
@@ -147,8 +168,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # only the one being grown into (`segments.segment_ends`: 64 + 128 + ... + C slots).
         slots = sum(segment_ends(C, SEGMENT_LEN)) if C > 1 else 0
         kv = 2 * L * _sampler_kv_heads(tcfg, tp) * E * slots * N * cb
-        vocab_copy = 2 * vocab_shard * cb // pb if pb != cb else 0  # the lookup's and the logits'
-        out["sampler"] = plan.params + layers_copy + vocab_copy + kv + 2 * N * V * 4
+        vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
+        weights = plan.frozen if lora else plan.params  # LoRA: it samples with the base's weights
+        out["sampler"] = weights + layers_copy + vocab_copy + kv + 2 * N * V * 4
     return out
 
 
@@ -170,6 +192,8 @@ def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     the overlap snapshot (compute-dtype copies)."""
     plan = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, None))
     out = {"params": plan.params, "opt_state": plan.opt_state}
+    if plan.frozen:
+        out["base"] = plan.frozen
     if plan.reference:
         out["reference"] = plan.reference
     if plan.snapshot:
@@ -178,10 +202,10 @@ def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
 
 
 ARGS_OF = {  # the resident state each program takes as arguments (the rest is alive beside it)
-    "train_step": ("params", "opt_state"),
-    "ref_logps": ("reference",),
-    "old_logps": ("snapshot",),
-    "sampler": ("params",),
+    "train_step": ("params", "opt_state", "base"),
+    "ref_logps": ("reference", "base"),
+    "old_logps": ("snapshot", "base"),
+    "sampler": ("params", "base"),
 }
 
 
