@@ -210,3 +210,51 @@ def test_one_chip_tpu_topologies_compile_for_one_device():
     assert found == [["v5e:1x1", "1", "TPU v5 lite"], ["v6e:1x1", "1", "TPU v6 lite"]], res.stderr[
         -2000:
     ]
+
+
+_SPLIT = textwrap.dedent(
+    """
+    from cppo_jax import aot, sharding
+    from cppo_jax.config_run import MeshConfig
+    devices = aot.target_devices("v6e:4x4")
+    mesh = sharding.make_mesh(MeshConfig(data=8, fsdp=1, tensor=2), devices)
+    ids = sorted(d.id for d in mesh.devices.flat)
+    print("MESH", dict(mesh.shape), ids == sorted(d.id for d in devices))
+    """
+)
+
+
+def test_a_mesh_off_the_torus_sides_is_placed_by_splitting_a_physical_axis():
+    """math7b + LoRA on a 16-chip slice needs tensor = 2 beside data = 8 (Q = 24): on v6e's 4 x 4
+    torus no side is 2 long, and jax.make_mesh raised NotImplementedError ("Failed to find
+    assignment for logical_axis_index 2"). The mesh is placed with a physical axis split, each of
+    the 16 devices once."""
+    res = subprocess.run(
+        [sys.executable, "-c", _SPLIT],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(JAX_PLATFORMS="cpu"),
+        timeout=600,
+    )
+    line = next((x for x in res.stdout.splitlines() if x.startswith("MESH ")), None)
+    assert line == "MESH {'data': 8, 'fsdp': 1, 'tensor': 2} True", res.stderr[-2000:]
+
+
+def test_a_mesh_that_cannot_be_placed_names_the_mesh_and_the_torus(monkeypatch):
+    import jax
+    from jax.experimental import mesh_utils
+
+    from cppo_jax import sharding
+    from cppo_jax.config_run import MeshConfig
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 2 of size 2")
+
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    monkeypatch.setattr(mesh_utils, "create_device_mesh", refuse)
+    with pytest.raises(sharding.MeshError) as e:
+        sharding.make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    text = str(e.value)
+    assert "mesh.data=1 mesh.fsdp=1 mesh.tensor=1 cannot be placed on the slice's torus" in text
+    assert "logical_axis_index 2" in text
