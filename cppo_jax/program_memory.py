@@ -38,6 +38,7 @@ reference during the update) and takes the largest: what `aot_fit` picks a mesh 
 from __future__ import annotations
 
 from cppo_jax import layout
+from cppo_jax.aot_gpu import GPUS
 from cppo_jax.layout import _BYTES, _param_shapes, _shard_bytes, _split
 from cppo_jax.rollout.segments import SEGMENT_LEN, segment_ends
 
@@ -73,6 +74,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
     """Per-device bytes of each program of a step of `cfg` (see the module docstring) compiled
     for `target` (a topology name, `v5e:2x4`: its generation picks the terms that differ)."""
     generation = target.split(":")[0]
+    gpu = generation in GPUS  # XLA:GPU's buffer assignment differs where `gpu` is tested below
     kw = layout.plan_kwargs(cfg, shapes, None)
     plan = layout.memory_plan(tcfg, mesh, **kw)
     axis = plan.mesh
@@ -125,23 +127,25 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         if lora:  # each adapted projection's x A (rank wide) and s (x A) B (its output's width)
             outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
             backward += cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
-        activations = n * T * (L * kept[tcfg.remat] + 3 * H * scores + backward)
+        kept_all = n * T * L * kept[tcfg.remat]
+        work = n * T * (3 * H * scores + backward)
         # and the probabilities cast to the compute dtype for the values' einsum (`attend`), kept
         # for the backward of the layer rebuilt: bf16[16,2,6,1535,1535] of the 1.5B at 1/1/8 on
         # v5e, bf16[16,3,1535,1535] at 1/1/4 on v5p, bf16[6,4,7,1535,1535] of the 7B on v6e.
-        activations += n * T * H * scores * cb // 4
+        work += n * T * H * scores * cb // 4
     else:  # save_all: not compiled at these sizes; the plan's (CPU-fitted) estimate
-        activations = plan.activations_no_remat
-    out = {
-        "train_step": 3 * plan.params
-        + plan.frozen
-        + n_all * row
-        + plan.grads
-        + plan.logits_chunk
-        + activations
-        + vocab_train
-        + layers_copy
-    }
+        kept_all, work = plan.activations_no_remat, 0
+    resident = 3 * plan.params + plan.frozen + n_all * row + plan.grads + kept_all
+    if gpu:
+        # XLA:GPU (the 1.5B's step at 1/1/1 on h100, `xla_dump_to`'s memory-usage report): the
+        # layers' weights are cast one layer at a time inside the loop (bf16[1,8960,1536], no
+        # bf16[28, ...] copy), and the vocabulary's phase (its float32 gradient buffers, the
+        # compute-dtype casts, the logits chunk), which runs before the layers' backward, reuses
+        # the heap that the rebuilt layer's work takes after it: four f32[16,12,1535,1535]-sized
+        # slots hold the scores, the MLP buffers and the bf16 unembedding in turn.
+        out = {"train_step": resident + max(work, vocab_train + plan.logits_chunk)}
+    else:
+        out = {"train_step": resident + plan.logits_chunk + work + vocab_train + layers_copy}
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         # Float32 score buffers [rows, H, T, T] (one: the softmax computed in place of the scores;
@@ -151,6 +155,11 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # query heads: the rules (`sharding.logical_spec`) then replicate attention over tensor.
         buffers = REF_SCORE_BUFFERS.get(generation, 1)
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
+        if gpu:  # XLA:GPU holds the float32 scores, their compute-dtype cast and the float32
+            # queries at once (the 1.5B's reference: 2.73 GiB of temporaries at 1/1/1 and at
+            # 1/1/8 alike); the MLP's products and the logits come later, in the same heap
+            attention = n_all * T * (H * scores * (4 + cb) // 4 + 4 * H * E)
+            forward = max(attention, n_all * T * 2 * F * cb, logits)
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
         # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
@@ -167,6 +176,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # Keys and values of every cache segment: the compiler keeps each segment's buffer, not
         # only the one being grown into (`segments.segment_ends`: 64 + 128 + ... + C slots).
         slots = sum(segment_ends(C, SEGMENT_LEN)) if C > 1 else 0
+        if gpu:  # the last segment's keys and values (bf16[28,8,2,16,1024,128] each of the
+            # 1.5B at 1/1/1 on h100) hold their own slots; the smaller segments share slots
+            # with the weight copies and with each other (the 896, 448 and 445 MiB slots)
+            slots = C
         kv = 2 * L * _sampler_kv_heads(tcfg, tp) * E * slots * N * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
         weights = plan.frozen if lora else plan.params  # LoRA: it samples with the base's weights
