@@ -231,6 +231,17 @@ def render(
         f"(target {PLAN_TOLERANCE:.2f}).",
         "",
     ]
+    done = {key_of(r) for r in rows} | {key_of(r) for r in failed}
+    missing = [c for c in spec["cases"] if c not in done]
+    if missing:  # the suite's cases this store has no row for (not compiled yet)
+        lines += [
+            f"Not compiled in the runs stored here ({len(missing)} of {len(spec['cases'])} cases): "
+            + ", ".join(
+                f"{c}{' + LoRA' if v == 'lora' else ''} p={p} {t}" for c, p, t, v in missing
+            )
+            + ".",
+            "",
+        ]
     lines += _fit_lines(rows) + _flops_lines(rows) + _before_lines(rows, before) + _notes()
     text = "\n".join(lines) + "\n"
     (out / f"{spec['store']}.md").write_text(text)
@@ -246,8 +257,8 @@ def _fit_lines(rows: list[dict]) -> list[str]:
         "## What fits",
         "",
         "| config | p | topology | HBM per device | run peak | fits as configured | "
-        "largest micro-batch that fits (compiled) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "largest micro-batch that fits (compiled) | case s (compiles and search) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         found = r["micro_batch_found"]
@@ -255,7 +266,7 @@ def _fit_lines(rows: list[dict]) -> list[str]:
             f"| {_name(r)} | {r['rate']} | {r['target']} | {_gib(r['hbm_bytes'])} | "
             f"{_gib(r['run_peak'])} | "
             f"{ {True: 'yes', False: 'no', None: 'unknown'}[r['fits_as_configured']] } | "
-            f"{'none' if found is None else found} |"
+            f"{'none' if found is None else found} | {r.get('seconds', '-')} |"
         )
     smallest: dict[tuple, str] = {}
     for r in sorted(rows, key=lambda r: r["devices"] * (r["hbm_bytes"] or 0)):
