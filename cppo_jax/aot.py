@@ -184,8 +184,9 @@ class ProgramMemory:
         )
 
 
-def _compiler_options(args) -> dict:
-    """The compiler's options for a program on the devices its arguments lie on (GPUs: aot_gpu's)."""
+def _compiler_options(args) -> dict | None:
+    """The compiler's options for a program on the devices its arguments lie on: aot_gpu's on a GPU,
+    None (XLA's defaults) elsewhere."""
     import jax
 
     for leaf in jax.tree.leaves(args):
@@ -193,8 +194,8 @@ def _compiler_options(args) -> dict:
         if sharding is not None:
             if next(iter(sharding.device_set)).platform in ("cuda", "gpu"):
                 return aot_gpu.compiler_options()
-            return {}
-    return {}
+            return None
+    return None
 
 
 def compile_program(name: str, fn, args) -> ProgramMemory:

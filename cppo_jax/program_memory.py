@@ -60,9 +60,16 @@ GATHERS_APART = ("v6e",)
 def planned_model(cfg):
     """The TransformerConfig the programs of `cfg` are built for: the model's, with `model.lora`'s
     adapters when enabled (`programs.model_config` gives the base's alone)."""
-    from cppo_jax.programs import model_config
+    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.models.known import config_model_size, transformer_config
 
-    tcfg = model_config(cfg)
+    size = config_model_size(cfg)
+    if size is None:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: no config.json there and no known model name, so its "
+            f"programs cannot be planned"
+        )
+    tcfg = transformer_config(cfg, size)
     if not cfg.model.lora.enabled:
         return tcfg
     from cppo_jax.models import lora_state
