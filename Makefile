@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint format docs clean dist libtpu
+.PHONY: setup demo test lint format docs clean dist libtpu cuda-compiler
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,11 +38,16 @@ docs: $(STAMP)
 libtpu: $(STAMP)
 	$(PY) -m cppo_jax.aot --install-libtpu
 
+# XLA:GPU's compiler (the CUDA PJRT plugin and ptxas, ~573 MB) for `--compile-for h100:8` on a machine
+# without GPUs: installed once outside .venv (~/.cache/cppo_jax/cuda-compiler-*), like libtpu.
+cuda-compiler: $(STAMP)
+	$(PY) -m cppo_jax.aot --install-cuda-compiler
+
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker, so a file's
 # servers and compiled programs are shared by its tests as in a one-process run; the longest files
 # first (tests/conftest.py), in that order. The suite measured on a 2-core machine of CI's kind: README.
 TEST_WORKERS ?= 2
-test: lint libtpu
+test: lint libtpu cuda-compiler
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A wheel of the package (with its data: the shipped warm start and data sets), for notebooks on a fresh

@@ -21,6 +21,9 @@ from cppo_jax.config_run import MESH_AXES
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
+# A GPU program fits in this share of the HBM: what JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION,
+# whose default it is); a launcher sets that variable to it.
+GPU_MEM_FRACTION = 0.75
 
 
 def _gib(n: float) -> str:
@@ -93,8 +96,7 @@ class MemoryPlan:
         return max(self.train_peak, self.rollout_peak)
 
     @property
-    def fits(self) -> bool | None:
-        """peak <= 90% of the device (the rest: XLA workspace, fragmentation); None if unknown."""
+    def fits(self) -> bool | None:  # peak <= USABLE of the device; None if unknown
         return None if self.device_bytes is None else self.peak <= USABLE * self.device_bytes
 
 
@@ -181,21 +183,19 @@ def memory_plan(
 
     With LoRA (`tcfg.lora_rank` > 0, `lora_state.transformer_config`) the trained params, their AdamW
     moments and gradients are the adapters' (param dtype); the base is frozen in the compute dtype; no
-    reference copy (the reference is the base with the adapters off); each rollout makes the merged
-    weights (compute dtype), counted in the rollout peak.
-    Params, AdamW moments, gradients, reference params and (`overlap`) the rollout snapshot are exact
-    (the last two in the compute dtype, as `transformer.forward_copy` keeps them): every parameter's
-    shard under `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
-    counted once more, gathered whole along fsdp where they are used. Activations are an estimate for the dense attention of
-    models/transformer.py, per layer and token of a forward/backward of `rows` (or `micro_batch`)
+    reference copy (the base with the adapters off is it); each rollout makes the merged weights
+    (compute dtype), counted in the rollout peak. Params, AdamW moments, gradients, reference params
+    and (`overlap`) the rollout snapshot are exact (the last two in the compute dtype, as
+    `transformer.forward_copy` keeps them): every parameter's shard under `sharding.RULES`; with
+    fsdp > 1 one layer's weights and the vocabulary matrices are counted once more, gathered whole
+    along fsdp where used. Activations are an estimate for the dense attention of models/transformer.py, per layer and token of a forward/backward of `rows` (or `micro_batch`)
     sequences split over (data, fsdp), heads/MLP/vocab split over tensor where they divide:
       saved for the backward: compute-dtype layer input, two normed inputs and the mid-layer residual
         (4D), q/k/v before and after RoPE (2(H+2J)E), the attention output (HE), gate, up and their
         product (3F), and three float32 [H, T] score-sized buffers (scores, masked scores, probs);
-      with remat only the layer input (D) is kept per layer and one layer's set is rebuilt;
-      plus the backward's working set of one layer: three more float32 score-sized buffers.
-    The logits chunk is 3 float32 [rows, chunk, V] buffers (logits, probs, their gradient).
-    Fitted against XLA's buffer assignment of the train step on CPU (tests/test_sharding.py).
+      with remat only the layer input (D) per layer, one layer's set rebuilt; plus the backward's
+      work on one layer: three more float32 score-sized buffers. The logits chunk: 3 float32 [rows,
+    chunk, V] (logits, probs, their gradient). Fitted on XLA:CPU's buffers (tests/test_sharding.py).
     """
     axis = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
     dp, tp = axis["data"] * axis["fsdp"], axis["tensor"]

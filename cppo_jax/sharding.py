@@ -62,7 +62,33 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         raise MeshError(str(e)) from None
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    except NotImplementedError as e:  # an axis does not map onto whole sides of a TPU torus
+        return Mesh(_split_placement(shape, devices, e), MESH_AXES, axis_types=auto)
+
+
+def _split_placement(shape: tuple[int, ...], devices, error: Exception):
+    """The devices of a mesh whose axes do not each fill whole sides of the slice's torus (tensor = 2
+    on v6e's 4 x 4: "Failed to find assignment for logical_axis_index"), placed with a physical axis
+    split between mesh axes. That is sound: each mesh axis still holds distinct devices and its
+    collectives are exact, over a ring that is not one side of the torus (slower links, the same
+    result; jax.make_mesh always places v5e so). MeshError naming the mesh and the torus when even
+    that fails."""
+    from jax.experimental import mesh_utils
+
+    try:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (NotImplementedError, ValueError, AssertionError) as e:
+        coords = [tuple(getattr(d, "coords", ()) or ()) for d in devices]
+        sides = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))] if coords[0] else []
+        torus = " x ".join(map(str, sides)) or f"{len(devices)} devices without coordinates"
+        mesh = " ".join(f"mesh.{a}={n}" for a, n in zip(MESH_AXES, shape))
+        first = (str(e) or str(error)).splitlines()[0]
+        raise MeshError(
+            f"{mesh} cannot be placed on the slice's torus of {torus} chips ({first}): give mesh "
+            f"sizes that are products of the torus' sides"
+        ) from None
 
 
 def data_parallel_size(mesh: Mesh) -> int:
