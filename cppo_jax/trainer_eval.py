@@ -48,7 +48,7 @@ def accuracies(trainer, prompts, batch_size: int, seed: int | None) -> dict[str,
     (seeds seed + question index) completions of `prompts` by the trainer's current params."""
     n = len(prompts)
     texts = []
-    weights = trainer.policy_params()  # with LoRA: the adapters merged into the base
+    weights = trainer.sampler_params()  # with LoRA: as the rollout samples (`Rollout.weights`)
     for lo in range(0, n, batch_size):
         idx = np.arange(lo, lo + batch_size) % n  # pad the last batch by wrapping, then drop
         part = prompts.take(idx)
