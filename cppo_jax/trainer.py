@@ -222,10 +222,16 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def evaluate(
-        self, step: int, batch_size: int = 64, split: str = "test", sampled: bool = False
+        self,
+        step: int,
+        batch_size: int = 64,
+        split: str = "test",
+        sampled: bool = False,
+        whole: bool = False,
     ) -> dict:
-        """Held-out accuracy of the current params (`trainer_eval.evaluate`), logged and kept in `evals`."""
-        return trainer_eval.evaluate(self, step, batch_size, split, sampled)
+        """Held-out accuracy of the current params (`trainer_eval.evaluate`: the test split's
+        `trainer.eval_subset` sample unless `whole`), logged and kept in `evals`."""
+        return trainer_eval.evaluate(self, step, batch_size, split, sampled, whole)
 
     def train(self, progress=None) -> dict:
         """The whole run (`trainer_run.train`); returns a summary."""
