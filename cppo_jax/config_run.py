@@ -64,6 +64,8 @@ class TrainerConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: only before and after training
     eval_size: int = 0  # 0: the whole test split
+    # The last evaluation scores the whole split, and the sample within it (like for like).
+    eval_subset: int = 256  # test questions evaluated before and during training: a fixed sample (data.seed); 0: all
     micro_batch: int = 0  # sequences per forward/backward; 0: all kept sequences at once
     # Packed rows (cppo_jax/packing.py): the kept sequences' real tokens placed into pack_rows rows
     # of pack_len tokens (first-fit decreasing), one segment each; static per run. pack_rows "auto":
@@ -89,6 +91,7 @@ class TrainerConfig:
             "(e.g. gcsfuse, s3fs) and give the mount's path",
         )
         _check(bool(self.run_name), "trainer.run_name", self.run_name, "a non-empty name")
+        _check(self.eval_subset >= 0, "trainer.eval_subset", self.eval_subset, ">= 0")
         _check(
             "/" not in self.run_name and ".." not in self.run_name,
             "trainer.run_name",

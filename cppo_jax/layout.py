@@ -73,7 +73,7 @@ class MemoryPlan:
     unsharded: tuple[Unsharded, ...] = ()  # axes that do not divide a dimension they should shard
     snapshot: int = 0  # rollout.overlap: the params that sample the next step, in the compute dtype
     frozen: int = 0  # model.lora: the frozen base, in the compute dtype (params: the adapters)
-    merged: int = 0  # model.lora: the merged weights each rollout makes, in the compute dtype
+    merged: int = 0  # model.lora with a server: the merged weights a push makes (compute dtype)
 
     @property
     def activations(self) -> int:
@@ -183,12 +183,14 @@ def memory_plan(
 
     With LoRA (`tcfg.lora_rank` > 0, `lora_state.transformer_config`) the trained params, their AdamW
     moments and gradients are the adapters' (param dtype); the base is frozen in the compute dtype; no
-    reference copy (the base with the adapters off is it); each rollout makes the merged weights
-    (compute dtype), counted in the rollout peak. Params, AdamW moments, gradients, reference params
-    and (`overlap`) the rollout snapshot are exact (the last two in the compute dtype, as
-    `transformer.forward_copy` keeps them): every parameter's shard under `sharding.RULES`; with
-    fsdp > 1 one layer's weights and the vocabulary matrices are counted once more, gathered whole
-    along fsdp where used. Activations are an estimate for the dense attention of models/transformer.py, per layer and token of a forward/backward of `rows` (or `micro_batch`)
+    reference copy (the reference is the base with the adapters off); the embedded sampler runs the
+    adapters unmerged on the base (`rollout_rows` > 0: no copy), while a push to a server makes the
+    merged weights (compute dtype), counted in the rollout peak.
+    Params, AdamW moments, gradients, reference params and (`overlap`) the rollout snapshot are exact
+    (the last two in the compute dtype, as `transformer.forward_copy` keeps them): every parameter's
+    shard under `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
+    counted once more, gathered whole along fsdp where they are used. Activations are an estimate for the dense attention of
+    models/transformer.py, per layer and token of a forward/backward of `rows` (or `micro_batch`)
     sequences split over (data, fsdp), heads/MLP/vocab split over tensor where they divide:
       saved for the backward: compute-dtype layer input, two normed inputs and the mid-layer residual
         (4D), q/k/v before and after RoPE (2(H+2J)E), the attention output (HE), gate, up and their
@@ -266,7 +268,7 @@ def memory_plan(
         if overlap
         else 0,
         frozen=forward_copy if adapters else 0,
-        merged=forward_copy if adapters else 0,
+        merged=forward_copy if adapters and not rollout_rows else 0,
     )
 
 
@@ -289,7 +291,7 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
         f"  training step peak {_gib(plan.train_peak)}; rollout peak (embedded KV cache "
         f"{_gib(plan.rollout_kv)}) {_gib(plan.rollout_peak)}",
     ]
-    lora = f"frozen base (compute dtype) {_gib(plan.frozen)}; merged weights per rollout {_gib(plan.merged)}"
+    lora = f"frozen base (compute dtype) {_gib(plan.frozen)}; merged weights per push {_gib(plan.merged)}"
     lines[3:3] = [f"  LoRA: the params above are the adapters; {lora}"] if plan.frozen else []
     lines += [f"  not sharded: {u.line()}" for u in plan.unsharded]
     if plan.fits is None:

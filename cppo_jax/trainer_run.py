@@ -1,10 +1,10 @@
 """The run around the step: resume, evaluations at their times, checkpoints, stops, the summary.
 
-`train(trainer)` is `Trainer.train`: resume if asked, push the weights, evaluate (test split, greedy and
-sampled) and validate, then the steps, each logged, with an evaluation every `trainer.eval_every` steps
-(validation when a validation split is held out) and a checkpoint every `trainer.checkpoint_every`; then
-the last checkpoint, validation, the final policy as a Hugging Face folder `export/`, evaluation and the
-run's files (`trainer_eval.write_summary`). `save` and `maybe_resume` write and read the checkpoints:
+`train(trainer)` is `Trainer.train`: resume if asked, push the weights, evaluate (a sample of the test
+split, `trainer.eval_subset`, greedy and sampled) and validate, then the steps, each logged, with an
+evaluation every `trainer.eval_every` steps (validation when a validation split is held out) and a
+checkpoint every `trainer.checkpoint_every`; then the last checkpoint, validation, the final policy as a
+Hugging Face folder `export/`, evaluation of the whole test split and the run's files (`trainer_eval.write_summary`). `save` and `maybe_resume` write and read the checkpoints:
 the trained state (`Trainer.state`) and the counters, the skipper's state and what the params are (LoRA
 adapters or a full model's weights).
 
@@ -84,7 +84,7 @@ def _run(trainer, progress) -> dict:
     )
     if actor.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
         save_adapter(trainer.params, actor.model_cfg, out_dir / ADAPTER_DIR, actor.model_path)
-    after = trainer.evaluate(trainer.num_steps, sampled=True)
+    after = trainer.evaluate(trainer.num_steps, sampled=True, whole=True)  # as the paper scores
     table = trainer_eval.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}
 

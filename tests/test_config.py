@@ -237,3 +237,33 @@ def test_renamed_keys_and_values_are_read_with_a_warning():
     # The old key is not a second way to set the field: it reads as the new one, with its checks.
     with pytest.raises(C.ConfigError, match="cppo.slices"), pytest.warns(FutureWarning):
         CI.apply_overrides(C.Config(), ["cppo.processes=0"])
+
+
+def test_a_shipped_config_by_name_a_new_one_without_code_and_an_unknown_name_lists_them(
+    monkeypatch, tmp_path
+):
+    """`--config gsm8k_1p5b` is configs/gsm8k_1p5b.py; any configs/<name>.py is found the same way
+    (one added later needs no code); an unknown name is refused naming the known configs."""
+    monkeypatch.chdir(tmp_path)
+    shipped = Path(CI.__file__).resolve().parents[1] / "configs"
+    assert CI.resolve_config_path("gsm8k_1p5b") == shipped / "gsm8k_1p5b.py"
+    assert CI.resolve_config_path(str(shipped / "math7b.py")) == shipped / "math7b.py"  # a path
+    assert set(CI.known_configs()) >= {p.stem for p in shipped.glob("*.py")}
+
+    added = tmp_path / "more"
+    added.mkdir()
+    text = (shipped / "gsm8k_1p5b.py").read_text()
+    (added / "gsm8k_0p5b_lora_one_chip.py").write_text(text)
+    monkeypatch.setattr(CI, "CONFIG_DIRS", (*CI.CONFIG_DIRS, added))
+    assert (
+        CI.resolve_config_path("gsm8k_0p5b_lora_one_chip") == added / "gsm8k_0p5b_lora_one_chip.py"
+    )
+    assert "gsm8k_0p5b_lora_one_chip" in CI.known_configs()
+
+    with pytest.raises(C.ConfigError) as e:
+        CI.load_config("gsm8k_1p5", [])
+    msg = str(e.value)
+    assert "'gsm8k_1p5'" in msg and "did you mean gsm8k_1p5b" in msg
+    assert "the known configs are " in msg and all(
+        n in msg for n in ("gsm8k_1p5b", "math7b", "tiny_cpu", "gsm8k_0p5b_lora_one_chip")
+    )
