@@ -15,6 +15,7 @@ that does not split over the processes or the mesh's data axes, prompts longer t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from cppo_jax.models.known import ModelSize, config_model_size
 from cppo_jax.models.known import transformer_config as base_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
-__all__ = ["Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
+__all__ = ["MeshChoice", "Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
 
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
@@ -147,12 +148,40 @@ def _memory_section(
         if num_devices
         else f"{planned} {devices[0].platform} device(s), {jax.process_count()} process(es)"
     )
-    mesh = cfg.mesh.sizes(planned)
+    if device_memory_gb is not None:
+        device_bytes = int(device_memory_gb * 1e9)
+    else:
+        device_bytes = layout.device_memory(devices[0])
     m = cfg.mesh
+    mesh, note = None, ""
+    if m.auto and size is not None:
+        platform = "gpu" if num_devices else devices[0].platform
+        try:
+            choice = choose_mesh(
+                cfg,
+                planned,
+                device_bytes,
+                platform=platform,
+                devices=None if num_devices else devices,
+            )
+            mesh, note = choice.plan.mesh, choice.note
+            if "model.attention=splash" in choice.overrides:
+                cfg = dataclasses.replace(
+                    cfg, model=dataclasses.replace(cfg.model, attention="splash")
+                )
+        except ConfigError:  # nothing fits: the plan of the smallest peak, and what fits instead
+            kw = layout.plan_kwargs(cfg, shapes, device_bytes)
+            tried = layout.pick_mesh(transformer_config(cfg, size), planned, shapes.Q, **kw)
+            mesh = min(tried, key=lambda p: p.peak).mesh if tried else None
+            note = "mesh=auto: no layout fits; the one of the smallest peak below"
+    mesh = mesh or m.sizes(planned)
+    config = "auto" if m.auto else "/".join(str(v) for v in m.explicit().values())
     lines.append(
         f"mesh: data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']} "
-        f"(config {m.data}/{m.fsdp}/{m.tensor}) over {where}"
+        f"(config {config}) over {where}"
     )
+    if note:
+        lines.append(f"  {note}")
     dp = mesh["data"] * mesh["fsdp"]
     if shapes.Q % dp:
         raise ConfigError(
@@ -177,11 +206,6 @@ def _memory_section(
         f"{tied} embeddings) from {size.source}"
     )
     tcfg = transformer_config(cfg, size)
-    if device_memory_gb is not None:
-        device_bytes = int(device_memory_gb * 1e9)
-    else:
-        stats = devices[0].memory_stats() or {}
-        device_bytes = stats.get("bytes_limit")
     plan = memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, device_bytes))
     lines.extend(memory_lines(plan, cfg.model.param_dtype))
     advice = ""
@@ -254,12 +278,57 @@ def not_fitting_error(plan: Plan) -> ConfigError:
     )
 
 
-def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> MemoryPlan:
-    """The layout a run of `cfg` on `num_devices` devices of `device_memory_gb` GB should use.
+@dataclasses.dataclass(frozen=True)
+class MeshChoice:
+    """What `choose_mesh` decided: the plan of the layout, the overrides that select it (`mesh.*`,
+    and `model.attention=splash` where it was chosen on TPUs) and a line saying why."""
 
-    A mesh set in the config or by overrides is kept (and checked); the default (everything on
-    `data`) is replaced by `layout.pick_mesh`'s choice. Raises ConfigError with the plan's figures and
-    layouts that fit when nothing does.
+    plan: MemoryPlan
+    overrides: tuple[str, ...]
+    note: str
+
+
+def _placeable(mesh: dict[str, int], devices, allow_split: bool) -> bool:
+    """Whether `mesh` maps onto `devices` (a TPU slice's torus may refuse a factorization)."""
+    from cppo_jax import sharding as sharding_lib
+
+    try:
+        sharding_lib.make_mesh(MeshConfig(**mesh), devices=devices, allow_split=allow_split)
+    except sharding_lib.MeshError:
+        return False
+    return True
+
+
+def _on_devices(plans: list[MemoryPlan], devices) -> list[MemoryPlan]:
+    """`plans` that `devices` can hold, in order: those placed without splitting a physical axis of
+    the torus, then those that need a split, each fitting ones first."""
+    strict = [p for p in plans if _placeable(p.mesh, devices, allow_split=False)]
+    split = [p for p in plans if p not in strict and _placeable(p.mesh, devices, allow_split=True)]
+    order = [[p for p in group if p.fits is not False] for group in (strict, split)]
+    return order[0] + order[1] + [p for p in strict + split if p.fits is False]
+
+
+def choose_mesh(
+    cfg: Config,
+    num_devices: int,
+    device_bytes: int | None,
+    *,
+    platform: str = "gpu",
+    devices=None,
+) -> MeshChoice:
+    """The layout a run of `cfg` on `num_devices` devices of `device_bytes` bytes each should use: the
+    one function behind `mesh=auto` in `cppo_jax.launch` and `launch/gpu_node.sh` (`--pick-mesh`).
+
+    A mesh set in the config or by overrides is kept (and checked against the questions per step).
+    `mesh=auto` (the default) takes `layout.pick_mesh`'s order: of the layouts whose data x fsdp
+    divides Q (tensor takes the rest of the devices, so a Q that 8 does not divide still runs on 8
+    devices with fewer data-parallel ones), the most data parallel that fits `layout.USABLE_FRACTION`
+    of the memory, then the fewest tensor shards. With `devices` given, only layouts that
+    `sharding.make_mesh` can place on them, first those that map onto a TPU slice's torus without
+    splitting a physical axis. On TPUs (`platform="tpu"`) with the
+    default einsum attention, the splash kernel's plan is taken when its peak is lower (it keeps no
+    [T, T] scores). Unknown memory (`device_bytes` None: a CPU): the first layout in that order.
+    Raises ConfigError with the plan's figures and the layouts that fit when nothing does.
     """
     from cppo_jax.cppo import shapes_of
 
@@ -270,25 +339,52 @@ def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> Memor
             f"model.path={cfg.model.path!r}: no config.json there and no known model name, so the "
             f"memory of a layout cannot be planned"
         )
-    tcfg, device_bytes = transformer_config(cfg, size), int(device_memory_gb * 1e9)
+    tcfg = transformer_config(cfg, size)
     kw = layout.plan_kwargs(cfg, sh, device_bytes)
-    if cfg.mesh != MeshConfig():
+    advice = functools.partial(layout.fit_advice, cfg, tcfg, sh, num_devices, device_bytes or 0)
+
+    def ordered(tcfg) -> list[MemoryPlan]:  # mesh=auto's candidates, the one to use first
+        plans = layout.pick_mesh(tcfg, num_devices, sh.Q, **kw)
+        return plans if devices is None else _on_devices(plans, devices)
+
+    extra: tuple[str, ...] = ()
+    if not cfg.mesh.auto:
         mesh = cfg.mesh.sizes(num_devices)
         plans = [p for p in layout.pick_mesh(tcfg, num_devices, sh.Q, **kw) if p.mesh == mesh]
         if not plans:
             dp = mesh["data"] * mesh["fsdp"]
             raise ConfigError(
                 f"{layout.mesh_overrides(mesh)}: the {sh.Q} questions per step do not split over "
-                f"data x fsdp = {dp} devices; {layout.fit_advice(cfg, tcfg, sh, num_devices, device_bytes)}"
+                f"data x fsdp = {dp} devices; "
+                + (advice() if device_bytes else "set mesh.* so that data x fsdp divides Q")
             )
+        why = "set in the config"
     else:
-        plans = layout.pick_mesh(tcfg, num_devices, sh.Q, **kw)
-    if not plans or not plans[0].fits:
-        advice = layout.fit_advice(cfg, tcfg, sh, num_devices, device_bytes)
-        if plans:  # the figures of the layout that comes closest
-            raise not_fitting_error(Plan("", min(plans, key=lambda p: p.peak), advice))
-        raise ConfigError(advice)
-    return plans[0]
+        plans = ordered(tcfg)
+        why = "mesh=auto: the most data-parallel layout that fits, then the fewest tensor shards"
+        if platform == "tpu" and cfg.model.attention == "einsum" and plans:
+            alt = ordered(dataclasses.replace(tcfg, attention="splash"))
+            better = layout._preference  # a better layout fits with splash, or the same one lower
+            if better(alt[0]) < better(plans[0]) or (
+                alt[0].mesh == plans[0].mesh and alt[0].peak < plans[0].peak
+            ):
+                plans, extra = alt, ("model.attention=splash",)
+                why += "; model.attention=splash (TPU): its plan keeps no [T, T] attention scores"
+    if not plans:
+        raise ConfigError(
+            advice()
+            if device_bytes
+            else f"no layout of {num_devices} devices has data x fsdp dividing the {sh.Q} questions "
+            f"per step (or maps onto these devices): set cppo.questions_per_step or mesh.*"
+        )
+    best = plans[0]
+    if best.fits is False:
+        raise not_fitting_error(Plan("", min(plans, key=lambda p: p.peak), advice()))
+    if best.fits is None:
+        why += " (device memory unknown: not checked)"
+    overrides = tuple(layout.mesh_overrides(best.mesh).split()) + extra
+    note = f"mesh for {num_devices} device(s): {' '.join(overrides)} (peak {_gib(best.peak)} per device; {why})"
+    return MeshChoice(best, overrides, note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         "--device-memory-gb); exit 2 with the plan's figures when none does",
     )
     parser.add_argument(
+        "--platform",
+        choices=("gpu", "tpu"),
+        default="gpu",
+        help="with --pick-mesh: the devices' kind (tpu also weighs model.attention=splash)",
+    )
+    parser.add_argument(
         "--compile-for",
         metavar="TARGET",
         help="compile the run's programs for TARGET without its devices and report the compiler's "
@@ -342,13 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.pick_mesh:
-            chosen = choose_mesh(cfg, args.devices, args.device_memory_gb)
-            print(layout.mesh_overrides(chosen.mesh))
-            print(
-                f"mesh for {args.devices} x {args.device_memory_gb:g} GB: "
-                f"{layout.mesh_overrides(chosen.mesh)} (peak {_gib(chosen.peak)} per device)",
-                file=sys.stderr,
+            chosen = choose_mesh(
+                cfg, args.devices, int(args.device_memory_gb * 1e9), platform=args.platform
             )
+            print(" ".join(chosen.overrides))
+            print(f"{chosen.note}, of {args.device_memory_gb:g} GB", file=sys.stderr)
             return 0
         plan = plan_run(cfg, args.devices, args.device_memory_gb)
         print(plan.text)

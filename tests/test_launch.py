@@ -301,17 +301,21 @@ def test_dry_run_checks_the_mesh_and_the_memory_of_the_planned_devices(tmp_path,
     assert code == 2 and "mesh.data=1 x mesh.fsdp=3 x mesh.tensor=1 = 3 devices" in err
     # Pure data parallelism on 4 x 80 GB: a whole 7B copy with AdamW per device does not fit; the
     # error gives the plan's figures and the layout of these 4 devices that fits.
-    code, out, err = _main(capsys, *argv, *machine)
+    code, out, err = _main(capsys, *argv, *machine, "mesh.data=-1")
     assert code == 2 and "fits: no" in out
     assert "the memory plan does not fit: peak" in err and "on mesh mesh.data=4 mesh.fsdp=1" in err
     assert "on these 4 devices mesh.data=1 mesh.fsdp=4 mesh.tensor=1 fits" in err
     code, out, _ = _main(capsys, *argv, *machine, "mesh.data=1", "mesh.fsdp=4")
     assert code == 0 and "fits: yes" in out
+    # The default, mesh=auto, takes that layout itself.
+    code, out, _ = _main(capsys, *argv, *machine)
+    assert code == 0 and "fits: yes" in out
+    assert "mesh: data=1 fsdp=4 tensor=1 (config auto) over 4 planned device(s)" in out
     # --devices plans a machine: a real run refuses it.
     code, _, err = _main(
         capsys, "--config", MATH7B, f"model.path={model}", f"data.train={train}", *machine
     )
-    assert code == 2 and "give them with trainer.dry_run=true" in err
+    assert code == 2 and "give it with trainer.dry_run=true" in err
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/runs", "s3://b/r", "file:///tmp/runs"])
