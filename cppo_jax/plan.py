@@ -28,7 +28,16 @@ from cppo_jax.models.known import ModelSize, config_model_size
 from cppo_jax.models.known import transformer_config as base_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
-__all__ = ["MeshChoice", "Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
+__all__ = [
+    "MeshChoice",
+    "NodeSplit",
+    "Plan",
+    "choose_mesh",
+    "node_split",
+    "not_fitting_error",
+    "plan_report",
+    "plan_run",
+]
 
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
@@ -387,6 +396,80 @@ def choose_mesh(
     return MeshChoice(best, overrides, note)
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeSplit:
+    """One node's GPUs split between the vLLM server (`rollout`, served `parallel`-wise over
+    `serve_size` of them) and the trainer (`trainer`: its mesh=auto choice)."""
+
+    rollout: int
+    trainer: MeshChoice
+    parallel: str  # "tensor" (--tensor-parallel-size) or "data" (--data-parallel-size)
+    serve_size: int
+    note: str
+
+    def server_args(self) -> tuple[str, ...]:
+        if self.serve_size == 1:
+            return ()
+        return (f"--{self.parallel}-parallel-size", str(self.serve_size))
+
+
+def _serve_size(cfg: Config, gpus: int, parallel: str) -> int:
+    """How many of the server's `gpus` vLLM uses: all of them data-parallel; tensor-parallel, the
+    largest count that divides both `gpus` and the attention heads (vLLM's rule)."""
+    if parallel == "data":
+        return gpus
+    size = config_model_size(cfg)
+    heads = int(size.hf_config.get("num_attention_heads", 1)) if size else 1
+    return max(d for d in range(1, gpus + 1) if gpus % d == 0 and heads % d == 0)
+
+
+def node_split(
+    cfg: Config,
+    gpus: int,
+    device_bytes: int | None,
+    *,
+    rollout_gpus: int = 0,
+    parallel: str = "tensor",
+) -> NodeSplit:
+    """The split of a node's `gpus` GPUs that `launch/gpu_node.sh` runs: the trainer gets the most
+    GPUs (at most `gpus` - 1) on which `choose_mesh` finds a layout that fits and shards every weight
+    dimension its axes are meant to (no `Unsharded` line: 7 GPUs split no Qwen head count), the vLLM
+    server the rest, generation being most of a step (8 x 80 GB: 4 + 4 for both paper configs; 8 x
+    141 GB: 6 trainer GPUs + 2 serving for math7b's Q = 24). `rollout_gpus` > 0 fixes the server's
+    share instead. The server spreads the model over its GPUs `parallel`-wise: tensor (one engine,
+    which every weight push reaches through /collective_rpc) or data (an engine per GPU, faster for a
+    model one GPU holds). Raises ConfigError naming what was tried when no split fits."""
+    if gpus < 2 or not 0 <= rollout_gpus < gpus:
+        raise ConfigError(
+            f"--gpus {gpus} --rollout-gpus {rollout_gpus}: a node needs at least one GPU for the "
+            f"server and one for the trainer"
+        )
+    counts = [gpus - rollout_gpus] if rollout_gpus else list(range(gpus - 1, 0, -1))
+    tried = []
+    for t in counts:
+        try:
+            choice = choose_mesh(cfg, t, device_bytes)
+        except ConfigError as e:
+            tried.append(f"{t} GPUs: {str(e).split(' per device')[0].split(';')[0]}")
+            continue
+        if choice.plan.unsharded and not rollout_gpus and cfg.mesh.auto:
+            tried.append(f"{t} GPUs: {choice.plan.unsharded[0].line().split(':')[0]}")
+            continue
+        r = gpus - t
+        size = _serve_size(cfg, r, parallel)
+        idle = f", {r - size} idle (the heads do not split {r} ways)" if size < r else ""
+        note = (
+            f"node of {gpus} GPUs: vLLM on {r} ({parallel}-parallel over {size}{idle}), the "
+            f"trainer on {t} with {' '.join(choice.overrides)}"
+        )
+        if len(counts) > 1 and tried:
+            note += f"; more trainer GPUs do not fit or split the model ({'; '.join(tried)})"
+        return NodeSplit(r, choice, parallel, size, note)
+    raise ConfigError(
+        f"no split of {gpus} GPUs gives the trainer a layout that fits: " + "; ".join(tried)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m cppo_jax.plan --config C [--devices 8 --device-memory-gb 80] key=value ...`.
 
@@ -412,6 +495,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the mesh overrides that divide the questions and fit (needs --devices and "
         "--device-memory-gb); exit 2 with the plan's figures when none does",
+    )
+    parser.add_argument(
+        "--split-node",
+        type=int,
+        metavar="GPUS",
+        help="print the split of a node of GPUS GPUs of --device-memory-gb GB between the vLLM server "
+        "and the trainer (what launch/gpu_node.sh runs): a line 'ROLLOUT_GPUS SERVE_ARGS... -- "
+        "OVERRIDES...', then the trainer's plan",
+    )
+    parser.add_argument(
+        "--rollout-gpus",
+        type=int,
+        default=0,
+        help="with --split-node: the server's GPUs (0: chosen)",
+    )
+    parser.add_argument(
+        "--rollout-parallel",
+        choices=("tensor", "data"),
+        default="tensor",
+        help="with --split-node: how vLLM spreads the model over its GPUs",
     )
     parser.add_argument(
         "--platform",
@@ -441,8 +544,25 @@ def main(argv: list[str] | None = None) -> int:
         return _compile_for(args)
     if args.pick_mesh and (args.devices is None or args.device_memory_gb is None):
         parser.error("--pick-mesh needs --devices N and --device-memory-gb GB")
+    if args.split_node and args.device_memory_gb is None:
+        parser.error("--split-node needs --device-memory-gb GB")
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.split_node:
+            split = node_split(
+                cfg,
+                args.split_node,
+                int(args.device_memory_gb * 1e9),
+                rollout_gpus=args.rollout_gpus,
+                parallel=args.rollout_parallel,
+            )
+            print(
+                " ".join((str(split.rollout), *split.server_args(), "--", *split.trainer.overrides))
+            )
+            print(split.note)
+            print(split.trainer.note)
+            print("\n".join(memory_lines(split.trainer.plan, cfg.model.param_dtype)))
+            return 0
         if args.pick_mesh:
             chosen = choose_mesh(
                 cfg, args.devices, int(args.device_memory_gb * 1e9), platform=args.platform
