@@ -156,15 +156,18 @@ sed -e '1d' -e 's/^/# /' <<< "$SPLIT_OUT"
 
 if [[ "$DEVICE" == cpu ]]; then
     SERVER_DEVICE=(VLLM_DEVICE=cpu)
+    SERVER_ENV=()
     TRAINER_DEVICE=(JAX_PLATFORMS=cpu)
-else
+else  # the server's environment: VLLM_PYTHON, else make setup-gpu's
+    VLLM_PY="${VLLM_PYTHON:-$ROOT/.venv-vllm-gpu/bin/python}"
     SERVER_DEVICE=(VLLM_DEVICE=gpu)
+    SERVER_ENV=("VLLM_PYTHON=$VLLM_PY" "VLLM_MEM_UTIL=${VLLM_MEM_UTIL:-0.85}")
     TRAINER_DEVICE=()
 fi
 SERVER=(env CUDA_VISIBLE_DEVICES="$SERVER_GPUS" "${SERVER_DEVICE[@]}" VLLM_DTYPE="${VLLM_DTYPE:-$MODEL_DTYPE}"
         VLLM_MAX_MODEL_LEN="${VLLM_MAX_MODEL_LEN:-$CONTEXT}" VLLM_PID_FILE="$PID_FILE"
         VLLM_HEALTH_TIMEOUT="$HEALTH_TIMEOUT" VLLM_WEIGHT_TRANSFER="${VLLM_WEIGHT_TRANSFER:-1}"
-        VLLM_LORA_RANK="${VLLM_LORA_RANK:-$LORA_RANK}"
+        VLLM_LORA_RANK="${VLLM_LORA_RANK:-$LORA_RANK}" "${SERVER_ENV[@]}"
         "$ROOT/launch/vllm_server.sh" "$MODEL" "$PORT" --enable-prefix-caching "${SERVE_ARGS[@]}"
         "${SERVER_ARGS[@]}")
 TRAINER=(env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" "${TRAINER_DEVICE[@]}" CPPO_VLLM_URL="$URL"
@@ -182,6 +185,35 @@ show "${TRAINER[@]}"
 echo "+ kill -- -\$(cat $PID_FILE)   # when the trainer exits"
 if [[ $DRY_RUN -eq 1 ]]; then
     exit 0
+fi
+
+# The two environments, checked at once before anything starts: the trainer's JAX sees its GPUs, the
+# server's vLLM loads the project's weight-transfer plugin and has the routes the trainer calls.
+if [[ "$DEVICE" == gpu ]]; then
+    if [[ ! -x "$VLLM_PY" ]]; then
+        echo "$0: no vLLM environment at $VLLM_PY: run make setup-gpu (or set VLLM_PYTHON)" >&2
+        exit 2
+    fi
+    WANT="gpu $(( GPUS - SERVE_GPUS ))"
+    SEEN_FILE="${TMPDIR:-/tmp}/cppo_jax_seen_$PORT"
+    ( env CUDA_VISIBLE_DEVICES="$TRAIN_GPUS" "$PY" -c \
+        'import jax; d = jax.devices(); print(d[0].platform, len(d))' > "$SEEN_FILE" 2>/dev/null ) &
+    JAX_CHECK=$!
+    VLLM_OK=1
+    "$VLLM_PY" "$ROOT/launch/check_vllm.py" "$ROOT/cppo_jax/rollout/vllm_plugin" >&2 || VLLM_OK=0
+    wait "$JAX_CHECK" || true
+    SEEN="$(cat "$SEEN_FILE" 2>/dev/null)"; rm -f "$SEEN_FILE"
+    if [[ "$SEEN" != "$WANT" ]]; then
+        echo "$0: the trainer's JAX ($PY) sees '${SEEN:-nothing}' on CUDA_VISIBLE_DEVICES=$TRAIN_GPUS, not" \
+             "$(( GPUS - SERVE_GPUS )) GPUs: build its environment with make setup-gpu (CUDA JAX) or set" \
+             "CPPO_PYTHON to one" >&2
+        exit 2
+    fi
+    if [[ $VLLM_OK -eq 0 ]]; then
+        echo "$0: the server's vLLM ($VLLM_PY) does not take the project's plugin (above): run make" \
+             "setup-gpu (vLLM pinned there) or set VLLM_PYTHON to a working one" >&2
+        exit 2
+    fi
 fi
 
 TRAINER_PID=""

