@@ -137,7 +137,8 @@ if [[ -z "${GPU_MEMORY_GB:-}" ]]; then
 fi
 SPLIT_ARGS=(--split-node "$GPUS" --rollout-gpus "$ROLLOUT_GPUS" --rollout-parallel "$ROLLOUT_PARALLEL")
 if [[ "$DEVICE" == cpu ]]; then  # the rehearsal: one server, the trainer on the host's JAX CPU devices
-    SPLIT_ARGS=(--split-node $(( 1 + ${CPPO_CPU_DEVICES:-1} )) --rollout-gpus 1)
+    GPUS=$(( 1 + ${CPPO_CPU_DEVICES:-1} ))
+    SPLIT_ARGS=(--split-node "$GPUS" --rollout-gpus 1)
 fi
 SPLIT_OUT="$("$PY" -m cppo_jax.plan "${SPLIT_ARGS[@]}" \
     --device-memory-gb "${GPU_MEMORY_GB:-80}" "${BASE_ARGS[@]}" "${OVERRIDES[@]}")" || {
