@@ -61,7 +61,7 @@ SUITES = {
         "title": "The paper configs compiled for NVIDIA GPUs on a CPU (deviceless, XLA:GPU)",
         "compiler": "XLA:GPU through the CUDA plugin's compile-only topology (`make "
         "cuda-compiler`), nothing run on a GPU; a GPU fits within "
-        "`layout.GPU_MEM_FRACTION` = 0.75 of its HBM (JAX's XLA_PYTHON_CLIENT_MEM_FRACTION)",
+        "`layout.GPU_MEM_FRACTION` of its HBM (the XLA_PYTHON_CLIENT_MEM_FRACTION `cppo_jax.launch` sets)",
         "cases": [
             (c, p, t, v)
             for t in ("h100:8", "h200:8", "h100:4", "h100:2", "h100:1")
@@ -73,7 +73,7 @@ SUITES = {
     "one_chip": {
         "store": "aot_one_chip",
         "title": "The one-chip configs compiled for one TPU chip or one GPU on a CPU (deviceless)",
-        "compiler": "libtpu for v5e / v6e (90% of a chip usable), XLA:GPU for H100 / A100 (75%: "
+        "compiler": "libtpu for v5e / v6e (90% of a chip usable), XLA:GPU for H100 / A100 ("
         "`layout.GPU_MEM_FRACTION`); nothing run on either",
         "cases": [
             (c, "config", t, "full")

@@ -20,10 +20,44 @@ from cppo_jax.config_choices import BF16_MIN_LR
 from cppo_jax.config_run import MESH_AXES
 
 _BYTES = {"float32": 4, "bfloat16": 2}
-USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
-# A GPU program fits in this share of the HBM: what JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION,
-# whose default it is); a launcher sets that variable to it.
-GPU_MEM_FRACTION = 0.75
+# The share of a device's memory the plan counts usable (the rest: what XLA and the driver keep, and
+# fragmentation). On GPUs `cppo_jax.launch` sets XLA_PYTHON_CLIENT_MEM_FRACTION to it before JAX starts
+# (JAX's own default preallocates 0.75), so the plan assumes what the run gets.
+USABLE_FRACTION = 0.9
+USABLE = USABLE_FRACTION  # the name the compile reports (aot_report, aot_fit) import
+MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# A GPU program fits in this share of the HBM: the pool JAX's allocator holds once the launch has set
+# XLA_PYTHON_CLIENT_MEM_FRACTION to it (the same fact: `plan --compile-for` judges by it).
+GPU_MEM_FRACTION = USABLE_FRACTION
+
+
+def set_gpu_memory_fraction(environ=None) -> str:
+    """Set XLA_PYTHON_CLIENT_MEM_FRACTION to `USABLE_FRACTION` unless it is set (it must be set
+    before JAX starts a GPU backend; CPUs and TPUs ignore it). Returns a line for the log when the
+    variable was already set to another value (the plan then judges against what JAX holds)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    given = environ.setdefault(MEM_FRACTION_VAR, f"{USABLE_FRACTION:g}")
+    if given == f"{USABLE_FRACTION:g}":
+        return ""
+    return (
+        f"{MEM_FRACTION_VAR}={given} is set: on a GPU JAX holds that share of its memory, and the "
+        f"plan judges against it (unset, the launch sets {USABLE_FRACTION:g})"
+    )
+
+
+def device_memory(device) -> int | None:
+    """The bytes of one device that the plan's `USABLE_FRACTION` is taken of (None: unknown, a CPU).
+
+    A GPU's `bytes_limit` is the pool JAX's allocator holds, XLA_PYTHON_CLIENT_MEM_FRACTION of the
+    device: the device is counted as bytes_limit / USABLE_FRACTION, so a plan fits exactly when its
+    peak fits that pool (the whole device when the fraction is the launch's). A TPU's is its HBM."""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    return int(limit / USABLE_FRACTION) if device.platform == "gpu" else int(limit)
 
 
 def _gib(n: float) -> str:
@@ -96,7 +130,9 @@ class MemoryPlan:
         return max(self.train_peak, self.rollout_peak)
 
     @property
-    def fits(self) -> bool | None:  # peak <= USABLE of the device; None if unknown
+    def fits(self) -> bool | None:
+        """peak <= USABLE_FRACTION of the device (the rest: XLA workspace, fragmentation); None if
+        unknown."""
         return None if self.device_bytes is None else self.peak <= USABLE * self.device_bytes
 
 

@@ -25,6 +25,7 @@ ENTRY_POINTS = {"launch": launch.main, "evaluate": evaluate.main, "plan": plan.m
 NOT_RUN = {
     "pip ": "installs packages (network)",
     "huggingface-cli ": "downloads a model (network)",
+    "python -m cppo_jax.datasets ": "downloads a data set (network; tests/test_math_train_recipe.py runs it)",
     "gcloud ": "needs a Google Cloud project",
     "make ": "sets up or is this test suite",
     ".venv/bin/ruff ": "lint: make test runs it",

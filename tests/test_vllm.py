@@ -681,8 +681,10 @@ def test_gpu_node_dry_run():
         "--",
         "trainer.steps=5",
     )
-    assert "CUDA_VISIBLE_DEVICES=0" in text and "launch/vllm_server.sh" in text
-    assert "CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7" in text and "cppo_jax.launch" in text
+    # 8 GPUs of 80 GB: 4 serve (tensor-parallel), 4 train (launch/gpu_node.sh's split).
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in text and "launch/vllm_server.sh" in text
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in text and "cppo_jax.launch" in text
+    assert "--tensor-parallel-size 4" in text and "VLLM_MEM_UTIL=0.85" in text
     assert "rollout.backend=vllm" in text and "rollout.vllm_url=http://127.0.0.1:" in text
     assert "model.path=/models/Qwen2.5-1.5B-Instruct" in text and "trainer.steps=5" in text
     assert "--model /models/Qwen2.5-1.5B-Instruct" not in text  # the server gets it positionally

@@ -310,7 +310,14 @@ SECTION_NOTES: dict[str, str] = {
     "cppo": "The algorithm: GRPO plus completion pruning (p = 0 is plain GRPO).",
     "reward": "How completions are scored (host processes, bounded in time).",
     "optim": "AdamW and its learning-rate schedule; the schedule runs over steps x mu updates.",
-    "mesh": "Axis sizes of the device mesh; -1 means the rest of the devices.",
+    "mesh": (
+        "Axis sizes of the device mesh. All three 0 (the default): `mesh=auto`, the layout chosen by "
+        "`cppo_jax.launch` from the memory plan for the devices it sees (`cppo_jax.plan.choose_mesh`: "
+        "the most data-parallel layout whose data x fsdp divides Q and that fits, tensor absorbing the "
+        "rest; on TPUs only layouts that map onto the slice); the run refuses before loading weights "
+        "when none fits. Any size set makes the mesh explicit: -1 is the rest of the devices, an axis "
+        "left at 0 is 1 (data the rest when no axis is -1)."
+    ),
     "trainer": "The run: length, outputs, checkpoints, evaluation, safety nets.",
     "eval": "How held-out accuracy is counted; both rules are always reported.",
     "logging": "What the run writes for its user besides metrics.jsonl.",
