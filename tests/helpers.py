@@ -13,6 +13,20 @@ from pathlib import Path
 
 import numpy as np
 
+# AdamW made smooth in the gradient, for tests that compare two programs' params (or what they
+# sample, or their later losses) after one update or more: OptimConfig keywords, and the same as
+# config overrides. AdamW's update lr * mu_hat / (sqrt(nu_hat) + eps) has a derivative in the
+# gradient of up to about lr / eps: at the default eps 1e-8, a float32 rounding of a near-zero
+# gradient element (two programs adding the same terms in their own orders, which differ with each
+# CPU's code generation) moves that param by up to a whole lr, and the next steps carry it on
+# (issue #50: red on an Intel Xeon, green on AMD EPYC). With eps = 1 the derivative is at most a few
+# lr / eps = 0.1, so a rounding of the gradient stays a rounding of the params, on any CPU, and
+# two programs' params after a few updates agree to a few float32 roundings of their size. lr 0.1
+# keeps the steps (~0.1 g / (1 + |g|) per element) far above rounding: a wrong gradient, batch or
+# update order still shows. The programs compared are the same for any optimizer settings.
+SMOOTH_ADAMW = {"lr": 0.1, "eps": 1.0}
+SMOOTH_ADAMW_OVERRIDES = tuple(f"optim.{k}={v}" for k, v in SMOOTH_ADAMW.items())
+
 # Qwen-style chat markup used by `make_tokenizer_dir`.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -192,12 +192,14 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
 import test_packed_rows as t
+from helpers import SMOOTH_ADAMW
 from cppo_jax import optimizer as optimizer_lib, sharding as sharding_lib, step as step_lib
 from cppo_jax.config import ConfigError, MeshConfig, OptimConfig
 from cppo_jax.packed_rows import Packer
 
 graphdef, params, spec = t._parts()
-tx = optimizer_lib.make_optimizer(OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10)
+# the params after one update are compared: AdamW smooth in the gradient (issue #50)
+tx = optimizer_lib.make_optimizer(OptimConfig(schedule="constant", warmup_ratio=0.0, **SMOOTH_ADAMW), 10)
 batch = t._padded(seed=1, M=8)
 one_step, one_logps = step_lib.compiled(graphdef, tx, spec)
 ref_MC = one_logps(params, batch.tokens_MT, batch.valid_MT)
@@ -235,7 +237,10 @@ print("RESULT " + json.dumps(out))
 
 def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device():
     """4 fake CPU devices, mesh data 2 x fsdp 2: the packed rows (4) split as the 8 kept sequences
-    are; log-probs, loss, gradient norm and updated params equal one device's padded step."""
+    are; log-probs, loss, gradient norm and updated params equal one device's padded step. The
+    update is AdamW smooth in the gradient (`SMOOTH_ADAMW`): at eps 1e-8 a first step is about
+    lr x sign(g), and a near-zero gradient element rounded to the other sign in the other order
+    would move its param by 2 lr on one CPU's code generation and not another's (issue #50)."""
     import json
     import os
     import subprocess

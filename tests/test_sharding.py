@@ -111,7 +111,10 @@ def _worker() -> dict:
     rewards_QG = rng.integers(0, 3, (Q, G)).astype(np.float32)
     key = jax.random.PRNGKey(0)
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=C)
-    ocfg = OptimConfig(lr=1e-3, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
+    # Params after one update or more of two programs (a mesh, one device) are compared: AdamW
+    # smooth in the gradient (tests/helpers.SMOOTH_ADAMW: lr 0.1, eps 1), whose derivative in
+    # the gradient is at most ~lr/eps, so a rounding stays a rounding on any CPU (issue #50).
+    ocfg = OptimConfig(lr=0.1, eps=1.0, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
     tx = optimizer_lib.make_optimizer(ocfg, 10)
 
     shapes = cppo.Shapes(Q=Q, G=G, k=K, M=M, P=P, C=C, U=Q)

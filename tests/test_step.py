@@ -26,12 +26,18 @@ from cppo_jax import step as step_lib
 from cppo_jax.config import CPPOConfig, OptimConfig
 from cppo_jax.models import TransformerConfig, init_model
 
+try:
+    from helpers import SMOOTH_ADAMW
+except ImportError:  # tests/ became a package
+    from tests.helpers import SMOOTH_ADAMW
+
 EPS32 = float(np.finfo(np.float32).eps)
 M, P, C, V = 8, 6, 5, 61
 
 
-def _parts(micro_batch: int = 0, mu: int = 2):
-    """(graphdef, params, spec, tx) of a tiny model; a new optimizer object each call, as each run's."""
+def _parts(micro_batch: int = 0, mu: int = 2, **optim):
+    """(graphdef, params, spec, tx) of a tiny model; a new optimizer object each call, as each run's
+    (AdamW at lr 1e-3, or `optim`'s OptimConfig keywords)."""
     cfg = TransformerConfig(
         arch="qwen2",
         vocab_size=V,
@@ -46,8 +52,9 @@ def _parts(micro_batch: int = 0, mu: int = 2):
     )
     graphdef, params = nnx.split(init_model(cfg, seed=3))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=mu), P, C, 1.0, micro_batch=micro_batch)
+    optim = {"lr": 1e-3, **optim}
     tx = optimizer_lib.make_optimizer(
-        OptimConfig(lr=1e-3, schedule="constant", warmup_ratio=0.0), 10
+        OptimConfig(schedule="constant", warmup_ratio=0.0, **optim), 10
     )
     return graphdef, params, spec, tx
 
@@ -65,15 +72,15 @@ def _batch() -> step_lib.Batch:
     return step_lib.Batch(tokens, valid, mask, adv, None, ref)
 
 
-def _setup(micro_batch: int = 0, mu: int = 2):
-    graphdef, params, spec, tx = _parts(micro_batch, mu)
+def _setup(micro_batch: int = 0, mu: int = 2, **optim):
+    graphdef, params, spec, tx = _parts(micro_batch, mu, **optim)
     train_step, logps = step_lib.compiled(graphdef, tx, spec)
     return params, tx, _batch(), train_step, logps
 
 
-def _one_update(micro_batch: int = 0):
+def _one_update(micro_batch: int = 0, **optim):
     """`step.one_update` jitted alone: (params, opt_state, metrics, logp_MC) of one update."""
-    graphdef, _, spec, tx = _parts(micro_batch)
+    graphdef, _, spec, tx = _parts(micro_batch, **optim)
     return jax.jit(functools.partial(step_lib.one_update, graphdef=graphdef, tx=tx, spec=spec))
 
 
@@ -105,11 +112,17 @@ def _assert_params_close(got, want, tol):
 @pytest.mark.parametrize("given_old", [False, True])
 def test_mu2_in_one_program_is_two_updates(micro_batch, given_old):
     """mu = 2 in one program = two separate updates: the second with the first's log-probs as the old
-    ones (given_old: both with the batch's). Metrics: the last update's."""
-    params, tx, batch, train_step, _ = _setup(micro_batch, mu=2)
+    ones (given_old: both with the batch's). Metrics: the last update's.
+
+    Two programs' params after two updates: AdamW made smooth in the gradient (`SMOOTH_ADAMW`,
+    eps = 1), so that a rounding of a near-zero gradient element stays a rounding of its param
+    instead of up to a whole lr step (issue #50); then a few float32 ulps per operation, on any CPU.
+    Fails when the program's second update starts from the wrong params, old log-probs or batch:
+    those move the params by ~lr x a gradient difference, far above it."""
+    params, tx, batch, train_step, _ = _setup(micro_batch, mu=2, **SMOOTH_ADAMW)
     if given_old:  # a stale rollout's (here another policy's: ratios far from 1)
         batch = batch._replace(old_logp_MC=batch.ref_logp_MC)
-    one = _one_update(micro_batch)
+    one = _one_update(micro_batch, **SMOOTH_ADAMW)
     p1, o1, _, logp_MC = one(_copy(params), tx.init(params), batch)
     second = batch if given_old else batch._replace(old_logp_MC=logp_MC)
     want_p, _, want_m, _ = one(p1, o1, second)
