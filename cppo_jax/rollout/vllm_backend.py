@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax.config import RolloutConfig
-from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
+from cppo_jax.models.hf_io import DEFAULT_SHARD_BYTES, save_hf
 from cppo_jax.models.transformer import DTYPES
 from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_client import (
@@ -64,10 +64,13 @@ from cppo_jax.rollout.vllm_probe import (
 )
 from cppo_jax.rollout.vllm_push import (
     PUSH_MARKER,
+    check_space,
     claim_push_folder,
+    disk_free,
     hf_tensors,
     push_folder,
     resolve_route,
+    write_failed,
 )
 from cppo_jax.rollout.vllm_samples import samples_from_completions, strip_padding
 from cppo_jax.rollout.weight_transfer import ProtocolPusher
@@ -99,8 +102,14 @@ class VLLMBackend:
         probe_tol: float | None = None,
         probe_ids: list[int] | None = None,
         serve_dtype: str | None = None,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        free_bytes=disk_free,
     ):
         self.cfg = cfg
+        self.max_shard_bytes = int(max_shard_bytes)  # the file route's shard size (save_hf)
+        self.free_bytes = (
+            free_bytes  # probe of the push folder's free bytes (`vllm_push.check_space`)
+        )
         self.graphdef = graphdef
         self.sp = sp
         self.client = client or VLLMClient(
@@ -212,12 +221,17 @@ class VLLMBackend:
 
     def write_weights(self, params, graphdef=None) -> tuple[Path, int]:
         """`params` (as they are; `graphdef` defaults to the trainer's) as an HF checkpoint in the next
-        of two slots (atomic); returns (folder, bytes)."""
+        of two slots (atomic): one `model.safetensors`, or shards of at most `max_shard_bytes` and their
+        index above it (a 7B model in bf16 is 3 shards at the default 5 GiB). Returns (folder, bytes
+        of all its safetensors files)."""
         claim_push_folder(self.weights_dir)
         slot = self.weights_dir / f"slot{self.pushes % 2}"
         model = nnx.merge(graphdef or self.graphdef, params)
-        save_hf(model, slot)
-        return slot, (slot / SINGLE_FILE).stat().st_size
+        # The server read this slot two pushes ago and the other one since: removed first, so that the
+        # folder never holds more than two copies (`check_space`)
+        shutil.rmtree(slot, ignore_errors=True)
+        save_hf(model, slot, max_shard_bytes=self.max_shard_bytes)
+        return slot, sum(f.stat().st_size for f in slot.glob("*.safetensors"))
 
     def resolve_route(self) -> str:
         """The weight-sync route (`rollout.weight_sync`; `auto` asks the server once)."""
@@ -240,6 +254,8 @@ class VLLMBackend:
             m, self.pushes = self.lora.push(), self.pushes + 1
             self.last_slot = self.lora.path
             return m
+        nbytes = push_bytes(self.model_cfg(params), self.dtype(params))
+        check_space(self.weights_dir, nbytes, self.url, self.free_bytes)
         if self.resolve_route() == "protocol":
             t0 = time.perf_counter()
             tensors = hf_tensors(*self.serving(params))
@@ -355,7 +371,13 @@ class VLLMBackend:
         try:
             # cast once; push and verify cast no further (an adapter push casts only the adapters)
             served = params if self.adapter_push() else self.serving(params)[1]
-            metrics = self.push(served)
+            try:
+                metrics = self.push(served)
+            except (
+                OSError
+            ) as e:  # a full /dev/shm: ENOSPC; a RolloutServerError like any failed push
+                when = f" at step {step}" if step is not None else ""
+                raise write_failed(e, self.weights_dir, self.url, when) from e
             t = time.perf_counter()
             diff = self.verify(served, step)
         except BaseException as e:

@@ -245,6 +245,10 @@ class ProtocolPusher:
             step_offsets.append(place(np.concatenate([gaps_S, steps_S.view(np.uint8)])))
             step_counts.append(int(gaps_S.size))
         self.root.mkdir(parents=True, exist_ok=True)
+        # The server applied this round's file two rounds ago: removed first, so that the folder never
+        # holds more than two payloads (the push folder's space check, `vllm_push.check_space`)
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / name).unlink()
         tmp = self.root / f".{name}.tmp"
         crc = 0
         with open(tmp, "wb") as fh:
