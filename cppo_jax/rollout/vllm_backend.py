@@ -47,6 +47,7 @@ from flax import nnx
 from cppo_jax.config import RolloutConfig
 from cppo_jax.models.hf_io import DEFAULT_SHARD_BYTES, save_hf
 from cppo_jax.models.transformer import DTYPES
+from cppo_jax.rollout.device_patch import DevicePatcher
 from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_client import (
     ResponseError,
@@ -133,6 +134,11 @@ class VLLMBackend:
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
         self.route: str | None = None  # "file" or "protocol", resolved at the first push
         self.pusher: ProtocolPusher | None = None
+        # protocol pushes encoded on the device (`device_patch.py`), else on the host (numpy): on the
+        # device where it is an accelerator; on XLA:CPU the host path measured faster
+        # (benchmarks/results/weight_sync.md)
+        self.device_patch = jax.default_backend() != "cpu"
+        self.patcher: DevicePatcher | None = None
         self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
         self._lora_parts, self._lora_resolved = None, False
 
@@ -256,7 +262,9 @@ class VLLMBackend:
             return m
         nbytes = push_bytes(self.model_cfg(params), self.dtype(params))
         check_space(self.weights_dir, nbytes, self.url, self.free_bytes)
-        if self.resolve_route() == "protocol":
+        if self.resolve_route() == "protocol" and self.device_patch:
+            return self._push_from_device(params)
+        if self.route == "protocol":
             t0 = time.perf_counter()
             tensors = hf_tensors(*self.serving(params))
             t1 = time.perf_counter()
@@ -269,6 +277,8 @@ class VLLMBackend:
                 "reload_s": m["pause_s"],
                 "changed_frac": m["changed_frac"],
                 "full": m["full"],
+                "host_bytes": float(sum(t.nbytes for t in tensors.values())),
+                "host_s": t1 - t0 + m["write_s"],
             }
         t0 = time.perf_counter()
         slot, nbytes = self.write_weights(*reversed(self.serving(params)))
@@ -284,6 +294,31 @@ class VLLMBackend:
             "reload_s": t2 - t1,
             "changed_frac": 1.0,
             "full": 1.0,
+            "host_bytes": float(nbytes),
+            "host_s": t1 - t0,
+        }
+
+    def _push_from_device(self, params) -> dict:
+        """A protocol push whose patch (or full tensors) `DevicePatcher` computes on the device:
+        only what is sent crosses to the host."""
+        if self.patcher is None:
+            self.patcher = DevicePatcher(self.model_cfg(params), self.dtype(params))
+        full = self.pusher.next_is_full()
+        t0 = time.perf_counter()
+        entries, f = self.patcher.encode(params, full)
+        t1 = time.perf_counter()
+        m = self.pusher.push_entries(entries, full, f["changed"], f["total"])
+        self.pushes += 1
+        self.last_slot = self.pusher.root
+        return {
+            "weight_sync/bytes": m["bytes"],
+            "write_s": t1 - t0 + m["write_s"],
+            "reload_s": m["pause_s"],
+            "changed_frac": m["changed_frac"],
+            "full": m["full"],
+            "device_s": f["device_s"],
+            "host_bytes": f["host_bytes"],
+            "host_s": f["fetch_s"] + m["write_s"],
         }
 
     def expected_probe(self, params) -> np.ndarray:
@@ -371,6 +406,8 @@ class VLLMBackend:
         try:
             # cast once; push and verify cast no further (an adapter push casts only the adapters)
             served = params if self.adapter_push() else self.serving(params)[1]
+            jax.block_until_ready(served)
+            cast_s = time.perf_counter() - t0
             try:
                 metrics = self.push(served)
             except (
@@ -384,9 +421,13 @@ class VLLMBackend:
             self.unconfirmed = f"{type(e).__name__}: {e}"
             if self.pusher is not None:
                 self.pusher.invalidate()  # the next push is a full one
+            if self.patcher is not None:
+                self.patcher.invalidate()
             raise
         if self.route == "protocol":
             self.pusher.confirm()  # the base of the next sparse push
+            if self.patcher is not None:
+                self.patcher.confirm()
         self.unconfirmed = None
         self.synced_step = int(step)
         try:
@@ -403,6 +444,11 @@ class VLLMBackend:
             "weight_sync/changed_frac": metrics["changed_frac"],
             "weight_sync/full": metrics["full"],
             "weight_sync/verify_s": time.perf_counter() - t,
+            "weight_sync/probe_s": time.perf_counter() - t,
+            "weight_sync/device_s": cast_s + metrics.get("device_s", 0.0),
+            "weight_sync/host_bytes": metrics.get("host_bytes", metrics["weight_sync/bytes"]),
+            "weight_sync/host_s": metrics.get("host_s", metrics["write_s"]),
+            "weight_sync/trainer_s": cast_s + metrics["write_s"],
             "weight_sync/total_s": time.perf_counter() - t0,
         }
 
