@@ -232,7 +232,7 @@ def _space_fault(setup, name, monkeypatch, *, at_start: bool, oserror: bool = Fa
     step 1, or whose write fails with ENOSPC (a full /dev/shm) after step 1."""
     import errno
 
-    from cppo_jax.rollout import vllm_backend
+    from cppo_jax.rollout import vllm_routes
 
     _, trainer, init, tmp, *_ = setup
     run_dir = tmp / name
@@ -247,7 +247,7 @@ def _space_fault(setup, name, monkeypatch, *, at_start: bool, oserror: bool = Fa
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(vllm_backend, "save_hf", full)
+        monkeypatch.setattr(vllm_routes, "save_hf", full)
 
     if at_start:
         for slot in backend.weights_dir.glob("slot*"):  # the earlier cases' (a push replaces them)
