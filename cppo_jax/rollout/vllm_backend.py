@@ -133,8 +133,8 @@ class VLLMBackend(PushRoutes):
         self.route: str | None = None  # "file" or "protocol", resolved at the first push
         self.pusher: ProtocolPusher | None = None
         # protocol pushes encoded on the device (`device_patch.py`), else on the host (numpy): on the
-        # device where it is an accelerator; on XLA:CPU the host path measured faster
-        # (benchmarks/results/weight_sync.md)
+        # device where it is an accelerator; on XLA:CPU the two measured in either order under load
+        # (benchmarks/results/weight_sync.md), the host path is the default there
         self.device_patch = jax.default_backend() != "cpu"
         self.patcher: DevicePatcher | None = None
         self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
