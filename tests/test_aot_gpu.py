@@ -127,7 +127,9 @@ def test_a_gpu_fits_in_the_memory_fraction_the_launch_gives_jax():
     sets to that same fraction (one fact for the plan, the compile report and the launch)."""
     hbm = 80 * 10**9
     frac = layout.GPU_MEM_FRACTION
-    assert aot_fit.usable_fraction("cuda") == frac and aot_fit.usable_fraction("tpu") == layout.USABLE
+    assert (
+        aot_fit.usable_fraction("cuda") == frac and aot_fit.usable_fraction("tpu") == layout.USABLE
+    )
     environ: dict = {}
     layout.set_gpu_memory_fraction(environ)
     assert float(environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == frac
