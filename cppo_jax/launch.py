@@ -286,10 +286,17 @@ def run(
             bar.close()  # before the summary: an open bar prints itself again when collected
         trainer.close()
     before, after = summary["before"], summary["after"]
+    # before and after on the same questions: the sample's share of the whole-split evaluation
+    same = "subset_" if "subset_accuracy" in after else ""
     log(
-        f"\nheld-out accuracy ({after['n']} questions): greedy {before['accuracy']:.1%} -> "
-        f"{after['accuracy']:.1%}, sampled (T = {cfg.rollout.temperature:g}, one each) "
-        f"{before['sampled_accuracy']:.1%} -> {after['sampled_accuracy']:.1%}"
+        f"\nheld-out accuracy ({before['n']} questions): greedy {before['accuracy']:.1%} -> "
+        f"{after[same + 'accuracy']:.1%}, sampled (T = {cfg.rollout.temperature:g}, one each) "
+        f"{before['sampled_accuracy']:.1%} -> {after[same + 'sampled_accuracy']:.1%}"
+        + (
+            f"; after, the whole split ({after['n']}): greedy {after['accuracy']:.1%}"
+            if same
+            else ""
+        )
     )
     if summary["phases"]:
         log("\n" + summary["phases"])

@@ -169,6 +169,11 @@ def test_known_sizes_by_name_when_there_is_no_config_json():
     assert known.find_known_model("/models/Qwen2.5-72B-Instruct") is None
     assert known.model_size(QWEN25_1P5B).params == PARAMS_1P5B
     assert known.model_size(known.KNOWN_MODELS["Qwen2.5-7B-Instruct"]).params == PARAMS_7B
+    # The one-chip configs' 0.5B, by hand: 24 layers of 14,912,384 (q, o 896 x 896, k, v 896 x 128,
+    # q/k/v biases, MLP 3 x 896 x 4864, two norms) + tied 151936 x 896 + the final norm: 0.49B.
+    assert known.find_known_model("", "gsm8k_0p5b_lora_one_chip") == "Qwen2.5-0.5B-Instruct"
+    assert known.find_known_model("/models/Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
+    assert known.model_size(known.KNOWN_MODELS["Qwen2.5-0.5B-Instruct"]).params == 494_032_768
 
 
 def test_dry_run_tokenizes_prompts_when_the_folder_has_a_tokenizer(tmp_path):

@@ -1,6 +1,7 @@
 """The sizes of the paper's models, and the exact parameter count of any config.json.
 
-`KNOWN_MODELS` holds the released config.json fields of the paper's two policies and of Qwen3-4B / 8B
+`KNOWN_MODELS` holds the released config.json fields of the paper's two policies, of Qwen2.5-0.5B (the
+one-chip configs) and of Qwen3-4B / 8B
 and Gemma 3 1B (those that fix the parameter count), so a plan can size a model whose folder is not on this machine; `find_known_model`
 recognises them by name ("Qwen2.5-7B-Instruct", "math7b", "gsm8k_1p5b", ...). `model_size` counts the
 parameters from the tensors this project's loader reads (`hf_io.name_table`).
@@ -25,6 +26,24 @@ __all__ = [
 
 # config.json of the paper's models (the fields that fix the parameter count).
 KNOWN_MODELS: dict[str, dict] = {
+    # One-chip configs (configs/gsm8k_0p5b*_one_chip.py): the smallest Qwen2.5 instruct model.
+    "Qwen2.5-0.5B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    },
     "Qwen2.5-1.5B-Instruct": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -122,6 +141,7 @@ KNOWN_MODELS: dict[str, dict] = {
 }
 # Names that identify a known model: "Qwen2.5-1.5B-Instruct", "qwen2_5_1p5b", "gsm8k_1p5b", "math7b", ...
 _NAME_PATTERNS = (
+    ("Qwen2.5-0.5B-Instruct", re.compile(r"(?<![\d.])0[._p]5b(?![a-z\d])")),
     ("Qwen2.5-1.5B-Instruct", re.compile(r"(?<![\d.])1[._p]5b(?![a-z\d])")),
     ("Qwen2.5-7B-Instruct", re.compile(r"(?<![\d.])7b(?![a-z\d])")),
     ("Qwen3-4B", re.compile(r"qwen3[-_]4b(?![a-z\d])")),
