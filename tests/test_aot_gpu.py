@@ -158,7 +158,8 @@ def test_gpu_compile_of_a_tiny_run_reports_the_compilers_figures(tmp_path):
     res = plan("--compile-for", "h100:1", "--no-search", "--json", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "compiled for h100:1: 1 x NVIDIA H100 80GB HBM3" in res.stdout
-    assert "75% usable: JAX's XLA_PYTHON_CLIENT_MEM_FRACTION=0.75" in res.stdout
+    frac = layout.GPU_MEM_FRACTION  # the fraction the launch sets (layout.USABLE_FRACTION)
+    assert f"{frac:.0%} usable: JAX's XLA_PYTHON_CLIENT_MEM_FRACTION={frac}" in res.stdout
     assert "cuda drivers" not in res.stderr.lower()  # the plugin's notice is held back
     report = json.loads(out.read_text())
     assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["fits"] is True
