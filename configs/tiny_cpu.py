@@ -7,6 +7,7 @@ and prints held-out accuracy before and after.
 
 from pathlib import Path
 
+import cppo_jax
 from cppo_jax.config import (
     Config,
     CPPOConfig,
@@ -19,14 +20,15 @@ from cppo_jax.config import (
     TrainerConfig,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # configs/ (or an installed package's cppo_jax/configs)
+ASSETS = Path(cppo_jax.__file__).resolve().parent / "assets"
 
 
 def get_config() -> Config:
     return Config(
         model=ModelConfig(
-            init_checkpoint=str(ROOT / "cppo_jax" / "assets" / "tiny_arith"),
-            warm_start=str(ROOT / "configs" / "tiny_sft.py"),
+            init_checkpoint=str(ASSETS / "tiny_arith"),
+            warm_start=str(HERE / "tiny_sft.py"),
         ),
         data=DataConfig(task="arith", train="arith", test="arith", max_prompt_len=72, num_test=256),
         rollout=RolloutConfig(backend="embedded", max_new_tokens=40, temperature=1.0),

@@ -5,30 +5,33 @@ config's mesh, micro-batch, remat, layer scan, dtypes and shapes; `programs.buil
 no weights are read and nothing is allocated. Each is lowered and compiled by the target's compiler:
 
 - a TPU topology name (`v5e:2x4`, `v5p:2x2x1`, `v4:2x2x1`, `v6e:2x4`, any name JAX accepts): libtpu
-  compiles for that slice on this host, deviceless (as MaxText's `train_compile.py` does);
+  compiles for that slice on this host, deviceless (as MaxText's `train_compile.py` does); a
+  one-chip slice (`v5e:1x1`) is given its own host bounds;
+- NVIDIA GPUs (`h100:8`, `h200:2x8`, `a100:1`, `b200:8`): XLA:GPU through the CUDA plugin's
+  compile-only topology (`aot_gpu`);
 - `cpu`: XLA:CPU on this machine's CPU devices, the same way.
-
-XLA:GPU needs a GPU to compile: there is no deviceless route for GPUs (`benchmarks/gpu_check.py`
-prints the same table on a lent GPU beside the measured peak).
 
 For every program, per device: arguments, outputs, aliased (donated) bytes, temporaries, the total,
 and the memory plan's figure for it (`layout.MemoryPlan.programs`). A run also holds state that is not
 an argument of every program (the optimizer state while sampling, the reference during the update):
-`Compiled.peak` adds it, and `fits` compares that peak with the chip's HBM (`chips.CHIPS`).
+`Compiled.peak` adds it, and `fits` compares that peak with the usable part of the chip's HBM (`roofline.CHIPS`,
+`aot_fit.usable_fraction`: 90% of a TPU, `layout.GPU_MEM_FRACTION` of a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
+from cppo_jax import aot_gpu
+from cppo_jax.aot_gpu import AotError
+from cppo_jax.aot_gpu import quiet_stderr as _quiet_stderr
 from cppo_jax.config import Config
-from cppo_jax.config_choices import ConfigError
 
 __all__ = [
     "AotError",
@@ -41,10 +44,6 @@ __all__ = [
 ]
 
 _TOPOLOGY = re.compile(r"^v\d+[a-z]*:\d+(x\d+)*$")
-
-
-class AotError(ConfigError):
-    """The target cannot be compiled for here (no libtpu, an unknown topology); names the culprit."""
 
 
 def _libtpu_version() -> str | None:
@@ -107,30 +106,19 @@ def libtpu_path() -> str:
     )
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Hold back what C++ code writes to stderr (libtpu's warnings about a host without TPUs) and
-    yield a function returning it; it is shown only if the call fails."""
-    with tempfile.TemporaryFile(mode="w+b") as held:
-        saved = os.dup(2)
-        os.dup2(held.fileno(), 2)
-        try:
-            yield lambda: (held.seek(0), held.read().decode(errors="replace"))[1]
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def target_devices(target: str) -> list:
     """The devices of `target` (see the module docstring), compile-only for a TPU topology."""
     import jax
 
     if target == "cpu":
         return jax.devices("cpu")
+    if aot_gpu.is_gpu_target(target):
+        return aot_gpu.gpu_devices(target)
     if not _TOPOLOGY.match(target):
         raise AotError(
-            f"--compile-for {target!r}: not a target; give `cpu` or a TPU topology name "
-            f"(chip:shape, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1)"
+            f"--compile-for {target!r}: not a target; give `cpu`, a TPU topology name "
+            f"(chip:shape, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1, v5e:1x1) or GPUs "
+            f"(gpu:N or gpu:HOSTSxN, e.g. h100:8, h200:2x8, a100:1, b200:8)"
         )
     path = libtpu_path()
     os.environ.setdefault("TPU_LIBRARY_PATH", path)
@@ -143,6 +131,7 @@ def target_devices(target: str) -> list:
             # v4 compiles per TensorCore by default; a v4 slice runs one device per chip
             # ("megacore"), which is also the only layout jax.make_mesh accepts.
             kw = {"chip_config_name": "megacore"} if target.startswith("v4:") else {}
+            kw.update(_host_bounds(target))
             return list(topologies.get_topology_desc(target, platform="tpu", **kw).devices)
         except Exception as e:  # libtpu's own message names what is wrong with the name
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -151,6 +140,15 @@ def target_devices(target: str) -> list:
                 f"--compile-for {target!r}: libtpu refused the topology: {detail}"
                 + (f"\n(libtpu said: {noise[-800:]})" if os.environ.get("CPPO_AOT_DEBUG") else "")
             ) from None
+
+
+def _host_bounds(target: str) -> dict:
+    """A slice of fewer chips than a host of its generation holds (`v5e:1x1`, one chip: libtpu
+    assumes a 2x2x1 host and refuses a shape it does not divide) is a host of its own shape."""
+    dims = [int(d) for d in target.split(":")[1].split("x")]
+    if math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +184,26 @@ class ProgramMemory:
         )
 
 
+def _compiler_options(args) -> dict | None:
+    """The compiler's options for a program on the devices its arguments lie on: aot_gpu's on a GPU,
+    None (XLA's defaults) elsewhere."""
+    import jax
+
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            if next(iter(sharding.device_set)).platform in ("cuda", "gpu"):
+                return aot_gpu.compiler_options()
+            return None
+    return None
+
+
 def compile_program(name: str, fn, args) -> ProgramMemory:
     """Lower and compile `fn(*args)` (abstract args); a compiler refusal becomes `error`."""
     t0 = time.perf_counter()
     with _quiet_stderr():
         try:
-            compiled = fn.lower(*args).compile()
+            compiled = fn.lower(*args).compile(_compiler_options(args))
         except Exception as e:
             text = str(e)
             if "RESOURCE_EXHAUSTED" not in text:  # a refusal for memory; anything else is a bug
@@ -222,6 +234,7 @@ class Compiled:
     programs: tuple[ProgramMemory, ...]
     resident: dict[str, int]  # state bytes per device that live through the step (see `peak`)
     args_of: dict[str, tuple[str, ...]]  # program -> the resident state it takes as arguments
+    platform: str = "tpu"  # the devices' platform (tpu, cuda, cpu)
 
     def peak(self, program: ProgramMemory) -> int:
         """The program's total plus the resident state it does not take (alive beside it)."""
@@ -253,12 +266,16 @@ def compile_run(cfg: Config, target: str, devices=None) -> Compiled:
         programs=out,
         resident=built.resident,
         args_of=built.args_of,
+        platform=devices[0].platform,
     )
 
 
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] != ["--install-libtpu"]:
-        raise SystemExit("usage: python -m cppo_jax.aot --install-libtpu")
-    print(install_libtpu())
+    if sys.argv[1:] == ["--install-libtpu"]:
+        print(install_libtpu())
+    elif sys.argv[1:] == ["--install-cuda-compiler"]:
+        print(aot_gpu.install_cuda_compiler())
+    else:
+        raise SystemExit("usage: python -m cppo_jax.aot --install-libtpu | --install-cuda-compiler")

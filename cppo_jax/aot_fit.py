@@ -35,22 +35,35 @@ class Report:
     questions: int | None = None  # the largest questions_per_step whose sampler fits
     tried: tuple[tuple[str, int, bool], ...] = ()  # (what, value, fits) in the order compiled
     rows: int = 0  # the kept sequences of a step (M): trainer.micro_batch=M is the whole batch
+    fraction: float = 0.9  # of hbm_bytes a run may use (`layout.usable_fraction` of the platform)
+
+    @property
+    def usable(self) -> int | None:
+        return _usable(self.hbm_bytes, self.fraction)
 
     @property
     def fits(self) -> bool | None:
         if self.hbm_bytes is None:
             return None
         c = self.compiled
-        return not c.refused and c.run_peak <= _usable(self.hbm_bytes)
+        return not c.refused and c.run_peak <= self.usable
 
 
-def _usable(hbm: int | None) -> int | None:
-    from cppo_jax.layout import USABLE
+def usable_fraction(platform: str) -> float:
+    """Of a device's memory, what a run may plan for: `layout.GPU_MEM_FRACTION` on a GPU (what JAX's
+    allocator takes), `layout.USABLE` on a TPU or CPU."""
+    from cppo_jax.layout import GPU_MEM_FRACTION, USABLE
 
-    return None if hbm is None else int(USABLE * hbm)
+    return GPU_MEM_FRACTION if platform in ("cuda", "gpu") else USABLE
 
 
-def _with_mesh(cfg: Config, n: int, hbm: int | None, target: str = "") -> Config:
+def _usable(hbm: int | None, fraction: float) -> int | None:
+    return None if hbm is None else int(fraction * hbm)
+
+
+def _with_mesh(
+    cfg: Config, n: int, hbm: int | None, target: str = "", fraction: float = 0.9
+) -> Config:
     """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
     the most data parallel layout (then the fewest tensor shards, then the most replicas) whose peak by
     `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; when none does, or
@@ -58,8 +71,8 @@ def _with_mesh(cfg: Config, n: int, hbm: int | None, target: str = "") -> Config
     from cppo_jax import layout
     from cppo_jax.config_run import MeshConfig
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model as model_config
     from cppo_jax.program_memory import run_peak
-    from cppo_jax.programs import model_config
 
     if cfg.mesh != MeshConfig():
         cfg.mesh.sizes(n)  # raises naming the keys
@@ -72,7 +85,7 @@ def _with_mesh(cfg: Config, n: int, hbm: int | None, target: str = "") -> Config
             f"set mesh.data / mesh.fsdp / mesh.tensor (product {n}) or cppo.questions_per_step"
         )
     peaks = [(run_peak(cfg, tcfg, sh, m, target), m) for m in meshes]
-    usable = _usable(hbm)
+    usable = _usable(hbm, fraction)
     fitting = [(p, m) for p, m in peaks if usable is not None and p <= usable]
     if fitting:
         best = min(fitting, key=lambda pm: _preference(pm[1]))[1]
@@ -127,13 +140,15 @@ def fit(
     per step for the embedded sampler) that the compiler fits in the device's memory."""
     from cppo_jax import roofline
     from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model as model_config
     from cppo_jax.program_memory import program_bytes
-    from cppo_jax.programs import build, model_config
+    from cppo_jax.programs import build
 
     devices = target_devices(target)
     device = roofline.device_of(devices)
     hbm = hbm_bytes or (device.hbm_bytes if device else None)
-    cfg = _with_mesh(cfg, len(devices), hbm, target)
+    fraction = usable_fraction(devices[0].platform)
+    cfg = _with_mesh(cfg, len(devices), hbm, target, fraction)
     compiled = compile_run(cfg, target, devices)
     sh, tcfg = shapes_of(cfg), model_config(cfg)
     mesh = cfg.mesh.sizes(len(devices))
@@ -147,10 +162,10 @@ def fit(
         tp=mesh["tensor"],
     )
     planned = program_bytes(cfg, tcfg, sh, mesh, target)
-    report = Report(cfg, compiled, hbm, planned, phases, device, rows=sh.M)
+    report = Report(cfg, compiled, hbm, planned, phases, device, rows=sh.M, fraction=fraction)
     if not search or hbm is None:
         return report
-    usable, tried = _usable(hbm), []
+    usable, tried = report.usable, []
 
     def train_fits(m: int) -> bool:
         c = _set(cfg, "trainer", micro_batch=0 if m == sh.M else m)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cppo_jax import roofline
 from cppo_jax.aot_fit import UPDATE_PROGRAMS, Report
-from cppo_jax.layout import USABLE, mesh_overrides
+from cppo_jax.layout import mesh_overrides
 
 
 def _gib(n: float | None) -> str:
@@ -50,6 +50,14 @@ def phase_rows(report: Report) -> list[dict]:
             row["bound_s"] = roofline.bound_seconds(ph, dev, n)
         rows.append(row)
     return rows
+
+
+def _fraction_note(report: Report) -> str:
+    from cppo_jax.layout import GPU_MEM_FRACTION
+
+    if report.fraction != GPU_MEM_FRACTION or report.compiled.platform not in ("cuda", "gpu"):
+        return ""
+    return f": JAX's XLA_PYTHON_CLIENT_MEM_FRACTION={GPU_MEM_FRACTION}"
 
 
 def lines(report: Report) -> list[str]:
@@ -102,7 +110,7 @@ def lines(report: Report) -> list[str]:
         refused = " (the compiler refused a program)" if c.refused else ""
         out.append(
             f"fits: {verdict}{refused} (run peak {_gib(c.run_peak)} per device of "
-            f"{_gib(hbm)}, {USABLE:.0%} usable)"
+            f"{_gib(hbm)}, {report.fraction:.0%} usable{_fraction_note(report)})"
         )
     out.append("FLOPs per step (from the model) and the least time per phase:")
     total = 0.0
@@ -146,7 +154,7 @@ def _search_lines(report: Report) -> list[str]:
 def fit_overrides(report: Report) -> str:
     """The overrides with which every program fits (the mesh used and the micro-batch found), or
     "" when the search found none (or the config already fits)."""
-    c, usable = report.compiled, None if report.hbm_bytes is None else USABLE * report.hbm_bytes
+    c, usable = report.compiled, report.usable
     if usable is None or report.micro_batch is None:
         return ""
     others = [p for p in c.programs if p.name not in UPDATE_PROGRAMS]
@@ -158,7 +166,7 @@ def fit_overrides(report: Report) -> str:
 
 def no_fit_message(report: Report) -> str:
     """Why nothing fits, naming the keys to change."""
-    c, usable = report.compiled, USABLE * (report.hbm_bytes or 0)
+    c, usable = report.compiled, report.usable or 0
     over = [p for p in c.programs if p.error or c.peak(p) > usable]
     names = ", ".join(f"{p.name} ({'refused' if p.error else _gib(c.peak(p))})" for p in over)
     hints = []
@@ -167,7 +175,8 @@ def no_fit_message(report: Report) -> str:
     if any(p.name == "sampler" for p in over):
         hints.append("the embedded sampler does not fit (rollout.backend=vllm moves it off)")
     return (
-        f"on {c.target} ({c.devices} devices of {_gib(report.hbm_bytes)}, {USABLE:.0%} usable) "
+        f"on {c.target} ({c.devices} devices of {_gib(report.hbm_bytes)}, "
+        f"{report.fraction:.0%} usable{_fraction_note(report)}) "
         f"with {mesh_overrides(c.mesh)} these do not fit: {names}; "
         + "; ".join(hints)
         + "; lower rollout.max_new_tokens or data.max_prompt_len, set cppo.beta=0, or compile "
@@ -185,6 +194,7 @@ def as_json(report: Report) -> dict:
         "mesh": c.mesh,
         "micro_batch": report.cfg.trainer.micro_batch,
         "hbm_bytes": report.hbm_bytes,
+        "usable_fraction": report.fraction,
         "resident": c.resident,
         "run_peak": c.run_peak,
         "fits": report.fits,

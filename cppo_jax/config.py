@@ -157,6 +157,9 @@ class CPPOConfig:
     filter_groups: bool = False  # train the groups with reward variance first (DAPO, static)
     filter_oversample: float = 2.0  # filter_groups: roll out floor(this * trained) questions
     tis_cap: float = 0.0  # truncated importance sampling: cap of pi_old / pi_sampler; 0: off
+    # loss_type="cispo": the cap of its stop-gradient weight min(pi / pi_old, cap); 5.0 is the
+    # ScaleRL paper's eps_max (TRL's recommendation); MiniMax-M1 sets no lower bound, nor does this
+    cispo_cap: float = 5.0
     prompt_rate: float = 0.0  # metric="dppo": DPPO's r_q, the rolled-out questions not trained
 
     def __post_init__(self):
@@ -207,6 +210,7 @@ class CPPOConfig:
                 f"cppo.adv_scale={self.adv_scale!r}: Dr. GRPO's advantages are r - mean, without "
                 "the std normalisation; set cppo.adv_scale=none"
             )
+        _check(self.cispo_cap >= 1, "cppo.cispo_cap", self.cispo_cap, ">= 1 (inf: no cap)")
         _check(self.adv_eps > 0, "cppo.adv_eps", self.adv_eps, "> 0")
         _check(self.mu >= 1, "cppo.mu", self.mu, ">= 1")
         _check(self.beta >= 0, "cppo.beta", self.beta, ">= 0")

@@ -39,7 +39,9 @@ SCOPES = ("question", "slice", "batch")  # cppo.scope: over what the top-k runs
 RENAMED_KEYS = {"cppo.processes": "cppo.slices"}  # key -> its name now
 RENAMED_SCOPES = {"process": "slice"}  # cppo.scope value -> its name now
 ADV_SCALES = ("group", "batch", "none")
-LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo")
+# cppo.loss_type: the clipped token ratio averaged three ways, then GSPO's sequence ratio and
+# CISPO's capped, stop-gradient token weight (cppo_jax/loss.py, docs/concepts.md)
+LOSS_TYPES = ("token_mean", "seq_mean", "dr_grpo", "gspo", "cispo")
 # With model.param_dtype=bfloat16, the smallest optim.lr an update survives: bf16 keeps 8 significant
 # bits, so a weight w is stored to a spacing of at least |w| 2^-8, and an update under half of it,
 # |w| 2^-9, rounds back to w. AdamW moves each weight by about lr per step; at the magnitude of a

@@ -202,11 +202,31 @@ def apply_override(cfg, key: str, text: str):
     return apply_overrides(cfg, [f"{key}={text}"])
 
 
-CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[1] / "configs")
+# Where a bare name is looked for: ./configs, the package's own copy (a wheel's: setup.py ships the
+# repository's configs/ as cppo_jax/configs), the repository's configs/ (a source tree, editable).
+CONFIG_DIRS = (
+    Path("configs"),
+    Path(__file__).resolve().parent / "configs",
+    Path(__file__).resolve().parents[1] / "configs",
+)
+
+
+def known_configs() -> list[str]:
+    """The names a bare `--config` finds (each `<name>.py` defining `get_config()` in CONFIG_DIRS)."""
+    names = set()
+    for folder in CONFIG_DIRS:
+        if folder.is_dir():
+            names.update(
+                p.stem
+                for p in folder.glob("*.py")
+                if not p.stem.startswith("_") and "def get_config" in p.read_text()
+            )
+    return sorted(names)
 
 
 def resolve_config_path(path: str | Path) -> Path:
-    """`path` itself when it is a file; a bare name (`math7b.py`, `math7b`) is looked up in CONFIG_DIRS."""
+    """`path` itself when it is a file; a bare name (`math7b.py`, `math7b`) is looked up in
+    CONFIG_DIRS; else an error naming the known configs."""
     path = Path(path)
     if path.is_file():
         return path
@@ -218,6 +238,14 @@ def resolve_config_path(path: str | Path) -> Path:
             if candidate.is_file():
                 return candidate
             tried.append(str(candidate))
+        known = known_configs()
+        close = difflib.get_close_matches(Path(name).stem, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"config {str(path)!r} is neither a file nor a shipped config: the known configs are "
+            f"{', '.join(known) or '(none found)'}{hint} (or give the path of a .py file defining "
+            f"get_config(); looked for {', '.join(tried)})"
+        )
     raise ConfigError(f"config file {str(path)!r} does not exist (looked for {', '.join(tried)})")
 
 

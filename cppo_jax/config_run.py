@@ -14,22 +14,37 @@ from cppo_jax.config_choices import EVAL_RULES, WANDB_MODES, ConfigError, _check
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Axis sizes of the device mesh; -1 means "the rest of the devices"."""
+    """Axis sizes of the device mesh. All three 0 (the default) is `mesh=auto`: the layout is chosen at
+    launch from the memory plan for the devices the run sees (`cppo_jax.plan.choose_mesh`). Any size
+    set makes the mesh explicit: -1 means "the rest of the devices", and an axis left at 0 is then 1
+    (`data` the rest when no axis is -1)."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = 0
+    fsdp: int = 0
+    tensor: int = 0
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
         for name, size in zip(("data", "fsdp", "tensor"), sizes):
-            _check(size == -1 or size >= 1, f"mesh.{name}", size, ">= 1 or -1 (the rest)")
+            _check(size >= -1, f"mesh.{name}", size, ">= 1, -1 (the rest) or 0 (auto / unset)")
         _check(sizes.count(-1) <= 1, "mesh", sizes, "at most one axis of size -1")
+
+    @property
+    def auto(self) -> bool:
+        """No size set: the launch picks the layout from the memory plan."""
+        return (self.data, self.fsdp, self.tensor) == (0, 0, 0)
+
+    def explicit(self) -> dict[str, int]:
+        """The sizes with unset (0) axes filled: 1, and `data` the rest (-1) when no axis is -1; an
+        auto mesh is then all on `data` (what the run gets without a plan)."""
+        sizes = dataclasses.asdict(self)  # axis name -> size, in the mesh's order
+        rest = -1 not in sizes.values()
+        return {k: v or (-1 if rest and k == "data" else 1) for k, v in sizes.items()}
 
     def sizes(self, num_devices: int) -> dict[str, int]:
         """The axis sizes on `num_devices` devices, -1 resolved to the rest (what the mesh of a run
         and of a plan get); a `ConfigError` naming the keys when they do not fit the devices."""
-        sizes = dataclasses.asdict(self)  # axis name -> size, in the mesh's order
+        sizes = self.explicit()
         fixed = math.prod(v for v in sizes.values() if v != -1)
         given = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items())
         if -1 in sizes.values():
@@ -64,6 +79,8 @@ class TrainerConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: only before and after training
     eval_size: int = 0  # 0: the whole test split
+    # The last evaluation scores the whole split, and the sample within it (like for like).
+    eval_subset: int = 256  # test questions evaluated before and during training: a fixed sample (data.seed); 0: all
     micro_batch: int = 0  # sequences per forward/backward; 0: all kept sequences at once
     # Packed rows (cppo_jax/packing.py): the kept sequences' real tokens placed into pack_rows rows
     # of pack_len tokens (first-fit decreasing), one segment each; static per run. pack_rows "auto":
@@ -89,6 +106,7 @@ class TrainerConfig:
             "(e.g. gcsfuse, s3fs) and give the mount's path",
         )
         _check(bool(self.run_name), "trainer.run_name", self.run_name, "a non-empty name")
+        _check(self.eval_subset >= 0, "trainer.eval_subset", self.eval_subset, ">= 0")
         _check(
             "/" not in self.run_name and ".." not in self.run_name,
             "trainer.run_name",

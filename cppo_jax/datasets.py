@@ -292,3 +292,64 @@ def _load_hub(name: str, split: str | None, required: tuple[str, ...], strict: b
             f"could not provide it: {type(e).__name__}: {e}"
         ) from e
     return _from_rows(ds, f"hub:{name}/{split or 'train'}", required, strict)
+
+
+# ----- a local copy: `python -m cppo_jax.datasets --write OUT SOURCE` -----
+
+MATH_TRAIN_HUB = "DigitalLearningGmbH/MATH-lighteval"  # the released code's MATH training split
+
+
+def write_local(
+    source: str, out: str | os.PathLike, split: str = "train", task: str = "math"
+) -> dict:
+    """Write the rows of `source` (a hub name, which needs `datasets` and a network, or any file or
+    folder `load_records` reads) that make an example of `task` to the `.jsonl` file `out`, with the
+    task's fields only (math: problem, solution), the file `data.train` takes. Returns the counts."""
+    task = task_name(task)
+    records = load_records(source, split, required=TASKS[task])
+    kept, bad = [], list(records.bad_rows)
+    for i, row in enumerate(records, 1):
+        try:
+            to_example(row, task)
+        except ValueError as e:  # e.g. a MATH solution without \boxed{}: no gold answer
+            bad.append((i, str(e)))
+            continue
+        kept.append({k: row[k] for k in TASKS[task]})
+    if not kept:
+        raise ValueError(f"{source!r} (split {split!r}) has no row that makes a {task} example")
+    path = os.fspath(out)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in kept:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return {"rows": len(kept), "bad_rows": len(bad), "source": records.source, "out": path}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cppo_jax.datasets --write OUT [SOURCE] [--split S] [--task T]`: a local copy of a
+    data set; without SOURCE the MATH training split (the file configs/math7b.py's data.train wants)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m cppo_jax.datasets", description=main.__doc__)
+    parser.add_argument("--write", required=True, metavar="OUT", help="the .jsonl file to write")
+    parser.add_argument(
+        "source", nargs="?", default=MATH_TRAIN_HUB, help=f"default: {MATH_TRAIN_HUB} (hub)"
+    )
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--task", default="math", help=f"one of {', '.join(TASKS)}")
+    args = parser.parse_args(argv)
+    try:
+        got = write_local(args.source, args.write, args.split, args.task)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {got['rows']} rows of {got['source']} to {got['out']} ({got['bad_rows']} bad rows "
+        f"skipped); use data.train={got['out']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,13 @@ and its prompts tokenized, the shapes and step counts are derived, the mesh is l
 devices (or `--devices N`) and the memory plan is checked against the device memory (or
 `--device-memory-gb GB`); it fails, with the layouts that fit, when the plan does not. A dry run passes
 exactly when the real run would start (a vLLM server is not contacted).
+
+The mesh: `mesh=auto` (the default) is laid out by `cppo_jax.plan.choose_mesh` for the devices JAX sees
+and the memory each has (`--device-memory-gb` when JAX does not know it, as on a CPU): the most
+data-parallel layout whose data x fsdp divides the questions per step and whose memory plan fits, logged
+before the model is loaded; when none fits the plan is printed and the run refused, before any weight is
+read. On GPUs the launch sets XLA_PYTHON_CLIENT_MEM_FRACTION to `layout.USABLE_FRACTION` (unless it is
+set) before JAX starts, so the plan's usable share is the one JAX preallocates.
 """
 
 from __future__ import annotations
@@ -173,6 +180,42 @@ def _describe(cfg: Config) -> str:
     )
 
 
+def resolve_mesh(cfg: Config, log=print, device_memory_gb: float | None = None) -> Config:
+    """`cfg` with `mesh=auto` (the default) replaced by `plan.choose_mesh`'s layout for this machine's
+    devices (of `device_memory_gb` GB when given, else of the memory JAX reports), logged; a mesh
+    set in the config is kept. When no layout fits, the plan is logged and a ConfigError raised,
+    before anything is loaded."""
+    if not cfg.mesh.auto:
+        return cfg
+    import jax
+
+    from cppo_jax import layout
+    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.models.known import config_model_size
+    from cppo_jax.plan import choose_mesh, plan_run
+
+    devices = jax.devices()
+    if config_model_size(cfg) is None:  # e.g. a warm start not written yet: nothing to plan
+        log(
+            f"mesh=auto: the model's size is unknown before it is loaded ({_model_key(cfg)}); "
+            f"all {len(devices)} device(s) on mesh.data"
+        )
+        return cfg
+    if device_memory_gb is not None:
+        device_bytes = int(device_memory_gb * 1e9)
+    else:
+        device_bytes = layout.device_memory(jax.local_devices()[0])
+    try:
+        choice = choose_mesh(
+            cfg, len(devices), device_bytes, platform=devices[0].platform, devices=devices
+        )
+    except ConfigError:
+        log(plan_run(cfg, None, device_memory_gb).text)  # the plan, with the layouts that fit
+        raise
+    log(choice.note)
+    return apply_overrides(cfg, list(choice.overrides))
+
+
 def ensure_warm_start(cfg: Config, log=print) -> None:
     target = cfg.model.init_checkpoint
     if not target or Path(target).exists() or not cfg.model.warm_start:
@@ -219,13 +262,14 @@ def run(
             "dry run: config, model files, tokenizer, rewards, data, mesh and memory validated; nothing trained"
         )
         return {"dry_run": True, "plan": plan.text}
-    if num_devices is not None or device_memory_gb is not None:
-        raise ConfigError(
-            "--devices and --device-memory-gb plan a machine: give them with trainer.dry_run=true"
-        )
+    if num_devices is not None:
+        raise ConfigError("--devices plans a machine: give it with trainer.dry_run=true")
+    cfg = resolve_mesh(cfg, log, device_memory_gb)  # before any weight is read
     from cppo_jax.trainer import Trainer
 
     ensure_warm_start(cfg, log)
+    if cfg.mesh.auto:  # the warm start has written the model whose size was unknown
+        cfg = resolve_mesh(cfg, log, device_memory_gb)
     trainer = Trainer(cfg)
     host = trainer.host
     if host.earlier_run is not None:
@@ -242,10 +286,17 @@ def run(
             bar.close()  # before the summary: an open bar prints itself again when collected
         trainer.close()
     before, after = summary["before"], summary["after"]
+    # before and after on the same questions: the sample's share of the whole-split evaluation
+    same = "subset_" if "subset_accuracy" in after else ""
     log(
-        f"\nheld-out accuracy ({after['n']} questions): greedy {before['accuracy']:.1%} -> "
-        f"{after['accuracy']:.1%}, sampled (T = {cfg.rollout.temperature:g}, one each) "
-        f"{before['sampled_accuracy']:.1%} -> {after['sampled_accuracy']:.1%}"
+        f"\nheld-out accuracy ({before['n']} questions): greedy {before['accuracy']:.1%} -> "
+        f"{after[same + 'accuracy']:.1%}, sampled (T = {cfg.rollout.temperature:g}, one each) "
+        f"{before['sampled_accuracy']:.1%} -> {after[same + 'sampled_accuracy']:.1%}"
+        + (
+            f"; after, the whole split ({after['n']}): greedy {after['accuracy']:.1%}"
+            if same
+            else ""
+        )
     )
     if summary["phases"]:
         log("\n" + summary["phases"])
@@ -298,10 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device-memory-gb",
         type=float,
-        help="with trainer.dry_run=true: memory of one device, GB (default: this device's, if known)",
+        help="memory of one device, GB, for the plan and mesh=auto (default: this device's, if known; "
+        "with trainer.dry_run=true and --devices, a planned machine's)",
     )
     args = parser.parse_intermixed_args(argv)
-    from cppo_jax import distributed
+    from cppo_jax import distributed, layout
+
+    fraction_note = layout.set_gpu_memory_fraction()  # before JAX starts a GPU backend
 
     try:  # before anything touches a device (see cppo_jax/distributed.py for the sources)
         distributed.initialize(
@@ -333,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         log = print if distributed.is_main() else _quiet
+        if fraction_note:
+            log(fraction_note)
         run(cfg, log=log, num_devices=args.devices, device_memory_gb=args.device_memory_gb)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

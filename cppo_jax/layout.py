@@ -20,7 +20,44 @@ from cppo_jax.config_choices import BF16_MIN_LR
 from cppo_jax.config_run import MESH_AXES
 
 _BYTES = {"float32": 4, "bfloat16": 2}
-USABLE = 0.9  # of a device's memory: the rest is XLA workspace and fragmentation
+# The share of a device's memory the plan counts usable (the rest: what XLA and the driver keep, and
+# fragmentation). On GPUs `cppo_jax.launch` sets XLA_PYTHON_CLIENT_MEM_FRACTION to it before JAX starts
+# (JAX's own default preallocates 0.75), so the plan assumes what the run gets.
+USABLE_FRACTION = 0.9
+USABLE = USABLE_FRACTION  # the name the compile reports (aot_report, aot_fit) import
+MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# A GPU program fits in this share of the HBM: the pool JAX's allocator holds once the launch has set
+# XLA_PYTHON_CLIENT_MEM_FRACTION to it (the same fact: `plan --compile-for` judges by it).
+GPU_MEM_FRACTION = USABLE_FRACTION
+
+
+def set_gpu_memory_fraction(environ=None) -> str:
+    """Set XLA_PYTHON_CLIENT_MEM_FRACTION to `USABLE_FRACTION` unless it is set (it must be set
+    before JAX starts a GPU backend; CPUs and TPUs ignore it). Returns a line for the log when the
+    variable was already set to another value (the plan then judges against what JAX holds)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    given = environ.setdefault(MEM_FRACTION_VAR, f"{USABLE_FRACTION:g}")
+    if given == f"{USABLE_FRACTION:g}":
+        return ""
+    return (
+        f"{MEM_FRACTION_VAR}={given} is set: on a GPU JAX holds that share of its memory, and the "
+        f"plan judges against it (unset, the launch sets {USABLE_FRACTION:g})"
+    )
+
+
+def device_memory(device) -> int | None:
+    """The bytes of one device that the plan's `USABLE_FRACTION` is taken of (None: unknown, a CPU).
+
+    A GPU's `bytes_limit` is the pool JAX's allocator holds, XLA_PYTHON_CLIENT_MEM_FRACTION of the
+    device: the device is counted as bytes_limit / USABLE_FRACTION, so a plan fits exactly when its
+    peak fits that pool (the whole device when the fraction is the launch's). A TPU's is its HBM."""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    return int(limit / USABLE_FRACTION) if device.platform == "gpu" else int(limit)
 
 
 def _gib(n: float) -> str:
@@ -70,7 +107,7 @@ class MemoryPlan:
     unsharded: tuple[Unsharded, ...] = ()  # axes that do not divide a dimension they should shard
     snapshot: int = 0  # rollout.overlap: the params that sample the next step, in the compute dtype
     frozen: int = 0  # model.lora: the frozen base, in the compute dtype (params: the adapters)
-    merged: int = 0  # model.lora: the merged weights each rollout makes, in the compute dtype
+    merged: int = 0  # model.lora with a server: the merged weights a push makes (compute dtype)
 
     @property
     def activations(self) -> int:
@@ -94,7 +131,8 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        """peak <= 90% of the device (the rest: XLA workspace, fragmentation); None if unknown."""
+        """peak <= USABLE_FRACTION of the device (the rest: XLA workspace, fragmentation); None if
+        unknown."""
         return None if self.device_bytes is None else self.peak <= USABLE * self.device_bytes
 
 
@@ -181,8 +219,9 @@ def memory_plan(
 
     With LoRA (`tcfg.lora_rank` > 0, `lora_state.transformer_config`) the trained params, their AdamW
     moments and gradients are the adapters' (param dtype); the base is frozen in the compute dtype; no
-    reference copy (the reference is the base with the adapters off); each rollout makes the merged
-    weights (compute dtype), counted in the rollout peak.
+    reference copy (the reference is the base with the adapters off); the embedded sampler runs the
+    adapters unmerged on the base (`rollout_rows` > 0: no copy), while a push to a server makes the
+    merged weights (compute dtype), counted in the rollout peak.
     Params, AdamW moments, gradients, reference params and (`overlap`) the rollout snapshot are exact
     (the last two in the compute dtype, as `transformer.forward_copy` keeps them): every parameter's
     shard under `cppo_jax.sharding.RULES`; with fsdp > 1 one layer's weights and the vocabulary matrices are
@@ -192,10 +231,9 @@ def memory_plan(
       saved for the backward: compute-dtype layer input, two normed inputs and the mid-layer residual
         (4D), q/k/v before and after RoPE (2(H+2J)E), the attention output (HE), gate, up and their
         product (3F), and three float32 [H, T] score-sized buffers (scores, masked scores, probs);
-      with remat only the layer input (D) is kept per layer and one layer's set is rebuilt;
-      plus the backward's working set of one layer: three more float32 score-sized buffers.
-    The logits chunk is 3 float32 [rows, chunk, V] buffers (logits, probs, their gradient).
-    Fitted against XLA's buffer assignment of the train step on CPU (tests/test_sharding.py).
+      with remat only the layer input (D) per layer, one layer's set rebuilt; plus the backward's
+      work on one layer: three more float32 score-sized buffers. The logits chunk: 3 float32 [rows,
+    chunk, V] (logits, probs, their gradient). Fitted on XLA:CPU's buffers (tests/test_sharding.py).
     """
     axis = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
     dp, tp = axis["data"] * axis["fsdp"], axis["tensor"]
@@ -266,7 +304,7 @@ def memory_plan(
         if overlap
         else 0,
         frozen=forward_copy if adapters else 0,
-        merged=forward_copy if adapters else 0,
+        merged=forward_copy if adapters and not rollout_rows else 0,
     )
 
 
@@ -289,7 +327,7 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
         f"  training step peak {_gib(plan.train_peak)}; rollout peak (embedded KV cache "
         f"{_gib(plan.rollout_kv)}) {_gib(plan.rollout_peak)}",
     ]
-    lora = f"frozen base (compute dtype) {_gib(plan.frozen)}; merged weights per rollout {_gib(plan.merged)}"
+    lora = f"frozen base (compute dtype) {_gib(plan.frozen)}; merged weights per push {_gib(plan.merged)}"
     lines[3:3] = [f"  LoRA: the params above are the adapters; {lora}"] if plan.frozen else []
     lines += [f"  not sharded: {u.line()}" for u in plan.unsharded]
     if plan.fits is None:

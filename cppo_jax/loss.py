@@ -3,7 +3,8 @@
 Letters (docs/conventions.md): M kept (trained) sequences, C completion tokens, D model width, V
 vocabulary. The log-prob helper takes any [M, T] block of tokens (step.py passes the C completion
 positions); inside it, X chunks of c tokens. Static (Python) arguments: loss_type, beta, eps_low,
-eps_high, max_completion_len, tis_cap, chunk_size, return_entropy; everything else may be traced.
+eps_high, max_completion_len, tis_cap, cispo_cap, chunk_size, return_entropy; everything else may be
+traced.
 
 The loss mask is the caller's: `cppo.prune` builds it from the rollout's `valid_NC` and, with
 `cppo.mask_truncated`, `finished_N` (both from `rollout.sampling.completion_ends`).
@@ -99,8 +100,20 @@ def _masked_mean(x_MC: jax.Array, mask_MC: jax.Array) -> jax.Array:
     return jnp.sum(x_MC * mask_MC) / jnp.maximum(jnp.sum(mask_MC), 1.0)
 
 
+# How each loss_type averages its per-token terms: gspo is a mean over sequences (its terms are one
+# value per sequence), cispo a mean over all the batch's tokens (MiniMax-M1's 1 / sum_i |o_i|).
+AGGREGATION = {
+    "token_mean": "token_mean",
+    "seq_mean": "seq_mean",
+    "dr_grpo": "dr_grpo",
+    "gspo": "seq_mean",
+    "cispo": "token_mean",
+}
+
+
 def _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len):
     total = jnp.sum(per_token_MC * mask_MC)
+    loss_type = AGGREGATION[loss_type]
     if loss_type == "token_mean":
         return total / jnp.maximum(jnp.sum(mask_MC), 1.0)
     if loss_type == "seq_mean":
@@ -137,6 +150,7 @@ def policy_loss(
     max_completion_len: int | None = None,
     behav_logp_MC: jax.Array | None = None,
     tis_cap: float = 0.0,
+    cispo_cap: float = 5.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate plus k3 KL, aggregated by loss_type; returns (loss, metrics).
 
@@ -148,6 +162,13 @@ def policy_loss(
 
     loss_type: "token_mean" (released CPPO code: sum over masked tokens / their count),
     "seq_mean" (mean per sequence, then over sequences), "dr_grpo" (sum / (M * max_completion_len)).
+    Two other objectives replace the token ratio's surrogate (docs/concepts.md, "GSPO and CISPO"):
+    "gspo" (Zheng et al. 2025): one ratio per sequence, s = exp(masked mean of logp - old), the
+    term -min(s A, clip(s, 1 - eps_low, 1 + eps_high) A) per sequence, put on each of its tokens and
+    averaged as seq_mean (so the loss is the mean of the sequences' terms, as TRL's
+    importance_sampling_level="sequence"); "cispo" (MiniMax-M1, Chen et al. 2025): the term
+    -sg(min(ratio, cispo_cap)) A logp per token, no token dropped by a clip, averaged as token_mean;
+    cispo_cap (static) may be inf (the plain importance-sampled policy gradient).
     Micro-batched, token_mean is DAPO's token-level mean over the whole batch (`step._grads` weighs
     each micro-batch by its share of the tokens). Empty masks give a zero loss, never a division by
     zero.
@@ -173,9 +194,14 @@ def policy_loss(
     adv_M1 = adv_M.astype(dtype)[:, None]
     old_logp_MC = jax.lax.stop_gradient(old_logp_MC)
 
-    ratio_MC = jnp.exp(logp_MC - old_logp_MC)
-    clipped_MC = jnp.clip(ratio_MC, 1 - eps_low, 1 + eps_high)
-    per_token_MC = -jnp.minimum(ratio_MC * adv_M1, clipped_MC * adv_M1)
+    if loss_type == "cispo" and not cispo_cap > 0:
+        raise ValueError(
+            f"cispo_cap must be a static Python float > 0 (inf: no cap), got {cispo_cap!r}"
+        )
+
+    ratio_MC, per_token_MC = _surrogate(
+        logp_MC, old_logp_MC, adv_M1, mask_MC, loss_type, eps_low, eps_high, cispo_cap
+    )
     if tis_cap:
         tis_MC = tis_weights(old_logp_MC, behav_logp_MC, mask_MC, tis_cap)
         per_token_MC = tis_MC * per_token_MC
@@ -190,8 +216,12 @@ def policy_loss(
     loss = _aggregate(per_token_MC, mask_MC, loss_type, max_completion_len)
 
     ratio_MC = jax.lax.stop_gradient(ratio_MC)
-    low_MC = ((ratio_MC < 1 - eps_low) & (adv_M1 < 0)).astype(dtype)
-    high_MC = ((ratio_MC > 1 + eps_high) & (adv_M1 > 0)).astype(dtype)
+    if loss_type == "cispo":  # no clip region: "high" counts the tokens whose weight is capped
+        low_MC = jnp.zeros_like(ratio_MC)
+        high_MC = (ratio_MC > cispo_cap).astype(dtype)
+    else:
+        low_MC = ((ratio_MC < 1 - eps_low) & (adv_M1 < 0)).astype(dtype)
+        high_MC = ((ratio_MC > 1 + eps_high) & (adv_M1 > 0)).astype(dtype)
     metrics = {
         "loss": jax.lax.stop_gradient(loss),
         "kl": kl,
@@ -206,6 +236,24 @@ def policy_loss(
         metrics["tis/weight_mean"] = _masked_mean(tis_MC, mask_MC)
         metrics["tis/clipped_frac"] = _masked_mean((is_ratio_MC > tis_cap).astype(dtype), mask_MC)
     return loss, metrics
+
+
+def _surrogate(logp_MC, old_logp_MC, adv_M1, mask_MC, loss_type, eps_low, eps_high, cispo_cap):
+    """(ratio_MC, pg_MC): the importance ratio each token's terms use (GSPO: its sequence's, on
+    every token) and each token's policy-gradient term, by loss_type (see `policy_loss`)."""
+    if loss_type == "gspo":
+        count_M = jnp.maximum(jnp.sum(mask_MC, axis=1), 1.0)
+        log_s_M = jnp.sum((logp_MC - old_logp_MC) * mask_MC, axis=1) / count_M
+        s_M1 = jnp.exp(log_s_M)[:, None]
+        clipped_M1 = jnp.clip(s_M1, 1 - eps_low, 1 + eps_high)
+        pg_M1 = -jnp.minimum(s_M1 * adv_M1, clipped_M1 * adv_M1)
+        return jnp.broadcast_to(s_M1, logp_MC.shape), jnp.broadcast_to(pg_M1, logp_MC.shape)
+    ratio_MC = jnp.exp(logp_MC - old_logp_MC)
+    if loss_type == "cispo":
+        weight_MC = jax.lax.stop_gradient(jnp.minimum(ratio_MC, cispo_cap))
+        return ratio_MC, -weight_MC * adv_M1 * logp_MC
+    clipped_MC = jnp.clip(ratio_MC, 1 - eps_low, 1 + eps_high)
+    return ratio_MC, -jnp.minimum(ratio_MC * adv_M1, clipped_MC * adv_M1)
 
 
 def tis_weights(

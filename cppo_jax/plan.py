@@ -15,6 +15,7 @@ that does not split over the processes or the mesh's data axes, prompts longer t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -27,7 +28,16 @@ from cppo_jax.models.known import ModelSize, config_model_size
 from cppo_jax.models.known import transformer_config as base_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 
-__all__ = ["Plan", "choose_mesh", "not_fitting_error", "plan_report", "plan_run"]
+__all__ = [
+    "MeshChoice",
+    "NodeSplit",
+    "Plan",
+    "choose_mesh",
+    "node_split",
+    "not_fitting_error",
+    "plan_report",
+    "plan_run",
+]
 
 
 def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
@@ -147,12 +157,40 @@ def _memory_section(
         if num_devices
         else f"{planned} {devices[0].platform} device(s), {jax.process_count()} process(es)"
     )
-    mesh = cfg.mesh.sizes(planned)
+    if device_memory_gb is not None:
+        device_bytes = int(device_memory_gb * 1e9)
+    else:
+        device_bytes = layout.device_memory(devices[0])
     m = cfg.mesh
+    mesh, note = None, ""
+    if m.auto and size is not None:
+        platform = "gpu" if num_devices else devices[0].platform
+        try:
+            choice = choose_mesh(
+                cfg,
+                planned,
+                device_bytes,
+                platform=platform,
+                devices=None if num_devices else devices,
+            )
+            mesh, note = choice.plan.mesh, choice.note
+            if "model.attention=splash" in choice.overrides:
+                cfg = dataclasses.replace(
+                    cfg, model=dataclasses.replace(cfg.model, attention="splash")
+                )
+        except ConfigError:  # nothing fits: the plan of the smallest peak, and what fits instead
+            kw = layout.plan_kwargs(cfg, shapes, device_bytes)
+            tried = layout.pick_mesh(transformer_config(cfg, size), planned, shapes.Q, **kw)
+            mesh = min(tried, key=lambda p: p.peak).mesh if tried else None
+            note = "mesh=auto: no layout fits; the one of the smallest peak below"
+    mesh = mesh or m.sizes(planned)
+    config = "auto" if m.auto else "/".join(str(v) for v in m.explicit().values())
     lines.append(
         f"mesh: data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']} "
-        f"(config {m.data}/{m.fsdp}/{m.tensor}) over {where}"
+        f"(config {config}) over {where}"
     )
+    if note:
+        lines.append(f"  {note}")
     dp = mesh["data"] * mesh["fsdp"]
     if shapes.Q % dp:
         raise ConfigError(
@@ -177,11 +215,6 @@ def _memory_section(
         f"{tied} embeddings) from {size.source}"
     )
     tcfg = transformer_config(cfg, size)
-    if device_memory_gb is not None:
-        device_bytes = int(device_memory_gb * 1e9)
-    else:
-        stats = devices[0].memory_stats() or {}
-        device_bytes = stats.get("bytes_limit")
     plan = memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, device_bytes))
     lines.extend(memory_lines(plan, cfg.model.param_dtype))
     advice = ""
@@ -254,12 +287,57 @@ def not_fitting_error(plan: Plan) -> ConfigError:
     )
 
 
-def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> MemoryPlan:
-    """The layout a run of `cfg` on `num_devices` devices of `device_memory_gb` GB should use.
+@dataclasses.dataclass(frozen=True)
+class MeshChoice:
+    """What `choose_mesh` decided: the plan of the layout, the overrides that select it (`mesh.*`,
+    and `model.attention=splash` where it was chosen on TPUs) and a line saying why."""
 
-    A mesh set in the config or by overrides is kept (and checked); the default (everything on
-    `data`) is replaced by `layout.pick_mesh`'s choice. Raises ConfigError with the plan's figures and
-    layouts that fit when nothing does.
+    plan: MemoryPlan
+    overrides: tuple[str, ...]
+    note: str
+
+
+def _placeable(mesh: dict[str, int], devices, allow_split: bool) -> bool:
+    """Whether `mesh` maps onto `devices` (a TPU slice's torus may refuse a factorization)."""
+    from cppo_jax import sharding as sharding_lib
+
+    try:
+        sharding_lib.make_mesh(MeshConfig(**mesh), devices=devices, allow_split=allow_split)
+    except sharding_lib.MeshError:
+        return False
+    return True
+
+
+def _on_devices(plans: list[MemoryPlan], devices) -> list[MemoryPlan]:
+    """`plans` that `devices` can hold, in order: those placed without splitting a physical axis of
+    the torus, then those that need a split, each fitting ones first."""
+    strict = [p for p in plans if _placeable(p.mesh, devices, allow_split=False)]
+    split = [p for p in plans if p not in strict and _placeable(p.mesh, devices, allow_split=True)]
+    order = [[p for p in group if p.fits is not False] for group in (strict, split)]
+    return order[0] + order[1] + [p for p in strict + split if p.fits is False]
+
+
+def choose_mesh(
+    cfg: Config,
+    num_devices: int,
+    device_bytes: int | None,
+    *,
+    platform: str = "gpu",
+    devices=None,
+) -> MeshChoice:
+    """The layout a run of `cfg` on `num_devices` devices of `device_bytes` bytes each should use: the
+    one function behind `mesh=auto` in `cppo_jax.launch` and `launch/gpu_node.sh` (`--pick-mesh`).
+
+    A mesh set in the config or by overrides is kept (and checked against the questions per step).
+    `mesh=auto` (the default) takes `layout.pick_mesh`'s order: of the layouts whose data x fsdp
+    divides Q (tensor takes the rest of the devices, so a Q that 8 does not divide still runs on 8
+    devices with fewer data-parallel ones), the most data parallel that fits `layout.USABLE_FRACTION`
+    of the memory, then the fewest tensor shards. With `devices` given, only layouts that
+    `sharding.make_mesh` can place on them, first those that map onto a TPU slice's torus without
+    splitting a physical axis. On TPUs (`platform="tpu"`) with the
+    default einsum attention, the splash kernel's plan is taken when its peak is lower (it keeps no
+    [T, T] scores). Unknown memory (`device_bytes` None: a CPU): the first layout in that order.
+    Raises ConfigError with the plan's figures and the layouts that fit when nothing does.
     """
     from cppo_jax.cppo import shapes_of
 
@@ -270,25 +348,126 @@ def choose_mesh(cfg: Config, num_devices: int, device_memory_gb: float) -> Memor
             f"model.path={cfg.model.path!r}: no config.json there and no known model name, so the "
             f"memory of a layout cannot be planned"
         )
-    tcfg, device_bytes = transformer_config(cfg, size), int(device_memory_gb * 1e9)
+    tcfg = transformer_config(cfg, size)
     kw = layout.plan_kwargs(cfg, sh, device_bytes)
-    if cfg.mesh != MeshConfig():
+    advice = functools.partial(layout.fit_advice, cfg, tcfg, sh, num_devices, device_bytes or 0)
+
+    def ordered(tcfg) -> list[MemoryPlan]:  # mesh=auto's candidates, the one to use first
+        plans = layout.pick_mesh(tcfg, num_devices, sh.Q, **kw)
+        return plans if devices is None else _on_devices(plans, devices)
+
+    extra: tuple[str, ...] = ()
+    if not cfg.mesh.auto:
         mesh = cfg.mesh.sizes(num_devices)
         plans = [p for p in layout.pick_mesh(tcfg, num_devices, sh.Q, **kw) if p.mesh == mesh]
         if not plans:
             dp = mesh["data"] * mesh["fsdp"]
             raise ConfigError(
                 f"{layout.mesh_overrides(mesh)}: the {sh.Q} questions per step do not split over "
-                f"data x fsdp = {dp} devices; {layout.fit_advice(cfg, tcfg, sh, num_devices, device_bytes)}"
+                f"data x fsdp = {dp} devices; "
+                + (advice() if device_bytes else "set mesh.* so that data x fsdp divides Q")
             )
+        why = "set in the config"
     else:
-        plans = layout.pick_mesh(tcfg, num_devices, sh.Q, **kw)
-    if not plans or not plans[0].fits:
-        advice = layout.fit_advice(cfg, tcfg, sh, num_devices, device_bytes)
-        if plans:  # the figures of the layout that comes closest
-            raise not_fitting_error(Plan("", min(plans, key=lambda p: p.peak), advice))
-        raise ConfigError(advice)
-    return plans[0]
+        plans = ordered(tcfg)
+        why = "mesh=auto: the most data-parallel layout that fits, then the fewest tensor shards"
+        if platform == "tpu" and cfg.model.attention == "einsum" and plans:
+            alt = ordered(dataclasses.replace(tcfg, attention="splash"))
+            better = layout._preference  # a better layout fits with splash, or the same one lower
+            if better(alt[0]) < better(plans[0]) or (
+                alt[0].mesh == plans[0].mesh and alt[0].peak < plans[0].peak
+            ):
+                plans, extra = alt, ("model.attention=splash",)
+                why += "; model.attention=splash (TPU): its plan keeps no [T, T] attention scores"
+    if not plans:
+        raise ConfigError(
+            advice()
+            if device_bytes
+            else f"no layout of {num_devices} devices has data x fsdp dividing the {sh.Q} questions "
+            f"per step (or maps onto these devices): set cppo.questions_per_step or mesh.*"
+        )
+    best = plans[0]
+    if best.fits is False:
+        raise not_fitting_error(Plan("", min(plans, key=lambda p: p.peak), advice()))
+    if best.fits is None:
+        why += " (device memory unknown: not checked)"
+    overrides = tuple(layout.mesh_overrides(best.mesh).split()) + extra
+    note = f"mesh for {num_devices} device(s): {' '.join(overrides)} (peak {_gib(best.peak)} per device; {why})"
+    return MeshChoice(best, overrides, note)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSplit:
+    """One node's GPUs split between the vLLM server (`rollout`, served `parallel`-wise over
+    `serve_size` of them) and the trainer (`trainer`: its mesh=auto choice)."""
+
+    rollout: int
+    trainer: MeshChoice
+    parallel: str  # "tensor" (--tensor-parallel-size) or "data" (--data-parallel-size)
+    serve_size: int
+    note: str
+
+    def server_args(self) -> tuple[str, ...]:
+        if self.serve_size == 1:
+            return ()
+        return (f"--{self.parallel}-parallel-size", str(self.serve_size))
+
+
+def _serve_size(cfg: Config, gpus: int, parallel: str) -> int:
+    """How many of the server's `gpus` vLLM uses: all of them data-parallel; tensor-parallel, the
+    largest count that divides both `gpus` and the attention heads (vLLM's rule)."""
+    if parallel == "data":
+        return gpus
+    size = config_model_size(cfg)
+    heads = int(size.hf_config.get("num_attention_heads", 1)) if size else 1
+    return max(d for d in range(1, gpus + 1) if gpus % d == 0 and heads % d == 0)
+
+
+def node_split(
+    cfg: Config,
+    gpus: int,
+    device_bytes: int | None,
+    *,
+    rollout_gpus: int = 0,
+    parallel: str = "tensor",
+) -> NodeSplit:
+    """The split of a node's `gpus` GPUs that `launch/gpu_node.sh` runs: the trainer gets the most
+    GPUs (at most `gpus` - 1) on which `choose_mesh` finds a layout that fits and shards every weight
+    dimension its axes are meant to (no `Unsharded` line: 7 GPUs split no Qwen head count), the vLLM
+    server the rest, generation being most of a step (8 x 80 GB: 4 + 4 for both paper configs; 8 x
+    141 GB: 6 trainer GPUs + 2 serving for math7b's Q = 24). `rollout_gpus` > 0 fixes the server's
+    share instead. The server spreads the model over its GPUs `parallel`-wise: tensor (one engine,
+    which every weight push reaches through /collective_rpc) or data (an engine per GPU, faster for a
+    model one GPU holds). Raises ConfigError naming what was tried when no split fits."""
+    if gpus < 2 or not 0 <= rollout_gpus < gpus:
+        raise ConfigError(
+            f"--gpus {gpus} --rollout-gpus {rollout_gpus}: a node needs at least one GPU for the "
+            f"server and one for the trainer"
+        )
+    counts = [gpus - rollout_gpus] if rollout_gpus else list(range(gpus - 1, 0, -1))
+    tried = []
+    for t in counts:
+        try:
+            choice = choose_mesh(cfg, t, device_bytes)
+        except ConfigError as e:
+            tried.append(f"{t} GPUs: {str(e).split(' per device')[0].split(';')[0]}")
+            continue
+        if choice.plan.unsharded and not rollout_gpus and cfg.mesh.auto:
+            tried.append(f"{t} GPUs: {choice.plan.unsharded[0].line().split(':')[0]}")
+            continue
+        r = gpus - t
+        size = _serve_size(cfg, r, parallel)
+        idle = f", {r - size} idle (the heads do not split {r} ways)" if size < r else ""
+        note = (
+            f"node of {gpus} GPUs: vLLM on {r} ({parallel}-parallel over {size}{idle}), the "
+            f"trainer on {t} with {' '.join(choice.overrides)}"
+        )
+        if len(counts) > 1 and tried:
+            note += f"; more trainer GPUs do not fit or split the model ({'; '.join(tried)})"
+        return NodeSplit(r, choice, parallel, size, note)
+    raise ConfigError(
+        f"no split of {gpus} GPUs gives the trainer a layout that fits: " + "; ".join(tried)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,6 +497,32 @@ def main(argv: list[str] | None = None) -> int:
         "--device-memory-gb); exit 2 with the plan's figures when none does",
     )
     parser.add_argument(
+        "--split-node",
+        type=int,
+        metavar="GPUS",
+        help="print the split of a node of GPUS GPUs of --device-memory-gb GB between the vLLM server "
+        "and the trainer (what launch/gpu_node.sh runs): a line 'ROLLOUT_GPUS SERVE_ARGS... -- "
+        "OVERRIDES...', then the trainer's plan",
+    )
+    parser.add_argument(
+        "--rollout-gpus",
+        type=int,
+        default=0,
+        help="with --split-node: the server's GPUs (0: chosen)",
+    )
+    parser.add_argument(
+        "--rollout-parallel",
+        choices=("tensor", "data"),
+        default="tensor",
+        help="with --split-node: how vLLM spreads the model over its GPUs",
+    )
+    parser.add_argument(
+        "--platform",
+        choices=("gpu", "tpu"),
+        default="gpu",
+        help="with --pick-mesh: the devices' kind (tpu also weighs model.attention=splash)",
+    )
+    parser.add_argument(
         "--compile-for",
         metavar="TARGET",
         help="compile the run's programs for TARGET without its devices and report the compiler's "
@@ -339,16 +544,31 @@ def main(argv: list[str] | None = None) -> int:
         return _compile_for(args)
     if args.pick_mesh and (args.devices is None or args.device_memory_gb is None):
         parser.error("--pick-mesh needs --devices N and --device-memory-gb GB")
+    if args.split_node and args.device_memory_gb is None:
+        parser.error("--split-node needs --device-memory-gb GB")
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.pick_mesh:
-            chosen = choose_mesh(cfg, args.devices, args.device_memory_gb)
-            print(layout.mesh_overrides(chosen.mesh))
-            print(
-                f"mesh for {args.devices} x {args.device_memory_gb:g} GB: "
-                f"{layout.mesh_overrides(chosen.mesh)} (peak {_gib(chosen.peak)} per device)",
-                file=sys.stderr,
+        if args.split_node:
+            split = node_split(
+                cfg,
+                args.split_node,
+                int(args.device_memory_gb * 1e9),
+                rollout_gpus=args.rollout_gpus,
+                parallel=args.rollout_parallel,
             )
+            print(
+                " ".join((str(split.rollout), *split.server_args(), "--", *split.trainer.overrides))
+            )
+            print(split.note)
+            print(split.trainer.note)
+            print("\n".join(memory_lines(split.trainer.plan, cfg.model.param_dtype)))
+            return 0
+        if args.pick_mesh:
+            chosen = choose_mesh(
+                cfg, args.devices, int(args.device_memory_gb * 1e9), platform=args.platform
+            )
+            print(" ".join(chosen.overrides))
+            print(f"{chosen.note}, of {args.device_memory_gb:g} GB", file=sys.stderr)
             return 0
         plan = plan_run(cfg, args.devices, args.device_memory_gb)
         print(plan.text)

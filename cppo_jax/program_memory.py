@@ -38,6 +38,7 @@ reference during the update) and takes the largest: what `aot_fit` picks a mesh 
 from __future__ import annotations
 
 from cppo_jax import layout
+from cppo_jax.aot_gpu import GPUS
 from cppo_jax.layout import _BYTES, _param_shapes, _shard_bytes, _split
 from cppo_jax.rollout.segments import SEGMENT_LEN, segment_ends
 
@@ -56,10 +57,31 @@ REF_SCORE_BUFFERS = {"v5e": 2}
 GATHERS_APART = ("v6e",)
 
 
+def planned_model(cfg):
+    """The TransformerConfig the programs of `cfg` are built for: the model's, with `model.lora`'s
+    adapters when enabled (`programs.model_config` gives the base's alone)."""
+    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.models.known import config_model_size, transformer_config
+
+    size = config_model_size(cfg)
+    if size is None:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r}: no config.json there and no known model name, so its "
+            f"programs cannot be planned"
+        )
+    tcfg = transformer_config(cfg, size)
+    if not cfg.model.lora.enabled:
+        return tcfg
+    from cppo_jax.models import lora_state
+
+    return lora_state.transformer_config(tcfg, cfg.model.lora)
+
+
 def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> dict[str, int]:
     """Per-device bytes of each program of a step of `cfg` (see the module docstring) compiled
     for `target` (a topology name, `v5e:2x4`: its generation picks the terms that differ)."""
     generation = target.split(":")[0]
+    gpu = generation in GPUS  # XLA:GPU's buffer assignment differs where `gpu` is tested below
     kw = layout.plan_kwargs(cfg, shapes, None)
     plan = layout.memory_plan(tcfg, mesh, **kw)
     axis = plan.mesh
@@ -75,7 +97,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         for path, shape, names in params_shapes
         if path[0] in VOCAB
     )
-    layers_copy = (plan.params - vocab_shard) * cb // pb if pb != cb else 0
+    lora = bool(plan.frozen)  # the params are the adapters; the base is frozen in the compute dtype
+    layers_copy = (plan.params - vocab_shard) * cb // pb if pb != cb and not lora else 0
     vocab_c = V * D * cb  # one vocabulary matrix whole over fsdp, in the compute dtype
     # The unembedding gathered in the compute dtype, its gradient whole and that gradient's sum
     # over devices (the embedding is looked up in its shard); without fsdp the cast and gradient.
@@ -85,6 +108,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
     # summed (read from the buffer assignment of the 1.5B step on v5p-8, and within 5% of the
     # compiler for the 1.5B on fsdp = 2 and 4; the untied 7B on fsdp = 8 holds more: 0.82).
     vocab_train += 2 * V * D * 4 // fsdp
+    if lora:  # a frozen vocabulary: no gradient of it; with fsdp > 1 the matrix gathered for use
+        vocab_train = vocab_c if fsdp > 1 else 0
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
     if cfg.trainer.pack:  # R rows: tokens, segments, positions; the M sequences' [C] arrays
@@ -106,22 +131,28 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # 2 x f32[48,1535,3584] and 2 x f32[73680,3584], 7 x bf16[48,1535,3584]; the 1.5B's at
         # 1/1/4 holds the same kinds (bf16[16,1535,2240], f32[16,1535,1536], bf16[16,1535,1536]).
         backward = 6 * cb * F + (4 * 4 + 7 * cb) * D
-        activations = n * T * (L * kept[tcfg.remat] + 3 * H * scores + backward)
+        if lora:  # each adapted projection's x A (rank wide) and s (x A) B (its output's width)
+            outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
+            backward += cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
+        kept_all = n * T * L * kept[tcfg.remat]
+        work = n * T * (3 * H * scores + backward)
         # and the probabilities cast to the compute dtype for the values' einsum (`attend`), kept
         # for the backward of the layer rebuilt: bf16[16,2,6,1535,1535] of the 1.5B at 1/1/8 on
         # v5e, bf16[16,3,1535,1535] at 1/1/4 on v5p, bf16[6,4,7,1535,1535] of the 7B on v6e.
-        activations += n * T * H * scores * cb // 4
+        work += n * T * H * scores * cb // 4
     else:  # save_all: not compiled at these sizes; the plan's (CPU-fitted) estimate
-        activations = plan.activations_no_remat
-    out = {
-        "train_step": 3 * plan.params
-        + n_all * row
-        + plan.grads
-        + plan.logits_chunk
-        + activations
-        + vocab_train
-        + layers_copy
-    }
+        kept_all, work = plan.activations_no_remat, 0
+    resident = 3 * plan.params + plan.frozen + n_all * row + plan.grads + kept_all
+    if gpu:
+        # XLA:GPU (the 1.5B's step at 1/1/1 on h100, `xla_dump_to`'s memory-usage report): the
+        # layers' weights are cast one layer at a time inside the loop (bf16[1,8960,1536], no
+        # bf16[28, ...] copy), and the vocabulary's phase (its float32 gradient buffers, the
+        # compute-dtype casts, the logits chunk), which runs before the layers' backward, reuses
+        # the heap that the rebuilt layer's work takes after it: four f32[16,12,1535,1535]-sized
+        # slots hold the scores, the MLP buffers and the bf16 unembedding in turn.
+        out = {"train_step": resident + max(work, vocab_train + plan.logits_chunk)}
+    else:
+        out = {"train_step": resident + plan.logits_chunk + work + vocab_train + layers_copy}
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         # Float32 score buffers [rows, H, T, T] (one: the softmax computed in place of the scores;
@@ -131,6 +162,11 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # query heads: the rules (`sharding.logical_spec`) then replicate attention over tensor.
         buffers = REF_SCORE_BUFFERS.get(generation, 1)
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
+        if gpu:  # XLA:GPU holds the float32 scores, their compute-dtype cast and the float32
+            # queries at once (the 1.5B's reference: 2.73 GiB of temporaries at 1/1/1 and at
+            # 1/1/8 alike); the MLP's products and the logits come later, in the same heap
+            attention = n_all * T * (H * scores * (4 + cb) // 4 + 4 * H * E)
+            forward = max(attention, n_all * T * 2 * F * cb, logits)
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
         # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
@@ -139,16 +175,22 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             work = max(forward, 2 * vocab_c)
         else:
             work = forward + gathered_c
-        out["ref_logps"] = plan.reference + n_all * (T + 1) * 5 + work
+        # (LoRA: the reference is the frozen base's forward, the base its argument)
+        out["ref_logps"] = plan.reference + plan.frozen + n_all * (T + 1) * 5 + work
     if cfg.rollout.backend == "embedded":
         rows = shapes.Q * shapes.G
         N = _split(rows, dp) if rows % dp == 0 else rows
         # Keys and values of every cache segment: the compiler keeps each segment's buffer, not
         # only the one being grown into (`segments.segment_ends`: 64 + 128 + ... + C slots).
         slots = sum(segment_ends(C, SEGMENT_LEN)) if C > 1 else 0
+        if gpu:  # the last segment's keys and values (bf16[28,8,2,16,1024,128] each of the
+            # 1.5B at 1/1/1 on h100) hold their own slots; the smaller segments share slots
+            # with the weight copies and with each other (the 896, 448 and 445 MiB slots)
+            slots = C
         kv = 2 * L * _sampler_kv_heads(tcfg, tp) * E * slots * N * cb
-        vocab_copy = 2 * vocab_shard * cb // pb if pb != cb else 0  # the lookup's and the logits'
-        out["sampler"] = plan.params + layers_copy + vocab_copy + kv + 2 * N * V * 4
+        vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
+        weights = plan.frozen if lora else plan.params  # LoRA: it samples with the base's weights
+        out["sampler"] = weights + layers_copy + vocab_copy + kv + 2 * N * V * 4
     return out
 
 
@@ -170,6 +212,8 @@ def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
     the overlap snapshot (compute-dtype copies)."""
     plan = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, None))
     out = {"params": plan.params, "opt_state": plan.opt_state}
+    if plan.frozen:
+        out["base"] = plan.frozen
     if plan.reference:
         out["reference"] = plan.reference
     if plan.snapshot:
@@ -178,10 +222,10 @@ def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
 
 
 ARGS_OF = {  # the resident state each program takes as arguments (the rest is alive beside it)
-    "train_step": ("params", "opt_state"),
-    "ref_logps": ("reference",),
-    "old_logps": ("snapshot",),
-    "sampler": ("params",),
+    "train_step": ("params", "opt_state", "base"),
+    "ref_logps": ("reference", "base"),
+    "old_logps": ("snapshot", "base"),
+    "sampler": ("params", "base"),
 }
 
 

@@ -158,7 +158,7 @@ def build(cfg: Config, devices) -> Built:
 
     With `model.lora` the train step and log-probs take the adapters and the frozen base (resident
     as `base`, in the compute dtype), the reference is the base's forward without adapters, and the
-    sampler runs the merged weights (a compute-dtype copy made per rollout: its argument)."""
+    embedded sampler runs the adapted model (the adapters unmerged on the base: no copy made)."""
     from cppo_jax.models import lora_state
     from cppo_jax.models.transformer import Transformer, forward_copy
 
@@ -229,7 +229,7 @@ def build(cfg: Config, devices) -> Built:
             train_step=("params", "opt_state", "base"),
             ref_logps=("base",),
             old_logps=("snapshot", "base"),
-            sampler=(),  # the merged weights, made for the rollout, beside the run's state
+            sampler=("params", "base"),  # the adapters unmerged on the base (`adapted_params`)
         )
     if cfg.cppo.beta > 0 and lora:
         _, base_logps = step_lib.compiled(plain_graphdef, tx, spec, mesh, base, sh.M)
@@ -274,9 +274,9 @@ def build(cfg: Config, devices) -> Built:
     if cfg.rollout.backend == "embedded":
         stop_ids, pad_id = _tokenizer_ids(cfg)
         sp = sampling_params(cfg, sh, stop_ids, pad_id)
-        weights = base if lora else params
+        weights = nnx.merge_state(params, base) if lora else params
         placed = sampler_shardings(mesh, weights, sh.Q, sh.P, sh.G, sp)
-        sampler = make_sampler(plain_graphdef or graphdef, sh.G, sp, placed)
+        sampler = make_sampler(graphdef, sh.G, sp, placed)
         prompts = tuple(
             rows_of(shape, dtype, s)
             for shape, dtype, s in zip(

@@ -3,7 +3,8 @@
 
   Data       the prompts: tokenizer, train/validation/test sets, question order, GRESO skipper
   Actor      the trained policy's programs: the compiled train step and log-probs, the optimizer,
-             with LoRA the frozen base and the merge into plain weights, the packer (`trainer.pack`)
+             with LoRA the frozen base, the adapted model's state (adapters unmerged on it: the
+             embedded sampler's) and the merge into plain weights, the packer (`trainer.pack`)
   Reference  the reference policy (beta > 0): its forward-only weights and their log-probs
   Rollout    the sampler: the backend (embedded or vLLM) and its weight push
   Host       the run's host side: run folder, reward pool, log, checkpoints, profiler
@@ -123,8 +124,16 @@ class Actor:
 
     def policy_params(self, params):
         """`params` as weights of `graphdef`: themselves, or with LoRA the base with the adapters
-        merged in (W + s A B, in the compute dtype), for the sampler, evaluation, pushes, exports."""
+        merged in (W + s A B, in the compute dtype), for a vLLM server's merged pushes and exports."""
         return params if self.merge is None else self.merge(params, self.frozen, self.model_cfg)
+
+    def adapted_params(self, params):
+        """`params` as weights of `train_graphdef`: themselves, or with LoRA the adapters beside the
+        frozen base, unmerged (the model computes W x + s (x A) B, as the train step and vLLM do).
+        The embedded sampler's: a merge rounds W + s A B to the compute dtype, which in bfloat16
+        loses every update under half an ulp of W, so the sampler would draw from the base while the
+        loss takes its samples as on-policy. No copy of the weights is made."""
+        return params if self.frozen is None else nnx.merge_state(params, self.frozen)
 
     def logps_of(self, params, tokens_MT, valid_MT, packed: PackedBatch | None = None):
         """`params`' completion log-probs of the kept sequences (of the packed rows when given)."""
@@ -239,6 +248,12 @@ class Rollout:
     mesh: object
     seed: int
     G: int
+    unmerged: bool = False  # LoRA, embedded: the sampler runs the adapters unmerged on the base
+
+    def weights(self, actor: Actor, params):
+        """The trained `params` as the backend's weights: the adapted model's (adapters unmerged,
+        `Actor.adapted_params`) when `unmerged`, else the plain model's (`Actor.policy_params`)."""
+        return actor.adapted_params(params) if self.unmerged else actor.policy_params(params)
 
     def draw(self, weights, data: Data, step: int) -> StepRollout:
         """`step`'s questions and G completions each sampled from `weights` (`graphdef`'s)."""
@@ -257,8 +272,19 @@ class Rollout:
 
 
 def build_rollout(
-    cfg: Config, shapes: cppo.Shapes, tokenizer: Tokenizer, graphdef, out_dir: Path, mesh
+    cfg: Config,
+    shapes: cppo.Shapes,
+    tokenizer: Tokenizer,
+    graphdef,
+    out_dir: Path,
+    mesh,
+    actor=None,
 ) -> Rollout:
+    """The rollout of `graphdef`'s weights; given the `actor`, the embedded sampler of a LoRA run
+    runs its adapted model instead (`train_graphdef`: adapters unmerged, `Actor.adapted_params`)."""
+    unmerged = actor is not None and actor.frozen is not None and cfg.rollout.backend == "embedded"
+    if unmerged:
+        graphdef = actor.train_graphdef
     sp = programs.sampling_params(cfg, shapes, tokenizer.stop_ids, tokenizer.pad_id)
     if cfg.rollout.overlap and jax.process_count() > 1:
         # The background rollout would run process 0's broadcasts beside the step's collectives.
@@ -267,7 +293,7 @@ def build_rollout(
             "trainer processes yet; use rollout.overlap=0"
         )
     backend = make_backend(cfg.rollout, graphdef, sp, out_dir, mesh=mesh)
-    return Rollout(backend, sp, mesh, cfg.trainer.seed, shapes.G)
+    return Rollout(backend, sp, mesh, cfg.trainer.seed, shapes.G, unmerged)
 
 
 def run_folder(cfg: Config) -> tuple[Path, Path | None]:
@@ -361,7 +387,7 @@ def build(cfg: Config, model_path: str | Path | None = None) -> Roles:
     actor, params, opt_state = build_actor(cfg, model, shapes, mesh, data.num_steps, path, data)
     del model
     reference = build_reference(cfg, actor, params, shapes, mesh)
-    rollout = build_rollout(cfg, shapes, tokenizer, actor.graphdef, out_dir, mesh)
+    rollout = build_rollout(cfg, shapes, tokenizer, actor.graphdef, out_dir, mesh, actor)
     host = build_host(cfg, out_dir, earlier, data)
     if actor.packer is not None:  # how R was chosen (trainer.pack_rows=auto: from the data)
         packer = actor.packer

@@ -39,6 +39,26 @@ CHIPS = {
     "TPU v5": Chip("v5p", 95 * GiB, 459e12, 2765e9, "cloud.google.com/tpu/docs/v5p"),
     "TPU v6 lite": Chip("v6e", 32 * GiB, 918e12, 1640e9, "cloud.google.com/tpu/docs/v6e"),
 }
+# NVIDIA GPUs (`--compile-for h100:8`): HBM and bandwidth from the spec the compiler reads
+# (`aot_gpu.spec_field`, XLA's figures as CUDA reports them), peak dense bf16 FLOP/s (tensor cores,
+# without sparsity) from NVIDIA's datasheets (nvidia.com/en-us/data-center/h100, /h200, /a100,
+# /dgx-b200: the per-GPU figure).
+GPU_BF16_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12}
+
+
+def _gpu_chips() -> dict[str, Chip]:
+    from cppo_jax import aot_gpu
+
+    out = {}
+    for gpu, flops in GPU_BF16_FLOPS.items():
+        spec = f"XLA's {aot_gpu.GPUS[gpu]} spec; NVIDIA datasheet"
+        hbm = int(aot_gpu.spec_field(gpu, "device_memory_size"))
+        bandwidth = aot_gpu.spec_field(gpu, "memory_bandwidth")
+        out[aot_gpu.device_name(gpu)] = Chip(gpu, hbm, flops, bandwidth, spec)
+    return out
+
+
+CHIPS.update(_gpu_chips())
 
 
 def devices_per_chip(devices) -> int:

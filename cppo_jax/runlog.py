@@ -200,7 +200,10 @@ def plot_curves(history: list[dict], evals: list[dict], path: Path) -> None:
     ax1.legend()
     for split in sorted({e.get("split", "test") for e in evals}):
         rows = [e for e in evals if e.get("split", "test") == split]
-        ax2.plot([e["step"] for e in rows], [e["accuracy"] for e in rows], marker="o", label=split)
+        # The same questions at every point: the last (whole-split) evaluation's share of the
+        # sample the earlier ones scored (`trainer.eval_subset`).
+        accs = [e.get("subset_accuracy", e["accuracy"]) for e in rows]
+        ax2.plot([e["step"] for e in rows], accs, marker="o", label=split)
     if evals:
         ax2.legend()
     ax2.set_xlabel("step")

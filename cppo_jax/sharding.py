@@ -53,8 +53,15 @@ class MeshError(ConfigError):
     """The mesh does not fit the devices or the batch; the message names the config keys."""
 
 
-def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all), -1 resolved to the rest."""
+def make_mesh(
+    cfg: MeshConfig, devices: Sequence[jax.Device] | None = None, *, allow_split: bool = True
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all), -1 resolved to the rest.
+
+    On a TPU slice JAX places the axes along the torus; a shape it cannot place without splitting a
+    physical axis (16 chips as 4 x 4 and a mesh 8 x 1 x 2, say) is placed splitting one
+    (`allow_split_physical_axes`: the same program, some collectives over longer paths) when
+    `allow_split`, else, or when that fails too, a MeshError naming the mesh and the torus."""
     devices = list(jax.devices() if devices is None else devices)
     try:
         sizes = cfg.sizes(len(devices))
@@ -62,7 +69,30 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         raise MeshError(str(e)) from None
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    except (NotImplementedError, ValueError, AssertionError) as e:
+        first = e
+    if allow_split:
+        from jax.experimental import mesh_utils
+
+        try:
+            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+            return Mesh(grid, MESH_AXES, axis_types=auto)
+        except (NotImplementedError, ValueError, AssertionError):
+            pass
+    coords = [getattr(d, "coords", None) for d in devices]
+    torus = (
+        " x ".join(str(max(c[i] for c in coords) + 1) for i in range(len(coords[0])))
+        if coords and all(coords)
+        else "unknown"
+    )
+    given = " ".join(f"mesh.{a}={sizes[a]}" for a in MESH_AXES)
+    raise MeshError(
+        f"{given} cannot be placed on the slice's torus of {torus} ({len(devices)} "
+        f"{devices[0].platform} devices){'' if allow_split else ' without splitting a physical axis'}: {first}; "
+        f"choose sizes that factor the torus, or leave the mesh to mesh=auto"
+    ) from None
 
 
 def data_parallel_size(mesh: Mesh) -> int:

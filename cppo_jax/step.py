@@ -56,6 +56,7 @@ class StepSpec:
     micro_batch: int = 0
     logp_chunk: int = 64
     tis_cap: float = 0.0  # > 0: truncated importance sampling against batch.behav_logp_MC
+    cispo_cap: float = 5.0  # loss_type="cispo": the cap of its token weight
 
     @classmethod
     def make(cls, algo: CPPOConfig, prompt_len: int, completion_len: int, temperature: float, **kw):
@@ -69,6 +70,7 @@ class StepSpec:
             mu=algo.mu,
             max_completion_len=completion_len,
             tis_cap=algo.tis_cap,
+            cispo_cap=algo.cispo_cap,
             **kw,
         )
 
@@ -129,6 +131,7 @@ def _loss_fn(params, graphdef, batch: Batch | PackedBatch, spec: StepSpec, first
         max_completion_len=spec.max_completion_len,
         behav_logp_MC=batch.behav_logp_MC if spec.tis_cap else None,
         tis_cap=spec.tis_cap,
+        cispo_cap=spec.cispo_cap,
     )
     # TRL's `entropy`: masked token mean of the policy's next-token entropy (at the temperature).
     mask_MC = batch.mask_MC.astype(jnp.float32)
@@ -153,7 +156,8 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None, frozen=No
     if M % m:
         raise ValueError(f"trainer.micro_batch={m} must divide the {M} kept sequences of a step")
     # Gradient accumulation: equal-size micro-batches, averaged (exact for seq-level means of equal
-    # weight; token_mean is re-weighted by each micro-batch's share of the masked tokens).
+    # weight; token-level means, token_mean and cispo, are re-weighted by each micro-batch's share of
+    # the masked tokens).
     # Micro-batch j holds rows j, j + M/m, j + 2M/m, ...: with the rows split over devices in
     # contiguous blocks, every micro-batch takes m/devices rows from each device, without moving any.
     micro = Batch(*(_strided_split(x, m) for x in batch))
@@ -161,7 +165,7 @@ def _grads(params, graphdef, batch: Batch, spec: StepSpec, first=None, frozen=No
 
     def body(acc, mb: Batch):
         (loss, (metrics, logp_mC)), grads = grad_fn(params, graphdef, mb, spec, first, frozen)
-        if spec.loss_type == "token_mean":
+        if loss_lib.AGGREGATION[spec.loss_type] == "token_mean":
             w = mb.mask_MC.sum() / tokens_total
         else:
             w = 1.0 / (M // m)

@@ -83,8 +83,13 @@ class Trainer:
         return {"params": self.params, "opt_state": self.opt_state}
 
     def policy_params(self):
-        """The current params as the sampler's, evaluation's and exports' weights (`Actor`)."""
+        """The current params as a plain model's weights: exports', merged pushes' (`Actor`)."""
         return self.actor.policy_params(self.params)
+
+    def sampler_params(self, params=None):
+        """`params` (the current ones by default) as the rollout backend's weights: with LoRA on
+        the embedded sampler the adapters unmerged on the base (`Rollout.weights`)."""
+        return self.rollout.weights(self.actor, self.params if params is None else params)
 
     def save(self, step: int) -> None:
         """Checkpoint `step` (`trainer_run.save`)."""
@@ -158,7 +163,7 @@ class Trainer:
             times["rollout"] += self.overlap.wait()
         if (step + 1) % cfg.rollout.push_every == 0:
             with prof.phase("weight_sync", times):
-                metrics.update(self.rollout.push(self.policy_params(), step + 1))
+                metrics.update(self.rollout.push(self.sampler_params(), step + 1))
         metrics.update(m)  # with the learning rate and cppo/tokens_trained
         metrics.update(
             {
@@ -175,7 +180,7 @@ class Trainer:
 
     def _rollout(self, params, step: int) -> StepRollout:
         """Draw `step`'s questions and sample G completions each from `params`."""
-        return self.rollout.draw(self.actor.policy_params(params), self.data, step)
+        return self.rollout.draw(self.sampler_params(params), self.data, step)
 
     def _finish(self, step, metrics, times, t0, texts, batch) -> dict:
         times["step"] = time.perf_counter() - t0
@@ -217,10 +222,16 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def evaluate(
-        self, step: int, batch_size: int = 64, split: str = "test", sampled: bool = False
+        self,
+        step: int,
+        batch_size: int = 64,
+        split: str = "test",
+        sampled: bool = False,
+        whole: bool = False,
     ) -> dict:
-        """Held-out accuracy of the current params (`trainer_eval.evaluate`), logged and kept in `evals`."""
-        return trainer_eval.evaluate(self, step, batch_size, split, sampled)
+        """Held-out accuracy of the current params (`trainer_eval.evaluate`: the test split's
+        `trainer.eval_subset` sample unless `whole`), logged and kept in `evals`."""
+        return trainer_eval.evaluate(self, step, batch_size, split, sampled, whole)
 
     def train(self, progress=None) -> dict:
         """The whole run (`trainer_run.train`); returns a summary."""

@@ -1,10 +1,12 @@
 """The run around the step: resume, evaluations at their times, checkpoints, stops, the summary.
 
-`train(trainer)` is `Trainer.train`: resume if asked, push the weights, evaluate (test split, greedy and
-sampled) and validate, then the steps, each logged, with an evaluation every `trainer.eval_every` steps
-(validation when a validation split is held out) and a checkpoint every `trainer.checkpoint_every`; then
-the last checkpoint, validation, the final policy as a Hugging Face folder `export/`, evaluation and the
-run's files (`trainer_eval.write_summary`). `save` and `maybe_resume` write and read the checkpoints:
+`train(trainer)` is `Trainer.train`: resume if asked, compile the first step's program (vLLM backend:
+while the server may still be loading), push the weights, evaluate (a sample of the test split,
+`trainer.eval_subset`, greedy and sampled) and validate, then the steps, each logged, with an evaluation
+every `trainer.eval_every` steps (validation when a validation split is held out) and a checkpoint every
+`trainer.checkpoint_every`; then the last checkpoint, validation, the final policy as a Hugging Face
+folder `export/`, evaluation of the whole test split and the run's files (`trainer_eval.write_summary`).
+`save` and `maybe_resume` write and read the checkpoints:
 the trained state (`Trainer.state`) and the counters, the skipper's state and what the params are (LoRA
 adapters or a full model's weights).
 
@@ -30,7 +32,6 @@ from cppo_jax.trainer_update import compile_ahead
 def train(trainer, progress=None) -> dict:
     """The whole run: resume if asked, evaluate, train, checkpoint, evaluate; returns a summary."""
     trainer.maybe_resume()
-    trainer.rollout.push(trainer.policy_params(), trainer.start_step)
     # What set-up built (data, tokenizer, model, caches) lives for the whole run: one full collection,
     # then out of the collector's sight until the run ends. Tracing and lowering allocate fast enough
     # to set off full collections, each a pass over all of it (a third of a second in the demo's first
@@ -46,11 +47,13 @@ def train(trainer, progress=None) -> dict:
 def _run(trainer, progress) -> dict:
     cfg = trainer.cfg.trainer
     # A rollout server started beside the trainer may still be loading: the first step's program is
-    # compiled meanwhile. A signal during this wait ends the run at once, as no handler is installed
-    # yet: nothing was trained, so nothing is lost.
+    # compiled meanwhile, then the server is waited for and the weights pushed (a failed push is
+    # checkpointed like one after a step). A signal during this wait ends the run at once, as no
+    # handler is installed yet: nothing was trained, so nothing is lost.
     if trainer.cfg.rollout.backend == "vllm":
         trainer.host.log.event("compiled_ahead", **compile_ahead(trainer))
     trainer.rollout.wait_ready()
+    guarded(trainer, trainer.start_step, lambda s: trainer.rollout.push(trainer.policy_params(), s))
     with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.stopping)
         before = trainer.evaluate(trainer.start_step, sampled=True)
         trainer_eval.validate(trainer, trainer.start_step)
@@ -84,7 +87,7 @@ def _run(trainer, progress) -> dict:
     )
     if actor.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
         save_adapter(trainer.params, actor.model_cfg, out_dir / ADAPTER_DIR, actor.model_path)
-    after = trainer.evaluate(trainer.num_steps, sampled=True)
+    after = trainer.evaluate(trainer.num_steps, sampled=True, whole=True)  # as the paper scores
     table = trainer_eval.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}
 
@@ -106,11 +109,18 @@ def stop_if_asked(trainer, stop: StopSignals, step: int) -> None:
 
 def guarded_step(trainer, step: int) -> dict:
     """`step`, saving a checkpoint before a rollout-server failure propagates."""
+    return guarded(trainer, step, trainer.step)
+
+
+def guarded(trainer, step: int, fn):
+    """`fn(step)`; on a rollout-server failure (a failed weight push included) the last finished
+    update is checkpointed (unless it already is), logged, and the error raised naming it."""
     try:
-        return trainer.step(step)
+        return fn(step)
     except RolloutServerError as e:
         done = max(step, trainer.params_step)
-        trainer.save(done)
+        if trainer.host.ckpt.latest_step() != done:
+            trainer.save(done)
         trainer.host.log.event("rollout_server_error", step=done, error=str(e))
         raise RolloutServerError(
             f"{e} -- stopped; checkpoint of step {done} saved under {trainer.host.ckpt.directory} "

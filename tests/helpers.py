@@ -52,8 +52,11 @@ def make_hf_checkpoint(
     torch_dtype: str = "float32",
     rope_scaling: dict | None = None,
     max_position_embeddings: int = 32768,
+    **arch_kwargs,
 ) -> Path:
-    """Builds a tiny random Qwen2ForCausalLM / LlamaForCausalLM and saves it as safetensors.
+    """Builds a tiny random Qwen2ForCausalLM / LlamaForCausalLM / Qwen3ForCausalLM /
+    Gemma3ForCausalLM and saves it as safetensors; `arch_kwargs` go to its config (e.g. Gemma 3's
+    sliding_window, layer_types, query_pre_attn_scalar).
 
     Every weight (biases and norm weights included) is randomised with torch seed `seed`, so a
     wrong layout or a forgotten bias changes the logits. `hidden` defaults to 37 (qwen2) or
@@ -63,10 +66,18 @@ def make_hf_checkpoint(
     Returns the folder `tmp_path / name`.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
+    classes = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    }
+    if arch not in classes:
+        raise ValueError(f"arch: {arch!r}")
     if hidden is None:
-        hidden = 37 if arch == "qwen2" else 11 * heads
+        hidden = 37 if arch in ("qwen2", "qwen3") else 11 * heads
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -84,19 +95,16 @@ def make_hf_checkpoint(
     )
     if rope_scaling is not None:
         common["rope_scaling"] = dict(rope_scaling)
+    common.update(arch_kwargs)
     torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        raise ValueError(f"arch: {arch!r}")
+    config_cls, model_cls = (getattr(transformers, name) for name in classes[arch])
+    model = model_cls(config_cls(**common))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * noise)
+            if "norm" in pname:  # Gemma's weights w of a (1 + w) scale
+                p.copy_((0.0 if arch == "gemma3" else 1.0) + 0.2 * noise)
             elif pname.endswith("bias"):
                 p.copy_(0.3 * noise)
             elif "embed_tokens" in pname or "lm_head" in pname:
@@ -147,8 +155,8 @@ def random_model(cfg, seed: int = 0):
         value = var.get_value()
         noise = rng.standard_normal(value.shape, np.float32)
         name = str(path[-1])
-        if name == "scale_D":
-            new = 1.0 + 0.2 * noise
+        if name in ("scale_D", "q_norm_E", "k_norm_E"):  # Gemma's: w of a (1 + w) scale
+            new = (0.0 if cfg.gemma else 1.0) + 0.2 * noise
         elif "bias" in name:
             new = 0.3 * noise
         elif name == "embed_VD":

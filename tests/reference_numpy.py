@@ -1,4 +1,5 @@
-"""An independent float64 NumPy/Python re-implementation of the released CPPO code's semantics.
+"""An independent float64 NumPy/Python re-implementation of the released CPPO code's semantics (and of
+the GSPO and CISPO papers' objectives).
 
 Written with plain loops and Python sorting on purpose, so that it shares no structure with the
 JAX code it checks (cppo_jax.cppo, cppo_jax.loss). Names follow the project's shape suffixes.
@@ -105,6 +106,50 @@ def aggregate(per_token_NT, mask_NT, loss_type: str, max_completion_len=None) ->
     raise ValueError(loss_type)
 
 
+def _k3(ref_lp: float, lp: float) -> float:
+    d = ref_lp - lp
+    return math.exp(d) - d - 1.0
+
+
+def gspo_loss(logp_NT, old_NT, ref_NT, adv_N, mask_NT, eps_low, eps_high, beta) -> float:
+    """GSPO (Zheng et al. 2025, eq. 5-7), negated: -1/G sum_i min(s_i A_i, clip(s_i) A_i) with
+    s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|), the product over y_i's tokens; plus beta times each
+    sequence's mean k3 KL, averaged over sequences."""
+    N, T = np.shape(logp_NT)
+    terms = []
+    for i in range(N):
+        toks = [t for t in range(T) if float(mask_NT[i][t]) > 0]
+        n = max(len(toks), 1)
+        joint = math.prod(math.exp(float(logp_NT[i][t]) - float(old_NT[i][t])) for t in toks)
+        s = joint ** (1.0 / n)
+        a = float(adv_N[i])
+        value = -min(s * a, min(max(s, 1.0 - eps_low), 1.0 + eps_high) * a) if toks else 0.0
+        if beta != 0:
+            value += beta * math.fsum(_k3(ref_NT[i][t], logp_NT[i][t]) for t in toks) / n
+        terms.append(value)
+    return math.fsum(terms) / N
+
+
+def cispo_loss(logp_NT, old_NT, ref_NT, adv_N, mask_NT, cap, beta) -> float:
+    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4-5), negated: -1/sum_i |o_i| sum_i sum_t
+    sg(r_hat_it) A_i log pi(o_it), r_hat = min(pi / pi_old, cap) (no lower bound); plus beta times the
+    token-mean k3 KL. As a value: the weight is a number here, so only the loss's value is checked."""
+    N, T = np.shape(logp_NT)
+    total, count = [], 0.0
+    for i in range(N):
+        for t in range(T):
+            if float(mask_NT[i][t]) == 0:
+                continue
+            lp = float(logp_NT[i][t])
+            r_hat = min(math.exp(lp - float(old_NT[i][t])), cap)
+            value = -r_hat * float(adv_N[i]) * lp
+            if beta != 0:
+                value += beta * _k3(ref_NT[i][t], lp)
+            total.append(value)
+            count += 1.0
+    return math.fsum(total) / max(count, 1.0)
+
+
 def policy_loss(
     logp_NT,
     old_NT,
@@ -116,25 +161,38 @@ def policy_loss(
     eps_high=0.2,
     beta=0.04,
     max_completion_len=None,
+    cispo_cap=5.0,
 ):
     """(loss, metrics) with the same metric names as cppo_jax.loss.policy_loss."""
-    per_tok = per_token_loss(logp_NT, old_NT, ref_NT, adv_N, eps_low, eps_high, beta)
-    loss = aggregate(per_tok, mask_NT, loss_type, max_completion_len)
+    if loss_type == "gspo":
+        loss = gspo_loss(logp_NT, old_NT, ref_NT, adv_N, mask_NT, eps_low, eps_high, beta)
+    elif loss_type == "cispo":
+        loss = cispo_loss(logp_NT, old_NT, ref_NT, adv_N, mask_NT, cispo_cap, beta)
+    else:
+        per_tok = per_token_loss(logp_NT, old_NT, ref_NT, adv_N, eps_low, eps_high, beta)
+        loss = aggregate(per_tok, mask_NT, loss_type, max_completion_len)
     N, T = np.shape(logp_NT)
     n_masked = low = high = kl = ratio_sum = dev_sum = 0.0
     for i in range(N):
         a = float(adv_N[i])
+        toks = [t for t in range(T) if float(mask_NT[i][t]) > 0]
+        seq_log_ratio = math.fsum(float(logp_NT[i][t]) - float(old_NT[i][t]) for t in toks)
+        seq_ratio = math.exp(seq_log_ratio / max(len(toks), 1))
         for t in range(T):
             m = float(mask_NT[i][t])
             ratio = math.exp(float(logp_NT[i][t]) - float(old_NT[i][t]))
+            if loss_type == "gspo":  # every token carries its sequence's ratio
+                ratio = seq_ratio
             n_masked += m
             ratio_sum += m * ratio
             dev_sum += m * abs(ratio - 1.0)
-            low += m * (ratio < 1.0 - eps_low and a < 0)
-            high += m * (ratio > 1.0 + eps_high and a > 0)
+            if loss_type == "cispo":
+                high += m * (ratio > cispo_cap)
+            else:
+                low += m * (ratio < 1.0 - eps_low and a < 0)
+                high += m * (ratio > 1.0 + eps_high and a > 0)
             if beta != 0:
-                d = float(ref_NT[i][t]) - float(logp_NT[i][t])
-                kl += m * (math.exp(d) - d - 1.0)
+                kl += m * _k3(ref_NT[i][t], logp_NT[i][t])
     n_masked = max(n_masked, 1.0)
     metrics = {
         "loss": loss,

@@ -60,7 +60,7 @@ def test_overrides_are_parsed_by_type():
         ("cppo.allocation=maybe", "cppo.allocation", "true or false"),
         ("rollout.backend=ray", "rollout.backend", "'embedded'"),
         ("rollout.top_p=0", "rollout.top_p", "(0, 1]"),
-        ("mesh.data=0", "mesh.data", "-1"),
+        ("mesh.data=-2", "mesh.data", "-1 (the rest) or 0 (auto / unset)"),
         ("model.arch.num_kv_heads=3", "model.arch.num_kv_heads", "divisor"),
         ("trainer.run_name=../../etc", "trainer.run_name", "plain folder name"),
         ("reward.weights=1.0", "reward.weights", "one weight per reward function"),
@@ -142,8 +142,9 @@ def test_overrides_are_validated_once_after_all_are_applied(overrides):
     # The whole is still validated: the same pairs, left half-done, are refused naming the key.
     with pytest.raises(C.ConfigError, match="rollout.vllm_url"):
         CI.apply_overrides(C.Config(), ["rollout.backend=vllm"])
-    with pytest.raises(C.ConfigError, match="mesh"):
-        CI.apply_overrides(C.Config(), ["mesh.fsdp=-1"])
+    # (A mesh has no half-done state since mesh=auto: `mesh.fsdp=-1` alone is data = 1, fsdp = rest.)
+    with pytest.raises(C.ConfigError, match="at most one axis of size -1"):
+        CI.apply_overrides(C.Config(), ["mesh.fsdp=-1", "mesh.data=-1"])
 
 
 def test_config_found_by_bare_name(monkeypatch, tmp_path):
@@ -237,3 +238,31 @@ def test_renamed_keys_and_values_are_read_with_a_warning():
     # The old key is not a second way to set the field: it reads as the new one, with its checks.
     with pytest.raises(C.ConfigError, match="cppo.slices"), pytest.warns(FutureWarning):
         CI.apply_overrides(C.Config(), ["cppo.processes=0"])
+
+
+def test_a_shipped_config_by_name_a_new_one_without_code_and_an_unknown_name_lists_them(
+    monkeypatch, tmp_path
+):
+    """`--config gsm8k_1p5b` is configs/gsm8k_1p5b.py; any configs/<name>.py is found the same way
+    (one added later needs no code); an unknown name is refused naming the known configs."""
+    monkeypatch.chdir(tmp_path)
+    shipped = Path(CI.__file__).resolve().parents[1] / "configs"
+    assert CI.resolve_config_path("gsm8k_1p5b") == shipped / "gsm8k_1p5b.py"
+    assert CI.resolve_config_path(str(shipped / "math7b.py")) == shipped / "math7b.py"  # a path
+    assert set(CI.known_configs()) >= {p.stem for p in shipped.glob("*.py")}
+
+    added = tmp_path / "more"
+    added.mkdir()
+    text = (shipped / "gsm8k_1p5b.py").read_text()
+    (added / "added_later_config.py").write_text(text)
+    monkeypatch.setattr(CI, "CONFIG_DIRS", (*CI.CONFIG_DIRS, added))
+    assert CI.resolve_config_path("added_later_config") == added / "added_later_config.py"
+    assert "added_later_config" in CI.known_configs()
+
+    with pytest.raises(C.ConfigError) as e:
+        CI.load_config("gsm8k_1p5", [])
+    msg = str(e.value)
+    assert "'gsm8k_1p5'" in msg and "did you mean gsm8k_1p5b" in msg
+    assert "the known configs are " in msg and all(
+        n in msg for n in ("gsm8k_1p5b", "math7b", "tiny_cpu", "added_later_config")
+    )

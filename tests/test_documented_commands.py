@@ -281,7 +281,8 @@ class Runner:
     def compile_for(self, argv: list[str]) -> str:
         """`plan --compile-for TARGET` at a tiny shape, in its own process (libtpu is loaded only
         there): the config's model replaced by a 2-layer one, prompts of 16 and completions of 8
-        tokens, no search. The target's devices, the config's mesh rules and the report are real."""
+        tokens, no search (a LoRA rank above the tiny model's narrowest projection, 16, cut to 8).
+        The target's devices, the config's mesh rules and the report are real."""
         tiny = self.s.tmp / "compile_for_model"
         if not (tiny / "config.json").is_file():
             build_arith_model_dir(tiny, hidden=32, layers=2)
@@ -289,8 +290,12 @@ class Runner:
             f"model.path={tiny}",
             "data.max_prompt_len=16",
             "rollout.max_new_tokens=8",
-            "--no-search",
         ]
+        config, overrides = _config_and_overrides(argv)
+        lora = load_config(config, [*overrides, *shrink]).model.lora
+        if lora.enabled and lora.rank > 8:
+            shrink.append("model.lora.rank=8")
+        shrink.append("--no-search")
         out = subprocess.run(
             [sys.executable, "-m", "cppo_jax.plan", *argv, *shrink],
             capture_output=True,

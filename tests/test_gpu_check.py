@@ -48,11 +48,27 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("VLLM_PYTHON", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+            },
+            "JAX_PLATFORMS": "cpu",
+            "VLLM_PYTHON": str(tmp_path / "no-vllm" / "python"),
+        },
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "IMPORTED []" in proc.stdout
     data = json.loads((tmp_path / "gpu_check.json").read_text())
+    # The install path: the launch's memory share set before JAX started, a CPU allowed in --quick,
+    # no server environment here (recorded, not a failure).
+    from cppo_jax import layout
+
+    install = data["install"]
+    assert install["ok"] and install["platform"] == "cpu"
+    assert float(install["mem_fraction"]) == layout.USABLE_FRACTION
+    assert "not checked" in install["vllm"] and install["planned_device_bytes"] is None
     assert [r["p"] for r in data["update"]] == [0.0, 0.875]
     full, pruned = data["update"]
     assert (full["rows"], pruned["rows"]) == (2 * 16, 2 * 2)  # Q = 2, k = G and k = 2
@@ -89,6 +105,15 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
         )
         assert r["arguments"] > 0
     assert "Compiled memory per program" in md
+
+
+def test_gpu_check_fails_when_jax_sees_no_gpu_and_names_the_install():
+    from benchmarks.gpu_check import failures, install_row
+
+    row = install_row(quick=False, fraction_note="")  # this machine: JAX on a CPU
+    assert not row["ok"]
+    (problem,) = failures({"install": row, "update": [], "attention": []})
+    assert "no GPU" in problem and "make setup-gpu" in problem
 
 
 def test_gpu_check_fails_on_a_nan_or_a_difference_over_the_tolerance():

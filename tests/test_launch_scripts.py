@@ -160,9 +160,11 @@ def test_tpu_pod_dry_run_runs_the_launch_on_every_worker():
     assert gcloud[9:12] == ["proj", "--worker=all", "--command"]
     remote = shlex.split(gcloud[12].replace("~", "HOME"))
     assert remote[:3] == ["cd", "HOME/cppo_jax", "&&"]
-    assert (
-        remote[3] == "CPPO_DISTRIBUTED=auto"
-    )  # each worker: jax.distributed from the TPU metadata
+    # Each worker checks first that its Python has libtpu, naming the fix when not.
+    assert remote[3:5] == [".venv/bin/python", "-c"] and 'find_spec("libtpu")' in remote[5]
+    assert "pip install -e .[tpu]" in remote[5] and "CPPO_PYTHON" in remote[5]
+    # then jax.distributed from the TPU metadata
+    assert remote[6:8] == ["&&", "CPPO_DISTRIBUTED=auto"]
     assert _launch_args(remote) == [
         "--config",
         "configs/math7b.py",
@@ -171,6 +173,13 @@ def test_tpu_pod_dry_run_runs_the_launch_on_every_worker():
         "trainer.out_dir=gs://bucket/runs",
         "data.train=/data/a b.jsonl",
     ]
+    # The workers' environment through CPPO_PYTHON: the check and the launch both use it.
+    args = ["launch/tpu_pod.sh", "--dry-run", "--tpu", "t", "--zone", "z", "--config", "c.py"]
+    out = _run(*args, env={"CPPO_PYTHON": "/opt/tpu-env/bin/python"})
+    (gcloud,) = _commands(out)
+    remote = shlex.split(gcloud[-1])
+    assert remote[3] == "/opt/tpu-env/bin/python" and _launch_args(remote) == ["--config", "c.py"]
+    assert remote[remote.index("cppo_jax.launch") - 2] == "/opt/tpu-env/bin/python"
     bad = _run("launch/tpu_pod.sh", "--dry-run", "--tpu", "t", "--config", "c.py")
     assert bad.returncode == 2 and "usage" in bad.stderr
 
@@ -236,3 +245,28 @@ def test_vllm_server_script_is_found_in_an_installed_wheel(tmp_path):
 
     link = ROOT / "launch" / "vllm_server.sh"
     assert link.resolve() == (ROOT / "cppo_jax" / "rollout" / "vllm_server.sh").resolve()
+
+
+def test_slurm_finds_both_environments_through_their_variables():
+    env = {"SLURM_JOB_NODELIST": "a1", "CPPO_PYTHON": "/envs/t/bin/python"}
+    env["VLLM_PYTHON"] = "/envs/v/bin/python"
+    out = _run(
+        "launch/slurm_gpu.sbatch",
+        "--dry-run",
+        "--vllm",
+        "--model",
+        "/m",
+        "--config",
+        "c.py",
+        env=env,
+    )
+    server, srun, _kill = _commands(out)
+    assert "VLLM_PYTHON=/envs/v/bin/python" in server and "VLLM_DEVICE=gpu" in server
+    assert srun[srun.index("cppo_jax.launch") - 2] == "/envs/t/bin/python"
+    # Not a dry run, on this CPU: the trainer's JAX sees no GPU, refused naming the fix.
+    import sys
+
+    env["CPPO_PYTHON"] = sys.executable
+    out = _run("launch/slurm_gpu.sbatch", "--config", "c.py", env=env)
+    assert out.returncode == 2 and "sees 'cpu', no GPU" in out.stderr
+    assert "make setup-gpu (CUDA JAX)" in out.stderr

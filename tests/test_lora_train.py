@@ -113,8 +113,9 @@ def test_reference_is_the_base_and_the_sampler_runs_the_adapted_model(tmp_path, 
         assert np.abs(policy - plain).max() > 1e-3  # the adapters moved the policy
         np.testing.assert_array_equal(np.asarray(trainer.reference.logps_of(tokens, valid)), plain)
 
-        # The sampler's weights: the adapters merged into the base, a model without adapters that
-        # computes the adapted policy (float32 rounding of the sums in another order).
+        # The exports' and merged pushes' weights: the adapters merged into the base, a model
+        # without adapters that computes the adapted policy (float32 rounding of the sums in
+        # another order). The embedded sampler runs the adapters unmerged (test_lora_sampler.py).
         merged = trainer.policy_params()
         _, merged_logps = step_lib.compiled(
             trainer.actor.graphdef, trainer.actor.tx, trainer.actor.spec
@@ -127,7 +128,7 @@ def test_reference_is_the_base_and_the_sampler_runs_the_adapted_model(tmp_path, 
 
 
 def test_a_lora_trainer_step_runs_end_to_end(tmp_path, arith_model_dir):
-    """Rollout from the merged weights, reference log-probs from the base, the update on the
+    """Rollout from the adapters unmerged on the base, reference log-probs from the base, the update on the
     adapters: one whole step, as the full-fine-tuning trainer runs it."""
     trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "cppo.mu=2"))
     try:
@@ -148,6 +149,10 @@ def test_a_lora_trainer_step_runs_end_to_end(tmp_path, arith_model_dir):
         ("cppo.tis_cap=2",),  # truncated importance sampling against the sampler's log-probs
         ("cppo.metric=largest", "cppo.allocation=false"),  # another pruning rule
         ("model.dtype=bfloat16", "cppo.mu=2"),  # a bf16 base, float32 adapters
+        # GSPO (its paper's clip, two updates: the second off-policy) and CISPO with TIS, under
+        # small_config's pruning and allocation
+        ("cppo.loss_type=gspo", "cppo.eps_low=0.0003", "cppo.eps_high=0.0004", "cppo.mu=2"),
+        ("cppo.loss_type=cispo", "cppo.tis_cap=2"),
     ],
 )
 def test_lora_steps_with_the_step_options(tmp_path, arith_model_dir, extra):

@@ -175,7 +175,9 @@ def test_gradient_matches_finite_differences_inside_and_outside_the_clip():
     @jax.jit
     def grads_and_differences(lp):
         out = {}
-        for loss_type in LOSS_TYPES:
+        # CISPO's gradient is by design not its value's derivative (its weight is a stop-gradient
+        # constant): tests/test_objectives.py checks it against the paper's gradient.
+        for loss_type in (t for t in LOSS_TYPES if t != "cispo"):
 
             def f(x, loss_type=loss_type):
                 kw = dict(loss_type=loss_type, beta=0.04, max_completion_len=7)

@@ -19,6 +19,7 @@ import pytest
 
 from cppo_jax import layout, plan
 from cppo_jax import step as step_lib
+from cppo_jax.config_io import apply_overrides
 from cppo_jax.models.hf_read import read_hf_config
 from cppo_jax.trainer import Trainer
 from tests.conftest import build_arith_model_dir
@@ -240,8 +241,9 @@ def test_reference_and_rollout_snapshot_are_counted_in_the_compute_dtype():
 def test_plan_counts_lora_as_the_trainer_holds_it(tmp_path):
     """With model.lora the plan counts what the LoRA Trainer holds: the adapters (params, float32) and
     their AdamW moments and gradients, the frozen base in the compute dtype, no reference copy (the
-    reference is the base with the adapters off), and the merged weights each rollout makes; each resident
-    figure equals the live arrays' bytes, the train step within 20% of XLA's buffer assignment."""
+    reference is the base with the adapters off), no merged copy for the embedded sampler (it runs the
+    adapters unmerged on the base) but one per push to a server; each resident figure equals the live
+    arrays' bytes, the train step within 20% of XLA's buffer assignment."""
     from cppo_jax.models import lora_state
 
     model_dir = build_arith_model_dir(tmp_path / "model", hidden=64, layers=2)
@@ -269,7 +271,7 @@ def test_plan_counts_lora_as_the_trainer_holds_it(tmp_path):
         got = {
             "params": _device_bytes(trainer.params, device),
             "frozen": _device_bytes(trainer.actor.frozen, device),
-            "merged": _device_bytes(trainer.policy_params(), device),
+            "sampler": _device_bytes(trainer.sampler_params(), device),
             "opt_state": _device_bytes(trainer.opt_state, device),
         }
         batch = _batch_spec(sh)
@@ -282,10 +284,14 @@ def test_plan_counts_lora_as_the_trainer_holds_it(tmp_path):
             + mem.temp_size_in_bytes
         )
         assert trainer.reference.params is trainer.actor.frozen  # no reference copy: the base
+        # The sampler's weights are the run's own arrays (adapters and base), no copy of them.
+        held = {id(x) for x in jax.tree.leaves((trainer.params, trainer.actor.frozen))}
+        assert {id(x) for x in jax.tree.leaves(trainer.sampler_params())} == held
     finally:
         trainer.close()
     assert mp.params == got["params"] < full.params / 10  # the adapters alone
-    assert mp.frozen == got["frozen"] == mp.merged == got["merged"] == full.params
+    assert mp.frozen == got["frozen"] == full.params and mp.merged == 0
+    assert got["sampler"] == got["params"] + got["frozen"]
     assert 0 <= got["opt_state"] - mp.opt_state <= 64 and mp.opt_state == 2 * mp.params  # + counts
     assert mp.grads == mp.params and mp.reference == 0 and full.reference > 0
     assert mp.resident == mp.params + mp.opt_state + mp.frozen
@@ -293,10 +299,12 @@ def test_plan_counts_lora_as_the_trainer_holds_it(tmp_path):
     assert 0.8 <= mp.train_peak / step_peak <= 1.2
     text = "\n".join(layout.memory_lines(mp, "float32"))
     assert f"frozen base (compute dtype) {layout._gib(mp.frozen)}" in text
-    # In bf16 compute the frozen base and the merged weights are half the float32 params; the
-    # adapters and their moments stay float32 (the plan only: XLA:CPU computes bf16 through float32).
+    # In bf16 compute the frozen base and a server push's merged weights are half the float32
+    # params; the adapters and their moments stay float32 (the plan only: XLA:CPU computes bf16
+    # through float32).
+    served = apply_overrides(cfg, ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:9"])
     bf16 = layout.memory_plan(
-        dataclasses.replace(tcfg, dtype="bfloat16"), mesh, **layout.plan_kwargs(cfg, sh, None)
+        dataclasses.replace(tcfg, dtype="bfloat16"), mesh, **layout.plan_kwargs(served, sh, None)
     )
     assert bf16.frozen == bf16.merged == full.params // 2 and bf16.params == mp.params
 

@@ -23,6 +23,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 NAMES = ("quickstart.ipynb", "pruning_explained.ipynb")
+ONE_CHIP = "one_chip.ipynb"  # installs from a source folder: its own first cell
 KERNEL = "cppo-test-python"
 CELL_TIMEOUT_S = 600
 
@@ -84,7 +85,7 @@ def _check_ran(nb) -> None:
     assert _outputs(nb), "the notebook produced no output"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, ONE_CHIP])
 def test_committed_notebooks_have_no_outputs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -110,6 +111,51 @@ def test_quickstart_runs_in_quick_mode(tmp_path):
     assert not (tmp_path / "cwd" / "runs").exists()
     assert list(tmp_path.glob("cppo_quickstart_*/cppo/metrics.jsonl"))
     assert list(tmp_path.glob("cppo_quickstart_*/grpo/metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_one_chip_runs_end_to_end_in_quick_mode_and_names_the_one_chip_commands(tmp_path):
+    """On a CPU in quick mode the one-chip notebook trains, evaluates and exports the tiny model; its
+    cells name the one-chip plan and launch commands by config name."""
+    source = "\n".join(c.source for c in nbformat.read(NOTEBOOKS / ONE_CHIP, as_version=4).cells)
+    for name in ("gsm8k_1p5b_lora_one_chip", "gsm8k_0p5b_lora_one_chip", "gsm8k_0p5b_one_chip"):
+        assert f"python -m cppo_jax.plan --config {name} --compile-for v5e:1x1" in source, name
+    assert "python -m cppo_jax.launch --config gsm8k_1p5b_lora_one_chip model.path=" in source
+    nb = _execute(ONE_CHIP, tmp_path)
+    _check_ran(nb)
+    text = _text(nb)
+    assert "quick mode: True" in text and "nothing to do" in text
+    assert "step 2: reward" in text and "greedy accuracy on 4 test questions" in text
+    assert "model.safetensors" in text  # the export's files
+    assert _images(nb) >= 1  # the live curves
+    (run,) = tmp_path.glob("cppo_one_chip_*/one_chip")
+    assert (run / "export" / "config.json").is_file() and (run / "summary.md").is_file()
+
+
+def test_one_chip_install_cell_installs_the_source_folder_keeping_jax(tmp_path):
+    """The one-chip notebook's first cell, forced on this machine in a dry run: pip is asked for the
+    source folder itself (editable), with every installed jax* package pinned to its version."""
+    import importlib.metadata
+    import subprocess
+
+    cell = _install_cell(ONE_CHIP)
+    report = tmp_path / "report.json"
+    env = {
+        **os.environ,
+        "CPPO_FORCE_INSTALL": "1",
+        "CPPO_SOURCE": str(ROOT),
+        "CPPO_PIP_ARGS": f"--dry-run --no-deps --no-build-isolation --report {report}",
+    }
+    ran = subprocess.run(
+        [sys.executable, "-c", cell], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    for pkg in ("jax", "jaxlib"):
+        assert f"{pkg}=={importlib.metadata.version(pkg)}" in ran.stdout, ran.stdout
+    (item,) = json.loads(report.read_text())["install"]
+    assert item["metadata"]["name"] == "cppo_jax"
+    assert item["download_info"]["url"] == ROOT.as_uri()
+    assert item["download_info"]["dir_info"].get("editable") is True
 
 
 def test_pruning_explained_runs(tmp_path):

@@ -48,7 +48,10 @@ class Recorder:
         (),  # mu = 1, beta > 0
         ("cppo.mu=2", "model.dtype=bfloat16"),  # the old log-probs from the first update's forward
         ("trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"),  # packed rows
-        ("model.lora.enabled=true", "model.lora.rank=3"),  # adapters + frozen base, merged sampler
+        (
+            "model.lora.enabled=true",
+            "model.lora.rank=3",
+        ),  # adapters + frozen base, unmerged sampler
     ],
 )
 def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides, monkeypatch):

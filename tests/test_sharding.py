@@ -82,6 +82,7 @@ def _worker() -> dict:
     from cppo_jax.checkpoint import Checkpointer
     from cppo_jax.config import CPPOConfig, OptimConfig
     from cppo_jax.models.transformer import TransformerConfig, init_model
+    from tests.helpers import SMOOTH_ADAMW
 
     assert len(jax.devices()) == 8
     # H = 8 divides every mesh axis; J = 2 does not divide tensor = 8, V = 61 divides nothing.
@@ -112,9 +113,9 @@ def _worker() -> dict:
     key = jax.random.PRNGKey(0)
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=1), P, C, 1.0, logp_chunk=C)
     # Params after one update or more of two programs (a mesh, one device) are compared: AdamW
-    # smooth in the gradient (tests/helpers.SMOOTH_ADAMW: lr 0.1, eps 1), whose derivative in
-    # the gradient is at most ~lr/eps, so a rounding stays a rounding on any CPU (issue #50).
-    ocfg = OptimConfig(lr=0.1, eps=1.0, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
+    # smooth in the gradient (SMOOTH_ADAMW), whose derivative in the gradient is at most ~lr/eps,
+    # so a rounding stays a rounding on any CPU (issue #50).
+    ocfg = OptimConfig(**SMOOTH_ADAMW, warmup_ratio=0.0, schedule="constant", grad_clip=0.0)
     tx = optimizer_lib.make_optimizer(ocfg, 10)
 
     shapes = cppo.Shapes(Q=Q, G=G, k=K, M=M, P=P, C=C, U=Q)

@@ -310,6 +310,19 @@ class TestTiedServer:
         backend.close()
         assert not (tmp_path / "weights").exists()  # close() removes the transient slots
 
+    def test_sharded_file_push_is_confirmed(self, tied, tmp_path):
+        """A file push above the shard limit (here a fifth of the model) reloads on the server and
+        passes the probe check; bytes are the shards'."""
+        from cppo_jax.rollout.vllm_probe import push_bytes
+
+        server, model_dir, _ = tied
+        backend, _, params, _, _ = _setup(server, model_dir, tmp_path, max_shard_bytes=400_000)
+        m = backend.sync_weights(_perturb(params, seed=300), 1)
+        assert backend.route == "file" and len(list(backend.last_slot.glob("*.safetensors"))) > 1
+        assert m["weight_sync/probe_max_abs_diff"] <= TOL
+        assert m["weight_sync/bytes"] > push_bytes(backend.model_cfg(params), backend.serve_dtype)
+        backend.close()
+
     def test_stale_weights_are_caught(self, tied, tmp_path):
         from cppo_jax.rollout.vllm_client import WeightSyncError
 
@@ -618,6 +631,49 @@ LRS = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1)
 # Without a server: launch scripts and the demo config.
 
 
+def test_file_push_of_a_sharded_checkpoint_loads_and_counts_every_shard(arith_model_dir, tmp_path):
+    """The file route above save_hf's shard limit (a 7B model in bf16 is 3 shards of 5 GiB), here with
+    a limit of a fifth of the model: the slot holds an index and its shards, transformers loads it with
+    every tensor equal to the pushed ones, and the push's bytes are all its shards' (on 63ffd83 the push
+    asked for `model.safetensors` and raised FileNotFoundError)."""
+    from flax import nnx
+
+    from cppo_jax.config import RolloutConfig
+    from cppo_jax.models import load_hf
+    from cppo_jax.models.hf_io import state_to_hf_tensors
+    from cppo_jax.models.hf_read import INDEX_FILE
+    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.vllm_backend import VLLMBackend
+    from cppo_jax.rollout.vllm_probe import push_bytes
+    from tests.helpers import load_hf_torch
+
+    graphdef, params = nnx.split(load_hf(arith_model_dir))
+    cfg = RolloutConfig(backend="vllm", vllm_url="http://127.0.0.1:9", weight_sync="file")
+    model_cfg = nnx.merge(graphdef, params).cfg
+    tensor_bytes = push_bytes(model_cfg, "bfloat16")
+    backend = VLLMBackend(
+        cfg,
+        graphdef,
+        SamplingParams(max_new_tokens=4),
+        tmp_path / "run",
+        serve_dtype="bfloat16",
+        max_shard_bytes=tensor_bytes // 5,
+    )
+    served_graphdef, served = backend.serving(params)
+    slot, nbytes = backend.write_weights(served, served_graphdef)
+    shards = sorted(slot.glob("*.safetensors"))
+    assert (slot / INDEX_FILE).is_file() and len(shards) >= 3
+    assert nbytes == sum(f.stat().st_size for f in shards)
+    # tensor data plus one small JSON header per shard
+    assert tensor_bytes < nbytes < tensor_bytes + 16_384 * len(shards)
+    want = state_to_hf_tensors(nnx.merge(served_graphdef, served))
+    got = {k: v.detach().numpy() for k, v in load_hf_torch(slot).state_dict().items()}
+    assert set(want) <= set(got)
+    for name, value in want.items():  # bf16 -> float32 is exact: bit-equal values
+        np.testing.assert_array_equal(got[name], value.astype(np.float32), err_msg=name)
+    backend.close()
+
+
 def _dry_run(*args: str, env: dict | None = None) -> str:
     out = subprocess.run(
         ["bash", *args],
@@ -681,8 +737,10 @@ def test_gpu_node_dry_run():
         "--",
         "trainer.steps=5",
     )
-    assert "CUDA_VISIBLE_DEVICES=0" in text and "launch/vllm_server.sh" in text
-    assert "CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7" in text and "cppo_jax.launch" in text
+    # 8 GPUs of 80 GB: 4 serve (tensor-parallel), 4 train (launch/gpu_node.sh's split).
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in text and "launch/vllm_server.sh" in text
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in text and "cppo_jax.launch" in text
+    assert "--tensor-parallel-size 4" in text and "VLLM_MEM_UTIL=0.85" in text
     assert "rollout.backend=vllm" in text and "rollout.vllm_url=http://127.0.0.1:" in text
     assert "model.path=/models/Qwen2.5-1.5B-Instruct" in text and "trainer.steps=5" in text
     assert "--model /models/Qwen2.5-1.5B-Instruct" not in text  # the server gets it positionally

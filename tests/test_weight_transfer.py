@@ -376,10 +376,14 @@ class TestProtocolServer:
         backend.verify(params, 1)  # still the confirmed weights
         backend.close()
 
-    def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path):
+    @pytest.mark.parametrize("device_patch", [False, True], ids=["host_diff", "device_patch"])
+    def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path, device_patch):
+        """Sparse pushes diffed on the host (numpy) or encoded on the device (`device_patch.py`) leave
+        the server with the weights a fresh full push gives."""
         from tests.test_vllm import _one_update
 
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol", full_push_every=4)
+        backend.device_patch = device_patch
         rows = [backend.sync_weights(params, 0)]
         for i in range(5):
             params = _one_update(params, 5e-5, seed=10 + i)  # under a quarter of each tensor moves
@@ -391,6 +395,8 @@ class TestProtocolServer:
             assert m["weight_sync/probe_diff_over_tol"] < 1.0
             if not m["weight_sync/full"]:
                 assert 0 < m["weight_sync/changed_frac"] < 1
+                if device_patch:  # fetched: the patch, or int8 codes (XLA:CPU), never the model
+                    assert m["weight_sync/host_bytes"] < 0.6 * dense
                 # 2-byte steps for most changed elements (6 bytes for the rest), bf16 being 2 bytes
                 assert m["weight_sync/bytes"] < dense * (1.5 * m["weight_sync/changed_frac"] + 0.05)
         print(
@@ -471,3 +477,71 @@ class TestProtocolRun:
             )
         finally:
             trainer.close()
+
+
+@pytest.mark.parametrize("compact", ["device", "host"])
+def test_device_patch_decodes_bit_exactly_to_the_new_weights(arith_model_dir, tmp_path, compact):
+    """The patch computed on the device (`device_patch.DevicePatcher`), written by the pusher and read
+    back by the independent reader above, rebuilds the new bf16 weights bit for bit from the old: small
+    moves as steps, a few sign flips and large moves as indices and values, a tensor mostly changed
+    whole; only the patch is fetched (bytes to host well under a full push's). Compacted in the program
+    (accelerators) or from its int8 codes on the host (XLA:CPU)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cppo_jax.models import load_hf
+    from cppo_jax.rollout.device_patch import DevicePatcher
+    from cppo_jax.rollout.vllm_probe import serving_graphdef
+    from cppo_jax.rollout.vllm_push import hf_tensors
+
+    graphdef, params = nnx.split(load_hf(arith_model_dir))
+    model_cfg = nnx.merge(graphdef, params).cfg
+    sgd = serving_graphdef(model_cfg, "bfloat16")
+    served = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)  # noqa: E731
+    patcher = DevicePatcher(model_cfg, "bfloat16", compact=compact)
+    pusher = ProtocolPusher(FakeServer(), tmp_path / "shm")
+    old = hf_tensors(sgd, served(params))
+
+    def round_trip(entries, sparse, base):
+        info, _ = pusher._write("round.bin", entries, sparse)
+        return _decode((pusher.root / "round.bin").read_bytes(), info, base), info
+
+    entries, f = patcher.encode(served(params), full=True)
+    got, _ = round_trip(entries, False, None)
+    assert got.keys() == old.keys() and f["changed"] == f["total"]
+    for k in old:
+        assert got[k].tobytes() == old[k].tobytes(), k
+    full_bytes = f["host_bytes"]
+    patcher.confirm()
+
+    rng = np.random.default_rng(0)
+
+    def update(path, x):
+        name = jax.tree_util.keystr(path)
+        x = np.asarray(x).copy()
+        flat = x.reshape(-1)
+        if "up_DF" in name:  # mostly changed: sent whole
+            return jnp.asarray(x * 1.01)
+        moved = rng.random(flat.shape) < 0.05  # a few ulps: steps
+        flat[moved] += 3e-3 * np.abs(flat[moved]) * np.sign(rng.standard_normal(moved.sum()))
+        flips = rng.random(flat.shape) < 0.002  # crossing zero: index and value
+        flat[flips] = -flat[flips]
+        return jnp.asarray(x)
+
+    new_params = jax.tree_util.tree_map_with_path(update, params)
+    entries, f = patcher.encode(served(new_params), full=False)
+    got, info = round_trip(entries, True, old)
+    want = hf_tensors(sgd, served(new_params))
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), k
+    by_name = dict(zip(info["names"], info["index_offsets"], strict=True))
+    assert by_name["model.layers.0.mlp.up_proj.weight"] == -1  # whole
+    assert by_name["model.layers.0.mlp.down_proj.weight"] >= 0  # a patch
+    assert any(c > 0 for c, i in zip(info["counts"], info["index_offsets"], strict=True) if i >= 0)
+    changed = sum(
+        int(np.count_nonzero(old[k].view(np.uint16) != want[k].view(np.uint16))) for k in want
+    )
+    assert f["changed"] == changed and f["total"] == sum(v.size for v in want.values())
+    # the patch alone (device), or a 1-byte code per bf16 element plus the tensor sent whole (host)
+    assert f["host_bytes"] < (0.5 if compact == "device" else 0.7) * full_bytes

@@ -171,7 +171,13 @@ MEANINGS: dict[str, str] = {
     "DAPO's token-level loss, micro-batched or not), `seq_mean` (GRPO paper), `dr_grpo` (a constant "
     "denominator; needs `adv_scale=none`) (see cppo_jax/loss.py). `dapo` is refused: it was "
     "`token_mean`; DAPO here is `token_mean` with `eps_high=0.28`, `mask_truncated` and "
-    "`filter_groups`.",
+    '`filter_groups`. Two other objectives (docs/concepts.md, "GSPO and CISPO"): `gspo` (one '
+    "length-normalised ratio per completion, clipped per completion, averaged over completions; its "
+    "paper's clip is `eps_low=3e-4`, `eps_high=4e-4`) and `cispo` (each token's REINFORCE term "
+    "weighted by min(ratio, `cispo_cap`) without its gradient, no token clipped away, token-averaged).",
+    "cppo.cispo_cap": "`loss_type=cispo`: the cap of its stop-gradient token weight min(pi / pi_old, "
+    "cap); 5.0 is the ScaleRL paper's eps_max (TRL's recommended value); >= 1, inf: no cap (the "
+    "unclipped importance-sampled gradient).",
     "cppo.mask_truncated": "Leave completions that hit `rollout.max_new_tokens` without an EOS out of "
     "the loss (DAPO-style).",
     "cppo.filter_groups": "Zero-variance filtering (DAPO's dynamic sampling with a fixed shape): roll "
@@ -304,7 +310,14 @@ SECTION_NOTES: dict[str, str] = {
     "cppo": "The algorithm: GRPO plus completion pruning (p = 0 is plain GRPO).",
     "reward": "How completions are scored (host processes, bounded in time).",
     "optim": "AdamW and its learning-rate schedule; the schedule runs over steps x mu updates.",
-    "mesh": "Axis sizes of the device mesh; -1 means the rest of the devices.",
+    "mesh": (
+        "Axis sizes of the device mesh. All three 0 (the default): `mesh=auto`, the layout chosen by "
+        "`cppo_jax.launch` from the memory plan for the devices it sees (`cppo_jax.plan.choose_mesh`: "
+        "the most data-parallel layout whose data x fsdp divides Q and that fits, tensor absorbing the "
+        "rest; on TPUs only layouts that map onto the slice); the run refuses before loading weights "
+        "when none fits. Any size set makes the mesh explicit: -1 is the rest of the devices, an axis "
+        "left at 0 is 1 (data the rest when no axis is -1)."
+    ),
     "trainer": "The run: length, outputs, checkpoints, evaluation, safety nets.",
     "eval": "How held-out accuracy is counted; both rules are always reported.",
     "logging": "What the run writes for its user besides metrics.jsonl.",

@@ -52,14 +52,28 @@ def attention_mask(
     return mask_BTS, cache
 
 
-def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS) -> jax.Array:
-    """Grouped-query softmax attention; scores and softmax in float32."""
+def sliding_window_mask(mask_BTS, cache: Cache | None, window: int) -> jax.Array:
+    """`mask_BTS` (from `attention_mask`, the cache's index not yet advanced) narrowed to a sliding
+    window: query slot i also needs i - j < window (Gemma 3's local layers, as transformers: the
+    query and window - 1 slots before it). Slots are consecutive within a sequence (prompts
+    left-padded, completions after them, packed segments contiguous), so slot distances are token
+    distances."""
+    T, S = mask_BTS.shape[1:]
+    start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    query_slot_T = start + jnp.arange(T, dtype=jnp.int32)
+    key_slot_S = jnp.arange(S, dtype=jnp.int32)
+    return mask_BTS & (key_slot_S[None, :] > query_slot_T[:, None] - window)[None]
+
+
+def attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS, scale: float | None = None) -> jax.Array:
+    """Grouped-query softmax attention; scores and softmax in float32; `scale` the scores' factor
+    (None: head_dim^-0.5)."""
     B, T, H, E = q_BTHE.shape
     J = k_BSJE.shape[2]
     q_BTJRE = q_BTHE.reshape(B, T, J, H // J, E)
     scores_BJRTS = jnp.einsum(
         "btjre,bsje->bjrts", q_BTJRE, k_BSJE, preferred_element_type=jnp.float32
-    ) * (E**-0.5)
+    ) * (E**-0.5 if scale is None else scale)
     scores_BJRTS = jnp.where(mask_BTS[:, None, None], scores_BJRTS, MASKED)
     probs_BJRTS = jax.nn.softmax(scores_BJRTS, axis=-1).astype(v_BSJE.dtype)
     out_BTJRE = jnp.einsum("bjrts,bsje->btjre", probs_BJRTS, v_BSJE)
@@ -84,9 +98,15 @@ def library_attend(
             f"model.attention=cudnn needs an NVIDIA GPU; this JAX runs on {jax.default_backend()} "
             f"(use einsum, the default)"
         )
-    if segment_BT is not None:
+    scale = cfg.attn_scale
+    if segment_BT is not None or cfg.sliding_window:  # the rule is the mask whole
         return jax.nn.dot_product_attention(
-            q_BTHE, k_BTJE, v_BTJE, mask=mask_BTT[:, None], implementation=cfg.attention
+            q_BTHE,
+            k_BTJE,
+            v_BTJE,
+            mask=mask_BTT[:, None],
+            scale=scale,
+            implementation=cfg.attention,
         )
     valid_BS = mask_BTT[:, -1, :]  # the last query slot sees every valid key
     return jax.nn.dot_product_attention(
@@ -94,6 +114,7 @@ def library_attend(
         k_BTJE,
         v_BTJE,
         mask=valid_BS[:, None, None, :],
+        scale=scale,
         is_causal=True,
         implementation=cfg.attention,
     )

@@ -88,11 +88,27 @@ def name_table(cfg: TransformerConfig) -> list[_Entry]:
     for i in range(cfg.num_layers):
         hf, nn = f"model.layers.{i}.", ("layers",)
         attn, mlp = hf + "self_attn.", hf + "mlp."
+        # Gemma 3's post_attention_layernorm normalises the attention output; the pre-MLP norm
+        # is its pre_feedforward_layernorm. Qwen/Llama's post_attention_layernorm is the pre-MLP.
+        if cfg.gemma:
+            norms = {
+                "input_layernorm": "attn_norm",
+                "post_attention_layernorm": "post_attn_norm",
+                "pre_feedforward_layernorm": "mlp_norm",
+                "post_feedforward_layernorm": "post_mlp_norm",
+            }
+        else:
+            norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
         table += [
-            _plain(hf + "input_layernorm.weight", (*nn, "attn_norm", "scale_D"), (D,), layer=i),
-            _plain(
-                hf + "post_attention_layernorm.weight", (*nn, "mlp_norm", "scale_D"), (D,), layer=i
-            ),
+            _plain(f"{hf}{name}.weight", (*nn, ours, "scale_D"), (D,), layer=i)
+            for name, ours in norms.items()
+        ]
+        if cfg.qk_norm:
+            table += [
+                _plain(attn + "q_norm.weight", (*nn, "attn", "q_norm_E"), (E,), layer=i),
+                _plain(attn + "k_norm.weight", (*nn, "attn", "k_norm_E"), (E,), layer=i),
+            ]
+        table += [
             _linear(attn + "q_proj.weight", (*nn, "attn", "q_DHE"), (D, H, E), 1, i),
             _linear(attn + "k_proj.weight", (*nn, "attn", "k_DJE"), (D, J, E), 1, i),
             _linear(attn + "v_proj.weight", (*nn, "attn", "v_DJE"), (D, J, E), 1, i),

@@ -1,7 +1,8 @@
 """The sizes of the paper's models, and the exact parameter count of any config.json.
 
-`KNOWN_MODELS` holds the released config.json fields of the paper's two policies (those that fix the
-parameter count), so a plan can size a model whose folder is not on this machine; `find_known_model`
+`KNOWN_MODELS` holds the released config.json fields of the paper's two policies, of Qwen2.5-0.5B (the
+one-chip configs) and of Qwen3-4B / 8B
+and Gemma 3 1B (those that fix the parameter count), so a plan can size a model whose folder is not on this machine; `find_known_model`
 recognises them by name ("Qwen2.5-7B-Instruct", "math7b", "gsm8k_1p5b", ...). `model_size` counts the
 parameters from the tensors this project's loader reads (`hf_io.name_table`).
 """
@@ -25,6 +26,24 @@ __all__ = [
 
 # config.json of the paper's models (the fields that fix the parameter count).
 KNOWN_MODELS: dict[str, dict] = {
+    # One-chip configs (configs/gsm8k_0p5b*_one_chip.py): the smallest Qwen2.5 instruct model.
+    "Qwen2.5-0.5B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+    },
     "Qwen2.5-1.5B-Instruct": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -59,11 +78,75 @@ KNOWN_MODELS: dict[str, dict] = {
         "use_sliding_window": False,
         "torch_dtype": "bfloat16",
     },
+    # The models the RL frameworks of 2026 train (issue 48): Qwen3-4B / 8B (TRL, verl, the DPPO
+    # paper) and Gemma 3 1B (tunix), from their released config.json files.
+    "Qwen3-4B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen3-8B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    },
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 262144,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "torch_dtype": "bfloat16",
+    },
 }
 # Names that identify a known model: "Qwen2.5-1.5B-Instruct", "qwen2_5_1p5b", "gsm8k_1p5b", "math7b", ...
 _NAME_PATTERNS = (
+    ("Qwen2.5-0.5B-Instruct", re.compile(r"(?<![\d.])0[._p]5b(?![a-z\d])")),
     ("Qwen2.5-1.5B-Instruct", re.compile(r"(?<![\d.])1[._p]5b(?![a-z\d])")),
     ("Qwen2.5-7B-Instruct", re.compile(r"(?<![\d.])7b(?![a-z\d])")),
+    ("Qwen3-4B", re.compile(r"qwen3[-_]4b(?![a-z\d])")),
+    ("Qwen3-8B", re.compile(r"qwen3[-_]8b(?![a-z\d])")),
+    ("gemma-3-1b-it", re.compile(r"gemma[-_]?3[-_]1b(?![a-z\d])")),
 )
 
 

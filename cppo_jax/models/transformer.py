@@ -1,4 +1,5 @@
-"""Flax NNX decoder for Qwen2/Qwen2.5 and Llama checkpoints, with a slot-indexed KV cache.
+"""Flax NNX decoder for Qwen2/Qwen2.5, Llama, Qwen3 and Gemma 3 (text) checkpoints, with a
+slot-indexed KV cache (`TransformerConfig` says what differs between them).
 
 Letters (see docs/conventions.md): B batch, T tokens, S cache slots, D model width, F MLP width,
 H query heads, J key/value heads, E head dim, V vocabulary, L layers.
@@ -16,7 +17,7 @@ from flax import nnx
 
 from cppo_jax import sharding
 from cppo_jax.models import lora
-from cppo_jax.models.attention import attend, attention_mask, library_attend
+from cppo_jax.models.attention import attend, attention_mask, library_attend, sliding_window_mask
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
 from cppo_jax.models.kv_cache import Cache
 from cppo_jax.models.matmul import dense
@@ -105,18 +106,32 @@ def forward_copy(params, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+# The norm weights: the decoder's (`scale_D`) and the per-head query and key norms (`q_norm_E`,
+# `k_norm_E`). Gemma 3 stores w of a (1 + w) scale, initialised 0; the others the scale, 1.
+NORM_WEIGHTS = ("scale_D", "q_norm_E", "k_norm_E")
+
+
+def rms_norm(x_BTX: jax.Array, w_X: jax.Array, eps: float, gemma: bool) -> jax.Array:
+    """RMS-normalised over the last axis, in float32, then scaled as Hugging Face does: Qwen/Llama
+    round the normed x to x's dtype and multiply by w; Gemma multiplies by (1 + w) in float32 and
+    rounds once."""
+    x32 = x_BTX.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (normed * (1.0 + w_X.astype(jnp.float32))).astype(x_BTX.dtype)
+    return w_X.astype(x_BTX.dtype) * normed.astype(x_BTX.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: TransformerConfig, layers: int = 0):
         lead, names = _stacked(layers)
         self.eps = cfg.rms_norm_eps
-        self.scale_D = _param(
-            jnp.ones((*lead, cfg.hidden_size), cfg.weight_dtype), (*names, "norm")
-        )
+        self.gemma = cfg.gemma
+        init = jnp.zeros if cfg.gemma else jnp.ones
+        self.scale_D = _param(init((*lead, cfg.hidden_size), cfg.weight_dtype), (*names, "norm"))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x32 = x_BTD.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale_D[...].astype(x_BTD.dtype) * normed.astype(x_BTD.dtype)
+        return rms_norm(x_BTD, self.scale_D[...], self.eps, self.gemma)
 
 
 class Attention(nnx.Module):
@@ -147,6 +162,10 @@ class Attention(nnx.Module):
             self.v_bias_JE = _param(jnp.zeros((*L, J, E), pdt), (*n, "kv_heads", "head_dim"))
         if has_o_bias(cfg):
             self.o_bias_D = _param(jnp.zeros((*L, D), pdt), (*n, "embed"))
+        if cfg.qk_norm:  # one weight over head_dim, shared by the heads
+            init = jnp.zeros if cfg.gemma else jnp.ones
+            self.q_norm_E = _param(init((*L, E), pdt), (*n, "norm"))
+            self.k_norm_E = _param(init((*L, E), pdt), (*n, "norm"))
         lora.add(self, cfg, lora.ATTENTION_TARGETS, rngs, layers)
 
     def qkv(self, x_BTD, cos_BTE, sin_BTE):
@@ -159,6 +178,10 @@ class Attention(nnx.Module):
             q_BTHE = q_BTHE + self.q_bias_HE[...].astype(dt)
             k_BTJE = k_BTJE + self.k_bias_JE[...].astype(dt)
             v_BTJE = v_BTJE + self.v_bias_JE[...].astype(dt)
+        if self.cfg.qk_norm:
+            eps, gemma = self.cfg.rms_norm_eps, self.cfg.gemma
+            q_BTHE = rms_norm(q_BTHE, self.q_norm_E[...], eps, gemma)
+            k_BTJE = rms_norm(k_BTJE, self.k_norm_E[...], eps, gemma)
         q_BTHE = constrain(apply_rope(q_BTHE, cos_BTE, sin_BTE), _ACT_HEADS)
         k_BTJE = constrain(apply_rope(k_BTJE, cos_BTE, sin_BTE), _ACT_KV_HEADS)
         return q_BTHE, k_BTJE, constrain(v_BTJE, _ACT_KV_HEADS)
@@ -186,7 +209,7 @@ class Attention(nnx.Module):
             cache = cache.write_kv(layer, k_BTJE, v_BTJE)
             k_BSJE = jax.lax.dynamic_index_in_dim(cache.k_LBSJE, layer, 0, False).astype(dt)
             v_BSJE = jax.lax.dynamic_index_in_dim(cache.v_LBSJE, layer, 0, False).astype(dt)
-        return self.out(attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS)), cache
+        return self.out(attend(q_BTHE, k_BSJE, v_BSJE, mask_BTS, self.cfg.attn_scale)), cache
 
 
 class MLP(nnx.Module):
@@ -203,28 +226,46 @@ class MLP(nnx.Module):
         dt = x_BTD.dtype
         gate_BTF = lora.apply(self, "gate", x_BTD, dense(x_BTD, self.gate_DF[...].astype(dt)))
         up_BTF = lora.apply(self, "up", x_BTD, dense(x_BTD, self.up_DF[...].astype(dt)))
-        h_BTF = jax.nn.silu(constrain(gate_BTF, _ACT_MLP)) * constrain(up_BTF, _ACT_MLP)
+        gate_BTF = constrain(gate_BTF, _ACT_MLP)
+        # Gemma's GeGLU: the tanh GELU (transformers' gelu_pytorch_tanh); else SwiGLU
+        act_BTF = (
+            jax.nn.gelu(gate_BTF, approximate=True) if self.cfg.gemma else jax.nn.silu(gate_BTF)
+        )
+        h_BTF = act_BTF * constrain(up_BTF, _ACT_MLP)
         return lora.apply(self, "down", h_BTF, dense(h_BTF, self.down_FD[...].astype(dt)))
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm decoder layer; built with `layers=L` it holds all L layers' params stacked."""
+    """One pre-norm decoder layer; built with `layers=L` it holds all L layers' params stacked.
+    Gemma 3 also normalises the attention and MLP outputs before each residual sum."""
 
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, layers: int = 0):
         self.attn_norm = RMSNorm(cfg, layers)
         self.attn = Attention(cfg, rngs, layers)
         self.mlp_norm = RMSNorm(cfg, layers)
         self.mlp = MLP(cfg, rngs, layers)
+        self.gemma = cfg.gemma
+        if cfg.gemma:
+            self.post_attn_norm = RMSNorm(cfg, layers)
+            self.post_mlp_norm = RMSNorm(cfg, layers)
+
+    def attn_residual(self, x_BTD: jax.Array, y_BTD: jax.Array) -> jax.Array:
+        """The residual sum after attention (y: its output projection)."""
+        if self.gemma:
+            y_BTD = self.post_attn_norm(y_BTD)
+        return constrain(x_BTD + y_BTD, _ACT_EMBED)
 
     def mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
-        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), _ACT_EMBED)
+        y_BTD = self.mlp(self.mlp_norm(x_BTD))
+        if self.gemma:
+            y_BTD = self.post_mlp_norm(y_BTD)
+        return constrain(x_BTD + y_BTD, _ACT_EMBED)
 
     def __call__(self, x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, layer, segment_BT=None):
         y_BTD, cache = self.attn(
             self.attn_norm(x_BTD), cos_BTE, sin_BTE, mask_BTS, cache, layer, segment_BT
         )
-        x_BTD = constrain(x_BTD + y_BTD, _ACT_EMBED)
-        return self.mlp_residual(x_BTD), cache
+        return self.mlp_residual(self.attn_residual(x_BTD, y_BTD)), cache
 
 
 # What each remat policy (TransformerConfig.remat) saves of a layer's forward for its backward;
@@ -268,8 +309,25 @@ def run_layers(
     return carry
 
 
+def scale_embeddings(x_BTD: jax.Array, cfg: TransformerConfig) -> jax.Array:
+    """Gemma's embeddings times sqrt(D), the factor rounded to the table's dtype as Hugging Face
+    does (x is the lookup, still in the table's dtype); the others' unchanged."""
+    if not cfg.gemma:
+        return x_BTD
+    return x_BTD * jnp.asarray(cfg.hidden_size**0.5, x_BTD.dtype)
+
+
+def per_layer(cfg: TransformerConfig, index, local, full):
+    """Layer `index`'s (traced, under the scan) choice of the local-layer value or the global one;
+    `full` alone for a model without sliding-window layers."""
+    if not any(cfg.local_layers):
+        return full
+    is_local = jnp.asarray(cfg.local_layers)[index]
+    return jax.tree.map(lambda a, b: jnp.where(is_local, a, b), local, full)
+
+
 class Transformer(nnx.Module):
-    """Decoder-only transformer (Qwen2 / Llama layout)."""
+    """Decoder-only transformer (Qwen2 / Llama / Qwen3 / Gemma 3 layout)."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         V, D, pdt = cfg.vocab_size, cfg.hidden_size, cfg.weight_dtype
@@ -315,12 +373,18 @@ class Transformer(nnx.Module):
             # gradient is scattered into the shard.
             x_BTD = jnp.take(table_VD, tokens_BT, axis=0, mode="clip")
             x_BTD = constrain(x_BTD, (None, None, "embed"))
+        x_BTD = scale_embeddings(x_BTD, cfg)
         x_BTD = constrain(x_BTD.astype(cfg.compute_dtype), _ACT_EMBED)
         mask_BTS, cache = attention_mask(valid_BT, cache, segment_BT)
-        cos_BTE, sin_BTE = rope_tables(positions_BT, cfg)
+        full = (mask_BTS, *rope_tables(positions_BT, cfg))
+        local = None
+        if any(cfg.local_layers):  # Gemma 3's local layers: the window, their own RoPE base
+            window_BTS = sliding_window_mask(mask_BTS, cache, cfg.sliding_window)
+            local = (window_BTS, *rope_tables(positions_BT, cfg.local_rope()))
 
         def layer_fn(layer, index, carry):
             x_BTD, cache = carry
+            mask_BTS, cos_BTE, sin_BTE = per_layer(cfg, index, local, full)
             return layer(x_BTD, cos_BTE, sin_BTE, mask_BTS, cache, index, segment_BT)
 
         x_BTD, cache = run_layers(cfg, self.layers, layer_fn, (x_BTD, cache), remat=cfg.remat)
@@ -360,8 +424,8 @@ def init_model(cfg: TransformerConfig, seed: int = 0) -> Transformer:
         shape, dtype = var.get_value().shape, var.get_value().dtype
         if isinstance(var, nnx.LoRAParam):
             value = init_adapter_value(path, shape, rng)
-        elif path[-1] == "scale_D":
-            value = np.ones(shape, np.float32)
+        elif path[-1] in NORM_WEIGHTS:  # Gemma's (1 + w) weights start at 0, the others' at 1
+            value = np.full(shape, 0.0 if cfg.gemma else 1.0, np.float32)
         elif "bias" in str(path[-1]):
             value = np.zeros(shape, np.float32)
         else:

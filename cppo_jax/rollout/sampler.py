@@ -42,7 +42,14 @@ from flax import nnx
 
 from cppo_jax.models import init_cache
 from cppo_jax.models.attention import MASKED
-from cppo_jax.models.transformer import DTYPES, rope_tables, run_layers, unembed
+from cppo_jax.models.transformer import (
+    DTYPES,
+    per_layer,
+    rope_tables,
+    run_layers,
+    scale_embeddings,
+    unembed,
+)
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampling import (
     Samples,
@@ -72,8 +79,12 @@ def _decode_layers(model):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt), state))
 
 
-def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_QE, sin_QE):
+def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, rope_QE, local_rope_QE):
     """One token per sequence through the model at completion slot t: logits [N, V] and the cache.
+
+    rope_QE: the (cos, sin) [Q, E] of this token's position; local_rope_QE the local layers' (Gemma
+    3's sliding-window layers, which also see only the last `sliding_window` slots: a mask over the
+    static prompt and completion slots), None without them.
 
     prompt_kv: (k, v) [L, Q, J, P, E], one copy per question; kv: keys [L, Q, J, G, E, C] and values
     [L, Q, J, G, C, E], the completions so far. The layer math is the model's own (`Attention.qkv`,
@@ -89,16 +100,26 @@ def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_
     _, Q, J, G, E, C = kc_LQJGEC.shape
     H = cfg.num_heads
     R = H // J
-    scale = E**-0.5
+    scale = cfg.attn_scale
     f32 = jnp.float32
-    x_QGD = jnp.take(model.embed_VD[...], token_N.reshape(Q, G), axis=0, mode="clip").astype(dt)
-    cos_Q1E, sin_Q1E = cos_QE[:, None], sin_QE[:, None]
+    x_QGD = jnp.take(model.embed_VD[...], token_N.reshape(Q, G), axis=0, mode="clip")
+    x_QGD = scale_embeddings(x_QGD, cfg).astype(dt)
     prompt_mask_QJGRP = prompt_valid_QP[:, None, None, None, :]
     slot_mask_C = jnp.arange(C) <= t
+    full = (prompt_mask_QJGRP, slot_mask_C, *(x[:, None] for x in rope_QE))
+    local = None
+    if local_rope_QE is not None:  # this token sits at slot P + t: the window from P + t - W + 1
+        P, W = prompt_valid_QP.shape[1], cfg.sliding_window
+        local = (
+            prompt_mask_QJGRP & (jnp.arange(P) > P + t - W),
+            slot_mask_C & (jnp.arange(C) > t - W),
+            *(x[:, None] for x in local_rope_QE),
+        )
     layer_at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, False)  # noqa: E731
 
     def layer_fn(layer, i, carry):
         x_QGD, kc_LQJGEC, vc_LQJGCE = carry
+        prompt_mask_QJGRP, slot_mask_C, cos_Q1E, sin_Q1E = per_layer(cfg, i, local, full)
         q_QGHE, k_QGJE, v_QGJE = layer.attn.qkv(layer.attn_norm(x_QGD), cos_Q1E, sin_Q1E)
         zero = jnp.zeros((), jnp.int32)
         kc_LQJGEC = jax.lax.dynamic_update_slice(
@@ -138,7 +159,7 @@ def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, cos_
         )
         o_QJGRE = (o_QJGRE / total_QJGR1).astype(dt)
         o_QGHE = o_QJGRE.transpose(0, 2, 1, 3, 4).reshape(Q, G, H, E)
-        x_QGD = layer.mlp_residual(x_QGD + layer.attn.out(o_QGHE))
+        x_QGD = layer.mlp_residual(layer.attn_residual(x_QGD, layer.attn.out(o_QGHE)))
         return x_QGD, kc_LQJGEC, vc_LQJGCE
 
     x_QGD, kc_LQJGEC, vc_LQJGCE = run_layers(cfg, layers, layer_fn, (x_QGD, kc_LQJGEC, vc_LQJGCE))
@@ -197,9 +218,13 @@ def sample_with_uniforms(
     h_QPD, cache = model.hidden(prompt_QP, pos_QP, prompt_valid_QP, cache=init_cache(cfg, Q, P, cd))
     logits_QV = unembed(h_QPD[:, -1], model.unembed_weight())
     prompt_kv = (cache.k_LBSJE.transpose(0, 1, 3, 2, 4), cache.v_LBSJE.transpose(0, 1, 3, 2, 4))
-    # Completion t sits at position (prompt length) + t; cos/sin for every position, once.
+    # Completion t sits at position (prompt length) + t; cos/sin for every position, once (and
+    # the local layers' own, Gemma 3's).
     first_pos_Q = jnp.sum(prompt_valid_QP, axis=-1, dtype=jnp.int32)
-    cos_TE, sin_TE = (x[0] for x in rope_tables(jnp.arange(P + C)[None], cfg))
+    rope_TE = tuple(x[0] for x in rope_tables(jnp.arange(P + C)[None], cfg))
+    local_rope_TE = None
+    if any(cfg.local_layers):
+        local_rope_TE = tuple(x[0] for x in rope_tables(jnp.arange(P + C)[None], cfg.local_rope()))
     layers = _decode_layers(model)
 
     def emit(t, logits_NV, tokens_NC, logp_NC, done_N):
@@ -229,8 +254,10 @@ def sample_with_uniforms(
             kv,
             token_N,
             t,
-            jnp.take(cos_TE, pos_Q, axis=0),
-            jnp.take(sin_TE, pos_Q, axis=0),
+            tuple(jnp.take(x, pos_Q, axis=0) for x in rope_TE),
+            None
+            if local_rope_TE is None
+            else tuple(jnp.take(x, pos_Q, axis=0) for x in local_rope_TE),
         )
         return t + 1, kv, logits_NV, tokens_NC, logp_NC, done_N
 

@@ -45,8 +45,9 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax.config import RolloutConfig
-from cppo_jax.models.hf_io import SINGLE_FILE, save_hf
+from cppo_jax.models.hf_io import DEFAULT_SHARD_BYTES
 from cppo_jax.models.transformer import DTYPES
+from cppo_jax.rollout.device_patch import DevicePatcher
 from cppo_jax.rollout.sampling import Samples, SamplingParams
 from cppo_jax.rollout.vllm_client import (
     ResponseError,
@@ -65,10 +66,11 @@ from cppo_jax.rollout.vllm_probe import (
 from cppo_jax.rollout.vllm_push import (
     PUSH_MARKER,
     claim_push_folder,
-    hf_tensors,
+    disk_free,
     push_folder,
-    resolve_route,
+    write_failed,
 )
+from cppo_jax.rollout.vllm_routes import PushRoutes
 from cppo_jax.rollout.vllm_samples import samples_from_completions, strip_padding
 from cppo_jax.rollout.weight_transfer import ProtocolPusher
 
@@ -85,7 +87,7 @@ __all__ = [
 ]
 
 
-class VLLMBackend:
+class VLLMBackend(PushRoutes):
     """Rollouts from an external vLLM server (see the module docstring)."""
 
     def __init__(
@@ -99,8 +101,14 @@ class VLLMBackend:
         probe_tol: float | None = None,
         probe_ids: list[int] | None = None,
         serve_dtype: str | None = None,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        free_bytes=disk_free,
     ):
         self.cfg = cfg
+        self.max_shard_bytes = int(max_shard_bytes)  # the file route's shard size (save_hf)
+        self.free_bytes = (
+            free_bytes  # probe of the push folder's free bytes (`vllm_push.check_space`)
+        )
         self.graphdef = graphdef
         self.sp = sp
         self.client = client or VLLMClient(
@@ -124,6 +132,11 @@ class VLLMBackend:
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
         self.route: str | None = None  # "file" or "protocol", resolved at the first push
         self.pusher: ProtocolPusher | None = None
+        # protocol pushes encoded on the device (`device_patch.py`), else on the host (numpy): on the
+        # device where it is an accelerator; on XLA:CPU the two measured in either order under load
+        # (benchmarks/results/weight_sync.md), the host path is the default there
+        self.device_patch = jax.default_backend() != "cpu"
+        self.patcher: DevicePatcher | None = None
         self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
         self._lora_parts, self._lora_resolved = None, False
 
@@ -210,66 +223,6 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------------------------------
 
-    def write_weights(self, params, graphdef=None) -> tuple[Path, int]:
-        """`params` (as they are; `graphdef` defaults to the trainer's) as an HF checkpoint in the next
-        of two slots (atomic); returns (folder, bytes)."""
-        claim_push_folder(self.weights_dir)
-        slot = self.weights_dir / f"slot{self.pushes % 2}"
-        model = nnx.merge(graphdef or self.graphdef, params)
-        save_hf(model, slot)
-        return slot, (slot / SINGLE_FILE).stat().st_size
-
-    def resolve_route(self) -> str:
-        """The weight-sync route (`rollout.weight_sync`; `auto` asks the server once)."""
-        if self.route is None:
-            self.route = resolve_route(self.cfg.weight_sync, self.client)
-            if self.route == "protocol":
-                claim_push_folder(self.weights_dir)
-                self.pusher = ProtocolPusher(
-                    self.client,
-                    self.weights_dir / "protocol",
-                    full_push_every=self.cfg.full_push_every,
-                )
-        return self.route
-
-    def push(self, params) -> dict:
-        """Send `params` in the serving dtype by the route of `rollout.weight_sync` and reset the prefix
-        cache (no check); returns bytes and timings (`pause_s`: the server could not generate).
-        With an adapter push (`rollout.lora_push`) the adapters go instead, `params` unused."""
-        if self.adapter_push():
-            m, self.pushes = self.lora.push(), self.pushes + 1
-            self.last_slot = self.lora.path
-            return m
-        if self.resolve_route() == "protocol":
-            t0 = time.perf_counter()
-            tensors = hf_tensors(*self.serving(params))
-            t1 = time.perf_counter()
-            m = self.pusher.push(tensors)
-            self.pushes += 1
-            self.last_slot = self.pusher.root
-            return {
-                "weight_sync/bytes": m["bytes"],
-                "write_s": t1 - t0 + m["write_s"],
-                "reload_s": m["pause_s"],
-                "changed_frac": m["changed_frac"],
-                "full": m["full"],
-            }
-        t0 = time.perf_counter()
-        slot, nbytes = self.write_weights(*reversed(self.serving(params)))
-        t1 = time.perf_counter()
-        self.client.reload_weights(str(slot))
-        self.client.reset_prefix_cache()
-        t2 = time.perf_counter()
-        self.pushes += 1
-        self.last_slot = slot
-        return {
-            "weight_sync/bytes": float(nbytes),
-            "write_s": t1 - t0,
-            "reload_s": t2 - t1,
-            "changed_frac": 1.0,
-            "full": 1.0,
-        }
-
     def expected_probe(self, params) -> np.ndarray:
         """The trainer's probe log-probs [T, V] of `params` as the server runs them (or of the adapters
         pushed on the frozen base)."""
@@ -355,16 +308,28 @@ class VLLMBackend:
         try:
             # cast once; push and verify cast no further (an adapter push casts only the adapters)
             served = params if self.adapter_push() else self.serving(params)[1]
-            metrics = self.push(served)
+            jax.block_until_ready(served)
+            cast_s = time.perf_counter() - t0
+            try:
+                metrics = self.push(served)
+            except (
+                OSError
+            ) as e:  # a full /dev/shm: ENOSPC; a RolloutServerError like any failed push
+                when = f" at step {step}" if step is not None else ""
+                raise write_failed(e, self.weights_dir, self.url, when) from e
             t = time.perf_counter()
             diff = self.verify(served, step)
         except BaseException as e:
             self.unconfirmed = f"{type(e).__name__}: {e}"
             if self.pusher is not None:
                 self.pusher.invalidate()  # the next push is a full one
+            if self.patcher is not None:
+                self.patcher.invalidate()
             raise
         if self.route == "protocol":
             self.pusher.confirm()  # the base of the next sparse push
+            if self.patcher is not None:
+                self.patcher.confirm()
         self.unconfirmed = None
         self.synced_step = int(step)
         try:
@@ -381,6 +346,11 @@ class VLLMBackend:
             "weight_sync/changed_frac": metrics["changed_frac"],
             "weight_sync/full": metrics["full"],
             "weight_sync/verify_s": time.perf_counter() - t,
+            "weight_sync/probe_s": time.perf_counter() - t,
+            "weight_sync/device_s": cast_s + metrics.get("device_s", 0.0),
+            "weight_sync/host_bytes": metrics.get("host_bytes", metrics["weight_sync/bytes"]),
+            "weight_sync/host_s": metrics.get("host_s", metrics["write_s"]),
+            "weight_sync/trainer_s": cast_s + metrics["write_s"],
             "weight_sync/total_s": time.perf_counter() - t0,
         }
 

@@ -7,10 +7,16 @@
   engine it was started with.
 - `hf_tensors`: the policy as the HF-named numpy arrays a protocol push sends (the same names and layouts
   as the file route's checkpoint).
+- `check_space` / `PushSpaceError`: before every push, the push folder's file system must hold the two
+  copies a push may leave there (the slot or round the server read last, and the new one); a Docker
+  container's /dev/shm is 64 MB unless started with `--shm-size`, where a 7B push needs 2 x 15.2 GB.
 """
 
 from __future__ import annotations
 
+import errno
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +24,15 @@ from flax import nnx
 
 from cppo_jax.config import ConfigError
 from cppo_jax.models.hf_io import state_to_hf_tensors
-from cppo_jax.rollout.vllm_http import JSONClient
+from cppo_jax.rollout.vllm_http import JSONClient, RolloutServerError
 from cppo_jax.rollout.weight_transfer import SHM_BACKEND, server_backend
 
 __all__ = [
     "PUSH_MARKER",
+    "PushSpaceError",
+    "check_space",
     "claim_push_folder",
+    "disk_free",
     "hf_tensors",
     "push_folder",
     "resolve_route",
@@ -93,3 +102,54 @@ def claim_push_folder(folder: Path) -> None:
         )
     folder.mkdir(parents=True, exist_ok=True)
     marker.write_text("weight-push slots written by cppo_jax; removed when the trainer closes\n")
+
+
+class PushSpaceError(RolloutServerError):
+    """The push folder's file system cannot hold a push (checked before writing), or a write failed."""
+
+
+SPACE_HINT = (
+    "in a Docker container /dev/shm is 64 MB unless the container is started with --shm-size "
+    "(docker run --shm-size={gb}g), or set rollout.weights_dir to a folder on a disk the server also reads"
+)
+
+
+def disk_free(folder: Path) -> int:
+    """Free bytes of the file system that holds `folder` (or its nearest existing parent)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def _held(folder: Path) -> int:
+    """Bytes of the files under `folder` (the slots of earlier pushes, which a push replaces)."""
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def check_space(
+    folder: Path, push_bytes: int, url: str, free: Callable[[Path], int] = disk_free
+) -> None:
+    """Raise `PushSpaceError` unless `folder`'s file system can take two pushes of `push_bytes` (a
+    push replaces the copy before last, so at most two are there), counting the files already held in
+    `folder` as free. `free` is the probe of a folder's free bytes (injectable for tests)."""
+    need, have = 2 * push_bytes, free(folder) + _held(folder)
+    if have >= need:
+        return
+    raise PushSpaceError(
+        f"weight push to {url}: the push folder {folder} (rollout.weights_dir) has {have / 1e9:.3g} GB "
+        f"free, a push needs {need / 1e9:.3g} GB (two copies of {push_bytes / 1e9:.3g} GB of weights): "
+        + SPACE_HINT.format(gb=-(-need * 5 // 4 // 2**30)),
+        url=url,
+    )
+
+
+def write_failed(e: OSError, folder: Path, url: str, when: str) -> PushSpaceError:
+    """The error a push raises when writing under `folder` failed (`e`: a full /dev/shm is ENOSPC)."""
+    full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    return PushSpaceError(
+        f"weight push{when} to {url} failed writing under {folder}: {type(e).__name__}: {e}"
+        + (f"; the file system is full: {SPACE_HINT.format(gb='N')}" if full else ""),
+        url=url,
+    )

@@ -36,7 +36,15 @@ import numpy as np
 
 from cppo_jax.rollout.vllm_http import JSONClient, RolloutServerError
 
-__all__ = ["SHM_BACKEND", "ProtocolPusher", "changed_indices", "server_backend", "ulp_steps"]
+__all__ = [
+    "SHM_BACKEND",
+    "ProtocolPusher",
+    "changed_indices",
+    "encode",
+    "gap_steps",
+    "server_backend",
+    "ulp_steps",
+]
 
 SHM_BACKEND = "cppo_shm"
 _ALIGN = 64
@@ -91,15 +99,21 @@ def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.nda
     d = np.ascontiguousarray(new).view(u).reshape(-1)[idx].astype(wide)
     d -= np.ascontiguousarray(old).view(u).reshape(-1)[idx]  # in place: one array of idx's size
     small = np.abs(d) <= 127
-    at = idx[small]
+    return (*gap_steps(idx[small], d[small]), idx[~small].astype(np.int32))
+
+
+def gap_steps(at: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Steps `d` (|d| <= 127) of the ascending flat indices `at` as (gaps_S uint8, steps_S int8):
+    entry s patches flat index cumsum(gaps)[s] - 1; a gap over 255 is bridged by entries of gap 255
+    and step 0."""
     gap = np.diff(at, prepend=-1)
     fill = (gap - 1) // 255  # bridging entries before each element
     pos = np.arange(at.size) + np.cumsum(fill)
     gaps_S = np.full(at.size + int(fill.sum()), 255, np.uint8)
     steps_S = np.zeros(gaps_S.size, np.int8)
     gaps_S[pos] = gap - 255 * fill
-    steps_S[pos] = d[small]
-    return gaps_S, steps_S, idx[~small].astype(np.int32)
+    steps_S[pos] = d
+    return gaps_S, steps_S
 
 
 class ProtocolPusher:
@@ -143,16 +157,30 @@ class ProtocolPusher:
         return self._since_full is None or self._since_full + 1 >= self.full_push_every
 
     def push(self, tensors: dict[str, np.ndarray], *, skip_finish: bool = False) -> dict:
-        """One round (start, update, finish, prefix-cache reset); the new state counts as the base of
-        the next sparse push only once `confirm()` is called (after the probe check passed).
-        `skip_finish` is for fault tests only."""
+        """One round (start, update, finish, prefix-cache reset) of `tensors` (host arrays), diffed
+        here against the last confirmed push's; the new state counts as the base of the next sparse
+        push only once `confirm()` is called (after the probe check passed). `skip_finish` is for
+        fault tests only."""
+        full = self.next_is_full()
+        t0 = time.perf_counter()
+        entries, changed, total = encode(tensors, None if full else self._last)
+        encode_s = time.perf_counter() - t0
+        m = self.push_entries(entries, full, changed, total, skip_finish=skip_finish)
+        self._pending = (tensors, full, self.rounds)
+        m["write_s"] += encode_s
+        return m
+
+    def push_entries(
+        self, entries: list[tuple], full: bool, changed: int, total: int, *, skip_finish=False
+    ) -> dict:
+        """One round of entries already encoded (`encode`, or on the device: `device_patch`), full or
+        sparse against the last confirmed push (`next_is_full()` says which is due)."""
         if not self._ready:
             self.init()
-        full = self.next_is_full()
         t0 = time.perf_counter()
         self.rounds += 1
         name = f"round{self.rounds % 2}.bin"
-        info, nbytes, changed, total = self._write(name, tensors, None if full else self._last)
+        info, nbytes = self._write(name, entries, not full)
         t1 = time.perf_counter()
         self._start()
         self._post("/update_weights", {"update_info": info}, f"sending weight round {self.rounds}")
@@ -164,7 +192,7 @@ class ProtocolPusher:
             )
         self.client.request("POST", "/reset_prefix_cache", None, what="resetting the prefix cache")
         t2 = time.perf_counter()
-        self._pending = (tensors, full, self.rounds)
+        self._pending = (None, full, self.rounds)
         return {
             "bytes": float(nbytes),
             "changed_frac": changed / max(total, 1),
@@ -178,7 +206,8 @@ class ProtocolPusher:
         if self._pending is None:
             raise RuntimeError("confirm() without a push to confirm")
         (tensors, full, self._base_round), self._pending = self._pending, None
-        self._last = dict(tensors)  # fresh host arrays per push: kept, not copied
+        # fresh host arrays per push: kept, not copied (None: the base is on the device)
+        self._last = None if tensors is None else dict(tensors)
         self._since_full = 0 if full else self._since_full + 1
 
     def _start(self) -> None:
@@ -194,12 +223,12 @@ class ProtocolPusher:
                 self._post("/finish_weight_update", {}, "closing a dangling weight round")
             self._post("/start_weight_update", None, what)
 
-    def _write(self, name: str, tensors: dict[str, np.ndarray], base: dict | None):
-        """Write one payload file (to a temporary name, then renamed); returns (update_info, bytes,
-        changed elements, all elements)."""
+    def _write(self, name: str, entries: list[tuple], sparse: bool):
+        """Write one payload file of `entries` (to a temporary name, then renamed); returns
+        (update_info, bytes)."""
         parts: list[np.ndarray] = []
         offsets, counts, index_offsets, step_offsets, step_counts = [], [], [], [], []
-        pos = changed = total = 0
+        pos = 0
 
         def place(arr: np.ndarray) -> int:
             nonlocal pos
@@ -211,40 +240,27 @@ class ProtocolPusher:
             pos = start + raw.size
             return start
 
-        names, dtypes, shapes = list(tensors), [], []
-        for key in names:
-            arr = np.asarray(tensors[key])
-            dtypes.append(arr.dtype.name)
-            shapes.append(list(arr.shape))
-            total += arr.size
-            if base is not None and key not in base:
-                raise ValueError(f"tensor {key} was not in the last push: a full push is needed")
-            patch = None
-            if base is None:
-                changed += arr.size
-            else:
-                mask = changed_mask(base[key], arr)
-                n = int(np.count_nonzero(mask))
-                changed += n
-                # Over a quarter changed (a large update): whole, a patch would save little
-                if 4 * n <= arr.size:
-                    idx = np.flatnonzero(mask).astype(np.int32)
-                    gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
-                    if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
-                        patch = None
-            if patch is None:
-                offsets.append(place(arr))  # a full push, or a patch no smaller: whole
-                counts.append(arr.size)
+        names, dtypes, shapes = [], [], []
+        for key, dtype, shape, values, *patch in entries:
+            names.append(key)
+            dtypes.append(np.dtype(dtype).name)
+            shapes.append(list(shape))
+            offsets.append(place(values))
+            counts.append(int(np.size(values)))
+            if not patch:  # whole
                 index_offsets.append(-1)
                 step_offsets.append(-1)
                 step_counts.append(0)
                 continue
-            offsets.append(place(arr.reshape(-1)[rest]))
-            counts.append(int(rest.size))
-            index_offsets.append(place(rest))
-            step_offsets.append(place(np.concatenate([gaps_S, steps_S.view(np.uint8)])))
+            rest, gaps_S, steps_S = patch
+            index_offsets.append(place(np.asarray(rest, np.int32)))
+            step_offsets.append(place(np.concatenate([gaps_S, np.asarray(steps_S).view(np.uint8)])))
             step_counts.append(int(gaps_S.size))
         self.root.mkdir(parents=True, exist_ok=True)
+        # The server applied this round's file two rounds ago: removed first, so that the folder never
+        # holds more than two payloads (the push folder's space check, `vllm_push.check_space`)
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / name).unlink()
         tmp = self.root / f".{name}.tmp"
         crc = 0
         with open(tmp, "wb") as fh:
@@ -259,12 +275,44 @@ class ProtocolPusher:
             "shapes": shapes,
             "offsets": offsets,
             "counts": counts,
-            "index_offsets": None if base is None else index_offsets,
-            "step_offsets": None if base is None else step_offsets,
-            "step_counts": None if base is None else step_counts,
-            "base_round": None if base is None else self._base_round,
+            "index_offsets": index_offsets if sparse else None,
+            "step_offsets": step_offsets if sparse else None,
+            "step_counts": step_counts if sparse else None,
+            "base_round": self._base_round if sparse else None,
             "crc32": crc,
             "round": self.rounds,
             "round_tensors": len(names),
         }
-        return info, pos, changed, total
+        return info, pos
+
+
+def encode(tensors: dict[str, np.ndarray], base: dict | None) -> tuple[list[tuple], int, int]:
+    """The wire entries of `tensors` on the host: whole (`base` None: a full push), or each diffed
+    against `base` (a patch, or whole where over a quarter changed or a patch would be no smaller).
+    Returns (entries, changed elements, all elements); entries as `ProtocolPusher.push_entries`."""
+    entries: list[tuple] = []
+    changed = total = 0
+    for key in tensors:
+        arr = np.asarray(tensors[key])
+        total += arr.size
+        if base is not None and key not in base:
+            raise ValueError(f"tensor {key} was not in the last push: a full push is needed")
+        patch = None
+        if base is None:
+            changed += arr.size
+        else:
+            mask = changed_mask(base[key], arr)
+            n = int(np.count_nonzero(mask))
+            changed += n
+            # Over a quarter changed (a large update): whole, a patch would save little
+            if 4 * n <= arr.size:
+                idx = np.flatnonzero(mask).astype(np.int32)
+                gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
+                if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
+                    patch = None
+        if patch is None:  # a full push, or a patch no smaller: whole
+            entries.append((key, arr.dtype, arr.shape, arr))
+            continue
+        gaps_S, steps_S, rest = patch
+        entries.append((key, arr.dtype, arr.shape, arr.reshape(-1)[rest], rest, gaps_S, steps_S))
+    return entries, changed, total

@@ -12,6 +12,7 @@ a wrong batch. A transient 5xx is retried and the run finishes.
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import time
 
@@ -201,3 +202,95 @@ def test_server_down_at_start_is_a_fast_clear_error(setup):
         trainer.rollout.backend.client = real
     assert url in str(info.value) and "running" in str(info.value)
     assert metrics_steps(tmp / "down") == []  # nothing trained, nothing to lose
+
+
+def test_first_push_comes_after_the_compile_ahead_and_the_server_wait(setup, monkeypatch):
+    """The trainer compiles while the server loads: the first step's program is compiled ahead, then
+    the server waited for, then the weights pushed (on 63ffd83 the push, which waits for the server,
+    came first)."""
+    _, trainer, init, tmp, *_ = setup
+    rewind(trainer, tmp / "order", *init, "trainer.steps=1")
+    backend, log, order = trainer.rollout.backend, trainer.host.log, []
+    real_event, real_wait, real_sync = log.event, backend.wait_ready, backend.sync_weights
+
+    def event(name, **fields):
+        order.append(name)
+        return real_event(name, **fields)
+
+    monkeypatch.setattr(log, "event", event)
+    monkeypatch.setattr(backend, "wait_ready", lambda: (order.append("wait"), real_wait())[1])
+    monkeypatch.setattr(
+        backend, "sync_weights", lambda p, s: (order.append(f"push {s}"), real_sync(p, s))[1]
+    )
+    trainer.train()
+    assert order[:3] == ["compiled_ahead", "wait", "push 0"], order
+    assert "push 1" in order
+
+
+def _space_fault(setup, name, monkeypatch, *, at_start: bool, oserror: bool = False):
+    """A run whose push folder is too small (the free-space probe says 1 kB) from the start or after
+    step 1, or whose write fails with ENOSPC (a full /dev/shm) after step 1."""
+    import errno
+
+    from cppo_jax.rollout import vllm_routes
+
+    _, trainer, init, tmp, *_ = setup
+    run_dir = tmp / name
+    rewind(trainer, run_dir, *init)
+    backend = trainer.rollout.backend
+
+    def fault():
+        if not oserror:
+            monkeypatch.setattr(backend, "free_bytes", lambda folder: 1000)
+            return
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(vllm_routes, "save_hf", full)
+
+    if at_start:
+        for slot in backend.weights_dir.glob("slot*"):  # the earlier cases' (a push replaces them)
+            shutil.rmtree(slot)
+        fault()
+    try:
+        with pytest.raises(RolloutServerError) as info:
+            trainer.train(progress=lambda m: fault() if m["step"] == 1 else None)
+        _drain(trainer)
+    finally:
+        monkeypatch.undo()
+        backend.unconfirmed = None  # for the next case
+    return run_dir, info.value
+
+
+def test_push_folder_too_small_is_named_with_a_checkpoint(setup, monkeypatch):
+    """Checked before the first push: a push folder whose file system cannot hold two copies of the
+    weights (the free-space probe says 1 kB) stops the run with an error naming the folder, Docker's
+    --shm-size and rollout.weights_dir, and a checkpoint of the starting state."""
+    from cppo_jax.rollout.vllm_push import PushSpaceError
+
+    trainer = setup[1]
+    run_dir, err = _space_fault(setup, "space", monkeypatch, at_start=True)
+    assert isinstance(err.__cause__, PushSpaceError), repr(err.__cause__)
+    assert "--shm-size" in str(err) and "rollout.weights_dir" in str(err)
+    assert str(trainer.rollout.backend.weights_dir) in str(err)
+    assert f"checkpoint of step 0 saved under {run_dir / 'checkpoints'}" in str(err)
+    assert metrics_steps(run_dir) == []
+    events = [e["step"] for e in read_events(run_dir) if e["event"] == "rollout_server_error"]
+    assert events == [0]
+    _, meta = Checkpointer(run_dir / "checkpoints").restore(None, trainer.state())
+    assert meta["step"] == 0
+    assert not list(trainer.rollout.backend.weights_dir.glob("slot*"))  # nothing was written
+
+
+def test_full_push_folder_mid_write_is_a_push_failure_with_a_checkpoint(setup, monkeypatch):
+    """An OSError while writing (ENOSPC: /dev/shm filled by something else) ends as any failed push:
+    a RolloutServerError naming the folder and the fix, the finished step checkpointed."""
+    from cppo_jax.rollout.vllm_push import PushSpaceError
+
+    run_dir, err = _space_fault(setup, "enospc", monkeypatch, at_start=False, oserror=True)
+    assert isinstance(err.__cause__, PushSpaceError), repr(err.__cause__)
+    assert isinstance(err.__cause__.__cause__, OSError)
+    assert "No space left on device" in str(err) and "--shm-size" in str(err)
+    assert "checkpoint of step 2 saved" in str(err)
+    assert Checkpointer(run_dir / "checkpoints").all_steps() == [2]
