@@ -101,6 +101,30 @@ def test_pages_exist_and_relative_links_resolve():
         assert f"]({name})" in index, f"docs/README.md does not link {name}"
 
 
+def test_readme_starts_with_the_two_commands_and_holds_no_lab_notes_on_its_first_screen():
+    """The two commands first; no timing, commit hash or load average in the first 25 lines (those
+    go to CONTRIBUTING.md and benchmarks/results/README.md); every relative link resolves."""
+    text = (ROOT / "README.md").read_text()
+    first = "\n".join(text.splitlines()[:25])
+    assert first.index("make demo") < first.index("make test") < first.index("**Status:**")
+    lab = {
+        "a timing": r"\b\d+(\.\d+)? ?(min|s)\b",
+        "a commit hash": r"\b[0-9a-f]{7,40}\b",
+        "a load average": r"load average|\bload \d",
+    }
+    found = {what: m.group(0) for what, rx in lab.items() if (m := re.search(rx, first))}
+    assert not found, f"README's first screen holds {found}"
+    for page in (
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "benchmarks/results/README.md",
+    ):
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            assert (page.parent / target.split("#")[0]).exists(), f"{page.name} -> {target}"
+
+
 def test_figure_is_committed():
     png = DOCS / "figures" / "pruning.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
