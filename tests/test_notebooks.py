@@ -132,6 +132,34 @@ def test_one_chip_runs_end_to_end_in_quick_mode_and_names_the_one_chip_commands(
     assert (run / "export" / "config.json").is_file() and (run / "summary.md").is_file()
 
 
+def test_one_chip_picks_its_config_by_the_compilers_one_chip_table():
+    """The memory each one-chip config needs, as the notebook holds it (NEED_GIB), is the run peak
+    benchmarks/results/aot_one_chip.json compiled for that chip (v5e, v6e; the most of the GPUs),
+    rounded up to 0.1 GiB, and None exactly where the compiler said it does not fit as configured."""
+    import ast
+
+    cells = nbformat.read(NOTEBOOKS / ONE_CHIP, as_version=4).cells
+    tree = ast.parse("\n".join(c.source for c in cells if c.cell_type == "code"))
+    (held,) = [
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "NEED_GIB"
+    ]
+    rows = json.loads((ROOT / "benchmarks/results/aot_one_chip.json").read_text())["rows"]
+    table: dict[str, dict] = {name: {"v5e": None, "v6e": None, "gpu": None} for name in held}
+    seen = set()
+    for r in rows:
+        chip = r["target"].split(":")[0]
+        chip = chip if chip in ("v5e", "v6e") else "gpu"
+        seen.add((r["config"], chip))
+        if r["fits_as_configured"]:
+            gib = round(r["run_peak"] / 2**30 + 0.05, 1)
+            table[r["config"]][chip] = max(gib, table[r["config"]][chip] or 0)
+    assert {(c, chip) for c in held for chip in ("v5e", "v6e", "gpu")} <= seen  # all compiled
+    assert held == table
+    assert list(held) == sorted(held, key=lambda c: ("0p5b" in c, "lora" in c))  # largest first
+
+
 def test_one_chip_install_cell_installs_the_source_folder_keeping_jax(tmp_path):
     """The one-chip notebook's first cell, forced on this machine in a dry run: pip is asked for the
     source folder itself (editable), with every installed jax* package pinned to its version."""
