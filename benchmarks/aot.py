@@ -423,6 +423,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 flush=True,
             )
     info["load_after"] = _common.load_average()
+    if args.render and data.get("machine"):  # the machine the stored rows were compiled on
+        info = data["machine"]
+    elif not args.render:
+        data["machine"] = info
+        store.write_text(json.dumps(data, indent=1))
     render(data["rows"], out, info, data.get("before", []), replan=args.replan, suite=args.suite)
     return data["rows"]
 

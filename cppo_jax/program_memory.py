@@ -55,6 +55,10 @@ REF_SCORE_BUFFERS = {"v5e": 2}
 #   params, with no score buffer alive; v5e, v5p and v4 keep the gathered matrices through the loop
 #   (v5e's 7B heap at 1/8/1 holds both gathered matrices and both score buffers at disjoint offsets).
 GATHERS_APART = ("v6e",)
+# XLA:GPU writes the reference's softmax output in float32 (4 bytes) or bf16 (2) by its cost model,
+# case by case (see `program_bytes`); the plan counts a value between (12.5% over bf16's, 16% under
+# float32's on that term).
+GPU_SOFTMAX_BYTES = 2.75
 
 
 def planned_model(cfg):
@@ -110,6 +114,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
     vocab_train += 2 * V * D * 4 // fsdp
     if lora:  # a frozen vocabulary: no gradient of it; with fsdp > 1 the matrix gathered for use
         vocab_train = vocab_c if fsdp > 1 else 0
+        if gpu:  # XLA:GPU casts the frozen unembedding to float32 for the logits' backward and
+            # keeps its relaid compute-dtype copy (f32[1536,151936] and bf16[1536,151936] in the
+            # 1.5B + LoRA step at 8/1/1 on h100, the largest buffers of its heap at 2 rows)
+            vocab_train = V * D * 4 // fsdp + vocab_c
     n_all = _split(shapes.M, dp) if shapes.M % dp == 0 else shapes.M
     row = (T + 1) * 5 + C * 4 * 3 + 4  # tokens, valid, mask, old, ref, adv
     if cfg.trainer.pack:  # R rows: tokens, segments, positions; the M sequences' [C] arrays
@@ -131,7 +139,14 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # 2 x f32[48,1535,3584] and 2 x f32[73680,3584], 7 x bf16[48,1535,3584]; the 1.5B's at
         # 1/1/4 holds the same kinds (bf16[16,1535,2240], f32[16,1535,1536], bf16[16,1535,1536]).
         backward = 6 * cb * F + (4 * 4 + 7 * cb) * D
-        if lora:  # each adapted projection's x A (rank wide) and s (x A) B (its output's width)
+        if lora and gpu:
+            # XLA:GPU computes no frozen weight's gradient, and the rebuilt layer's work is five
+            # MLP-wide and four hidden-wide compute-dtype buffers and two float32 hidden-wide ones
+            # per token (fitted to the 1.5B + LoRA step at 1/1/1 on h100, 9.69 GiB of temporaries
+            # against the full step's 10.98 less its gradients; every LoRA step in aot_gpu.md is
+            # within 0.86-1.11 of the compiler with it, where the full step's count gave 1.28)
+            backward = 5 * cb * F + (2 * 4 + 4 * cb) * D
+        elif lora:  # each adapted projection's x A (rank wide) and s (x A) B (its output's width)
             outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
             backward += cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
         kept_all = n * T * L * kept[tcfg.remat]
@@ -162,16 +177,25 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # query heads: the rules (`sharding.logical_spec`) then replicate attention over tensor.
         buffers = REF_SCORE_BUFFERS.get(generation, 1)
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
-        if gpu:  # XLA:GPU holds the float32 scores, their compute-dtype cast and the float32
-            # queries at once (the 1.5B's reference: 2.73 GiB of temporaries at 1/1/1 and at
-            # 1/1/8 alike); the MLP's products and the logits come later, in the same heap
-            attention = n_all * T * (H * scores * (4 + cb) // 4 + 4 * H * E)
-            forward = max(attention, n_all * T * 2 * F * cb, logits)
+        if gpu:
+            # XLA:GPU holds the float32 scores (padded: f32[32,1536,9216] for the 1.5B's 16 rows
+            # of 1535 tokens), the softmax's output, the float32 queries, the mask (a byte per
+            # key) and the unembedding relaid in the compute dtype (bf16[1536,37984] of the
+            # 1.5B at 1/1/4) at once; the MLP's products and the logits take the same heap later.
+            # Its cost model writes the softmax's output in float32 or in the compute dtype from
+            # case to case: in bf16 for the 1.5B at 1/1/1 and 1/1/8 on h100 and a100 (2.73 GiB
+            # of temporaries), in float32 for the same programs on h200 and b200 (3.57 GiB), for
+            # the 1.5B at 1/1/2 and 1/1/4 and for the 7B on h100. The plan counts GPU_SOFTMAX_BYTES
+            # for it (`xla_dump_to`'s reports).
+            softmax = int(H * scores * (4 + GPU_SOFTMAX_BYTES) / 4)  # its f32 scores and output
+            mask = scores // 4  # one byte per key of each query, shared by the heads
+            forward = n_all * T * (softmax + 4 * H * E + mask) + V * D * cb
         # fsdp > 1 gathers the (compute-dtype) vocabulary matrix whole; else the copy is already it.
         # (each vocabulary matrix once: an untied model gathers the embedding for the lookup too)
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
         gathered_c = mats * vocab_c if fsdp > 1 else 0
-        if fsdp > 1 and generation in GATHERS_APART:  # a gathered matrix and its relaid copy
+        # (on GPUs too: the 7B's gathered bf16[152064,3584] shares the scores' slot at 2/4/1)
+        if fsdp > 1 and (generation in GATHERS_APART or gpu):  # a gathered matrix, relaid copy
             work = max(forward, 2 * vocab_c)
         else:
             work = forward + gathered_c
@@ -189,6 +213,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             slots = C
         kv = 2 * L * _sampler_kv_heads(tcfg, tp) * E * slots * N * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
+        if lora:  # the frozen unembedding cast to float32 for the logits (f32[75968,1536] of the
+            # 1.5B + LoRA sampler at 1/1/2 on h100: a quarter of its temporaries)
+            vocab_copy = V * D * 4 // fsdp
         weights = plan.frozen if lora else plan.params  # LoRA: it samples with the base's weights
         out["sampler"] = weights + layers_copy + vocab_copy + kv + 2 * N * V * 4
     return out
