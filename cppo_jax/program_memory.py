@@ -59,6 +59,7 @@ GATHERS_APART = ("v6e",)
 # case by case (see `program_bytes`); the plan counts a value between (12.5% over bf16's, 16% under
 # float32's on that term).
 GPU_SOFTMAX_BYTES = 2.75
+TPU_LANES = 128  # a TPU vector register's minor dimension: narrower minor dimensions are padded
 
 
 def planned_model(cfg):
@@ -150,7 +151,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
             backward += cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
         kept_all = n * T * L * kept[tcfg.remat]
-        work = n * T * (3 * H * scores + backward)
+        # (two on a TPU with heads narrower than its lanes: the 0.5B's 64-wide heads on v5e keep
+        # f32[16,2,7,1535,1535] and its transpose, the mask fused into the scores' matmul)
+        score_buffers = 3 if gpu or E >= TPU_LANES else 2
+        work = n * T * (score_buffers * H * scores + backward)
         # and the probabilities cast to the compute dtype for the values' einsum (`attend`), kept
         # for the backward of the layer rebuilt: bf16[16,2,6,1535,1535] of the 1.5B at 1/1/8 on
         # v5e, bf16[16,3,1535,1535] at 1/1/4 on v5p, bf16[6,4,7,1535,1535] of the 7B on v6e.
@@ -175,7 +179,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # (`rope.apply_rope` rotates in float32; v6e's peak at 1/1/8 holds the 1.5B's whole-head
         # f32[16,1535,12,128] beside the scores). H is every head where tensor does not divide the
         # query heads: the rules (`sharding.logical_spec`) then replicate attention over tensor.
-        buffers = REF_SCORE_BUFFERS.get(generation, 1)
+        # (with heads narrower than the lanes, v5e fuses the mask into the scores' matmul and
+        # keeps one: the 0.5B's 64-wide heads, f32[16,2,7,1535,1535] once on one v5e chip)
+        buffers = REF_SCORE_BUFFERS.get(generation, 1) if E >= TPU_LANES else 1
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
         if gpu:
             # XLA:GPU holds the float32 scores (padded: f32[32,1536,9216] for the 1.5B's 16 rows
@@ -211,7 +217,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             # 1.5B at 1/1/1 on h100) hold their own slots; the smaller segments share slots
             # with the weight copies and with each other (the 896, 448 and 445 MiB slots)
             slots = C
-        kv = 2 * L * _sampler_kv_heads(tcfg, tp) * E * slots * N * cb
+        # A TPU lays out the cache's head dimension in its 128 lanes: the 0.5B's 64-wide heads
+        # take twice their bytes (bf16[24,8,2,16,1024,64] in a 1.5 GiB slot on v5e, not 0.75)
+        lanes = E if gpu else -(-E // TPU_LANES) * TPU_LANES
+        kv = 2 * L * _sampler_kv_heads(tcfg, tp) * lanes * slots * N * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
         if lora:  # the frozen unembedding cast to float32 for the logits (f32[75968,1536] of the
             # 1.5B + LoRA sampler at 1/1/2 on h100: a quarter of its temporaries)
