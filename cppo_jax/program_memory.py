@@ -140,16 +140,14 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # 2 x f32[48,1535,3584] and 2 x f32[73680,3584], 7 x bf16[48,1535,3584]; the 1.5B's at
         # 1/1/4 holds the same kinds (bf16[16,1535,2240], f32[16,1535,1536], bf16[16,1535,1536]).
         backward = 6 * cb * F + (4 * 4 + 7 * cb) * D
-        if lora and gpu:
-            # XLA:GPU computes no frozen weight's gradient, and the rebuilt layer's work is five
-            # MLP-wide and four hidden-wide compute-dtype buffers and two float32 hidden-wide ones
-            # per token (fitted to the 1.5B + LoRA step at 1/1/1 on h100, 9.69 GiB of temporaries
-            # against the full step's 10.98 less its gradients; every LoRA step in aot_gpu.md is
-            # within 0.86-1.11 of the compiler with it, where the full step's count gave 1.28)
+        if lora:
+            # No frozen weight's gradient is computed: the rebuilt layer's work is five MLP-wide
+            # and four hidden-wide compute-dtype buffers and two float32 hidden-wide ones per token
+            # (fitted to the 1.5B + LoRA step at 1/1/1 on h100, 9.69 GiB of temporaries against
+            # the full step's 10.98 less its gradients; with it every LoRA step in aot_gpu.md is
+            # within 0.86-1.11 of XLA:GPU, where the full step's count gave 1.28, and libtpu's
+            # LoRA steps within 0.97-1.24: the 7B on v5e-8 13.72 GiB, the one-chip configs)
             backward = 5 * cb * F + (2 * 4 + 4 * cb) * D
-        elif lora:  # each adapted projection's x A (rank wide) and s (x A) B (its output's width)
-            outs = {"q": H * E, "k": J * E, "v": J * E, "o": D, "gate": F, "up": F, "down": D}
-            backward += cb * sum(outs[t] + tcfg.lora_rank for t in tcfg.lora_targets)
         kept_all = n * T * L * kept[tcfg.remat]
         # (two on a TPU with heads narrower than its lanes: the 0.5B's 64-wide heads on v5e keep
         # f32[16,2,7,1535,1535] and its transpose, the mask fused into the scores' matmul)

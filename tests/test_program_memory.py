@@ -89,7 +89,7 @@ def _plan_misses(store: str) -> list[tuple[float, str]]:
             "aot_one_chip",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="issue #51: the 0.5B's programs on one v5e / v6e chip are planned up to 1.37x",
+                reason="issue #51: the 0.5B's programs on one v5e / v6e chip are planned up to 1.33x",
             ),
         ),
     ],
