@@ -59,6 +59,10 @@ class DataConfig:
     max_prompt_len: int = 64
     system_prompt: str | None = None  # None: the task's own (cppo_jax/tasks/prompts.py); "": none
     prompt_format: str = "chat"  # "chat": the tokenizer's chat template; "plain": no template
+    # Reasoning models' templates (Qwen3): True / False is passed to the chat template as its
+    # `enable_thinking` (False: the template closes an empty <think></think> block, so the policy
+    # answers without reasoning); None: the template's own default. Other templates ignore it.
+    enable_thinking: bool | None = None
     long_prompts: str = "truncate"  # or "reject"
     bad_rows: str = "skip"  # or "error"
     question_field: str = ""  # a user file's question column ("": the task's, question or problem)

@@ -181,6 +181,7 @@ def run_benchmark(
         cfg.data.long_prompts,
         system_prompt=cfg.data.system_prompt if bench.task == cfg.data.task else None,
         prompt_format=cfg.data.prompt_format,
+        enable_thinking=cfg.data.enable_thinking,
     )
     # Backends read their sampling parameters at call time; each benchmark sets its own.
     backend.sp = SamplingParams(

@@ -159,7 +159,7 @@ def _lengths(d, folder: str, P: int, C: int) -> tuple[np.ndarray, np.ndarray, st
     train, _ = pipeline.holdout_validation(d, train)
     tok = Tokenizer.from_dir(folder)
     enc = pipeline.encode_prompts(
-        train, tok, d.task, P, d.long_prompts, d.system_prompt, d.prompt_format
+        train, tok, d.task, P, d.long_prompts, d.system_prompt, d.prompt_format, d.enable_thinking
     )
     return data_lengths(enc, tok, C)
 

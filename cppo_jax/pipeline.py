@@ -95,8 +95,10 @@ def encode_prompts(
     long_prompts: str,
     system_prompt: str | None = None,
     prompt_format: str = "chat",
+    enable_thinking: bool | None = None,
 ) -> PromptSet:
-    """Left-padded prompt ids of `examples` (`data.system_prompt`: None is the task's own prompt)."""
+    """Left-padded prompt ids of `examples` (`data.system_prompt`: None is the task's own prompt;
+    `data.enable_thinking` handed to the chat template)."""
     system = resolve_system_prompt(task, system_prompt)
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(
@@ -107,7 +109,7 @@ def encode_prompts(
     truncated = 0
     for i, ex in enumerate(examples):
         if prompt_format == "chat":
-            row = tokenizer.chat_prompt_ids(system, ex["question"])
+            row = tokenizer.chat_prompt_ids(system, ex["question"], enable_thinking)
         else:
             row = tokenizer.encode(plain_prompt(ex["question"], system))
         if len(row) > max_len:
@@ -149,6 +151,7 @@ def load_prompt_sets(cfg: DataConfig, tokenizer, max_len: int, eval_size: int = 
             long_prompts=cfg.long_prompts,
             system_prompt=cfg.system_prompt,
             prompt_format=cfg.prompt_format,
+            enable_thinking=cfg.enable_thinking,
         )
 
     train_set = enc(train)

@@ -93,7 +93,14 @@ def _data_section(cfg: Config, shapes, lines: list[str]) -> int:
             continue
         try:
             enc = pipeline.encode_prompts(
-                examples, tok, d.task, shapes.P, d.long_prompts, d.system_prompt, d.prompt_format
+                examples,
+                tok,
+                d.task,
+                shapes.P,
+                d.long_prompts,
+                d.system_prompt,
+                d.prompt_format,
+                d.enable_thinking,
             )
         except ValueError as e:
             raise ValueError(f"{name} prompts: {e}") from e

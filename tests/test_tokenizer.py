@@ -134,3 +134,51 @@ def test_stop_ids_refuse_a_malformed_eos_token_id(tok_dir, tmp_path):
         chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
     )
     assert Tokenizer.from_dir(plain).end_of_turn_id() is None
+
+
+# A reasoning model's template (as Qwen3's behaves): with enable_thinking false the generation
+# prompt closes an empty think block, so the policy answers without reasoning; its default is on.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "setting,tail", [("none", "assistant\n"), ("true", "assistant\n"), ("false", "</think>\n\n")]
+)
+def test_enable_thinking_reaches_the_chat_template(tmp_path, setting, tail):
+    """`data.enable_thinking` is handed to the template as its `enable_thinking` (None: not at all,
+    the template's default), for the prompts the trainer builds; a template without the variable
+    gives the same prompt whatever the setting."""
+    from cppo_jax import pipeline
+    from cppo_jax.config import Config
+    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.tasks import arith
+    from cppo_jax.tasks.tiny_tokenizer import build_tokenizer
+
+    plain_dir = Path(build_tokenizer(tmp_path / "plain", 200))
+    thinking_dir = Path(build_tokenizer(tmp_path / "thinking", 200))
+    config = json.loads((thinking_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    (thinking_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+    cfg = apply_overrides(Config(), [f"data.enable_thinking={setting}"])
+    assert cfg.data.enable_thinking == {"none": None, "true": True, "false": False}[setting]
+    examples = arith.generate(2, seed=0, split="test")
+
+    def last_prompt(folder):
+        tok = Tokenizer.from_dir(folder)
+        d = cfg.data
+        enc = pipeline.encode_prompts(
+            examples, tok, d.task, 96, "reject", d.system_prompt, d.prompt_format, d.enable_thinking
+        )
+        return tok.decode(enc.ids_nP[0][enc.valid_nP[0]].tolist())
+
+    assert last_prompt(thinking_dir).endswith(tail)
+    plain = last_prompt(plain_dir)
+    assert plain.endswith("<|im_start|>assistant\n")  # the plain template has no such variable

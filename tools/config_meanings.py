@@ -77,6 +77,10 @@ MEANINGS: dict[str, str] = {
     "released strings for gsm8k and math); an empty string: no system message.",
     "data.prompt_format": "`chat`: the tokenizer's chat template over [system, user] (the released "
     "code); `plain`: the system prompt and the question on their own lines, no template.",
+    "data.enable_thinking": "Handed to the chat template as its `enable_thinking` (reasoning models' "
+    "templates, Qwen3: `false` closes an empty `<think></think>` block after the generation prompt, so "
+    "the policy answers without reasoning); `none`: not handed, the template's own default. Templates "
+    "without the variable ignore it.",
     "data.long_prompts": "A prompt longer than `data.max_prompt_len`: `truncate` keeps its last tokens, "
     "`reject` raises an error naming the example.",
     "data.question_field": "A user's data file: the column holding the question (empty: the task's own, "

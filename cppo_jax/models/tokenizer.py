@@ -99,13 +99,19 @@ class Tokenizer:
         """Number of token ids the tokenizer can produce (the model's table may be larger)."""
         return len(self.hf)
 
-    def chat_prompt_ids(self, system: str, question: str) -> list[int]:
-        """The chat template applied to (system, user question), ending with the assistant turn."""
+    def chat_prompt_ids(
+        self, system: str, question: str, enable_thinking: bool | None = None
+    ) -> list[int]:
+        """The chat template applied to (system, user question), ending with the assistant turn;
+        `enable_thinking` (not None) is handed to the template (`data.enable_thinking`)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": question})
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
         return self.encode(text)
 
 
