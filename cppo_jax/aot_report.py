@@ -172,6 +172,7 @@ def no_fit_message(report: Report) -> str:
     hints = []
     if any(p.name in UPDATE_PROGRAMS for p in over):
         hints.append("no trainer.micro_batch fits the train step")
+        hints.extend(_lora_hint(report))
     if any(p.name == "sampler" for p in over):
         hints.append("the embedded sampler does not fit (rollout.backend=vllm moves it off)")
     return (
@@ -182,6 +183,37 @@ def no_fit_message(report: Report) -> str:
         + "; lower rollout.max_new_tokens or data.max_prompt_len, set cppo.beta=0, or compile "
         "for a larger topology"
     )
+
+
+def _lora_hint(report: Report) -> list[str]:
+    """For full fine-tuning that does not fit: what LoRA would need, by the plan (adapters trained,
+    the base frozen in the compute dtype with no AdamW state or gradient of its own)."""
+    import dataclasses
+
+    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model, run_peak
+
+    cfg = report.cfg
+    if cfg.model.lora.enabled or report.usable is None:
+        return []
+    lora = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(
+            cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=True)
+        ),
+    )
+    try:
+        peak = run_peak(
+            lora, planned_model(lora), shapes_of(lora), report.compiled.mesh, report.compiled.target
+        )
+    except ConfigError:  # a model the plan cannot size: no figure to offer
+        return []
+    return [
+        f"LoRA adapters instead (model.lora.enabled=true, rank {cfg.model.lora.rank}) need about "
+        f"{_gib(peak)} per device by the plan ({_gib(report.usable)} usable; the plan is an "
+        f"estimate, docs/aot.md): add it to this command to have the compiler answer"
+    ]
 
 
 def as_json(report: Report) -> dict:

@@ -263,3 +263,29 @@ def test_a_mesh_that_cannot_be_placed_names_the_mesh_and_the_torus(monkeypatch):
     text = str(e.value)
     assert "mesh.data=1 mesh.fsdp=1 mesh.tensor=1 cannot be placed on the slice's torus" in text
     assert "logical_axis_index 2" in text
+
+
+def test_full_fine_tuning_that_does_not_fit_names_lora_with_the_plans_figure():
+    """When the compiler refuses a full fine-tuning step (the 1.5B on one v5e chip), the message
+    names LoRA with the plan's figure for it; a LoRA run gets no such hint."""
+    import dataclasses
+
+    from cppo_jax.aot_report import no_fit_message
+    from cppo_jax.cppo import shapes_of
+    from cppo_jax.program_memory import planned_model, run_peak
+
+    refused = ProgramMemory("train_step", temporaries=31 * 2**30, error="RESOURCE_EXHAUSTED")
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    compiled = Compiled("v5e:1x1", 1, "TPU v5 lite", mesh, 0, (refused,), {}, {"train_step": ()})
+    cfg = load_config("gsm8k_1p5b", [])
+    message = no_fit_message(Report(cfg, compiled, 16 * 2**30, {}, [], None))
+    lora = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(
+            cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=True)
+        ),
+    )
+    planned = run_peak(lora, planned_model(lora), shapes_of(lora), mesh, "v5e:1x1")
+    assert "model.lora.enabled=true" in message
+    assert f"about {planned / 2**30:.2f}G per device" in message
+    assert "model.lora" not in no_fit_message(Report(lora, compiled, 16 * 2**30, {}, [], None))
