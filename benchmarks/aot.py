@@ -81,6 +81,19 @@ SUITES = {
             for t in ("v5e:1x1", "v6e:1x1", "h100:1", "a100:1")
         ],
     },
+    # The 2026 models (issue #48) under the MATH recipe at p = 0.875: Qwen3-4B (the config's own),
+    # Qwen3-8B and Gemma 3 4B's text decoder (sized by name: models.known), variant "model=NAME".
+    "models": {
+        "store": "aot_models",
+        "title": "Qwen3-4B / 8B and Gemma 3 4B compiled for v5e-8 and 8 H100s on a CPU (deviceless)",
+        "compiler": "libtpu for v5e-8 (90% of a chip usable), XLA:GPU for 8 H100s "
+        "(`layout.GPU_MEM_FRACTION`); nothing run on either",
+        "cases": [
+            ("math_qwen3_4b", "config", t, v)
+            for v in ("full", "model=Qwen3-8B", "model=gemma-3-4b-it")
+            for t in ("v5e:2x4", "h100:8")
+        ],
+    },
 }
 # Qwen2.5-0.5B-Instruct's config.json (its shapes; no weights): models.known sizes only the paper's
 # two models, so the 0.5B configs are compiled with model.path at this folder.
@@ -88,11 +101,13 @@ SHAPES_0P5B = ROOT / "benchmarks" / "shapes" / "Qwen2.5-0.5B-Instruct"
 
 
 def overrides_of(config: str, rate: str, variant: str = "full") -> list[str]:
-    extra = ["data.train=gsm8k"] if config == "math7b" else []  # shapes only: no data is read
+    extra = ["data.train=gsm8k"] if config.startswith("math") else []  # shapes only: no data read
     if "0p5b" in config:
         extra.append(f"model.path={SHAPES_0P5B}")
     if variant == "lora":
         extra.append("model.lora.enabled=true")
+    elif variant.startswith("model="):  # another model under the config's recipe, sized by name
+        extra.append(f"model.path={variant.removeprefix('model=')}")
     return ([] if rate == "config" else [f"cppo.pruning_rate={rate}"]) + extra
 
 
@@ -249,7 +264,10 @@ def render(
 
 
 def _name(row: dict) -> str:
-    return row["config"] + (" + LoRA" if row.get("variant") == "lora" else "")
+    variant = row.get("variant", "full")
+    if variant.startswith("model="):
+        return f"{row['config']} ({variant.removeprefix('model=')})"
+    return row["config"] + (" + LoRA" if variant == "lora" else "")
 
 
 def _fit_lines(rows: list[dict]) -> list[str]:

@@ -421,11 +421,19 @@ def test_known_sizes_of_qwen3_and_gemma3():
     26,842,112, six norms each, + tied 262144 x 1152 + 1152): the model cards' 4.0B, 8.2B and 1B."""
     from cppo_jax.models import known
 
-    want = {"Qwen3-4B": 4_022_468_096, "Qwen3-8B": 8_190_735_360, "gemma-3-1b-it": 999_885_952}
+    # Gemma 3 4B's text decoder: 34 layers of 94,382,592 (q, o 2560 x 2048; k, v 2560 x 1024; MLP
+    # 3 x 2560 x 10240; four norms of 2560 and the q / k norms of 256) + tied 262208 x 2560 + 2560
+    want = {
+        "Qwen3-4B": 4_022_468_096,
+        "Qwen3-8B": 8_190_735_360,
+        "gemma-3-1b-it": 999_885_952,
+        "gemma-3-4b-it": 3_880_263_168,
+    }
     for name, params in want.items():
         assert known.model_size(known.KNOWN_MODELS[name]).params == params, name
     assert known.find_known_model("/models/Qwen3-8B") == "Qwen3-8B"
     assert known.find_known_model("/models/gemma-3-1b-it") == "gemma-3-1b-it"
+    assert known.find_known_model("/models/gemma-3-4b-it") == "gemma-3-4b-it"
     gemma = TransformerConfig.from_hf_dict(known.KNOWN_MODELS["gemma-3-1b-it"])
     assert (
         gemma.local_layers.count(False) == 4 and gemma.sliding_window == 512

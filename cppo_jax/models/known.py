@@ -2,7 +2,7 @@
 
 `KNOWN_MODELS` holds the released config.json fields of the paper's two policies, of Qwen2.5-0.5B (the
 one-chip configs) and of Qwen3-4B / 8B
-and Gemma 3 1B (those that fix the parameter count), so a plan can size a model whose folder is not on this machine; `find_known_model`
+and Gemma 3 1B / 4B (those that fix the parameter count), so a plan can size a model whose folder is not on this machine; `find_known_model`
 recognises them by name ("Qwen2.5-7B-Instruct", "math7b", "gsm8k_1p5b", ...). `model_size` counts the
 parameters from the tensors this project's loader reads (`hf_io.name_table`).
 """
@@ -138,6 +138,32 @@ KNOWN_MODELS: dict[str, dict] = {
         "attn_logit_softcapping": None,
         "torch_dtype": "bfloat16",
     },
+    # Gemma 3 4B (tunix's GSM8K recipes): the released checkpoint is the image-text
+    # Gemma3ForConditionalGeneration; these are its text_config's fields, the decoder this project
+    # trains (Gemma3ForCausalLM), with its vocabulary of 262,208 (the 1B's 262,144 + image tokens).
+    "gemma-3-4b-it": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 262208,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "torch_dtype": "bfloat16",
+    },
 }
 # Names that identify a known model: "Qwen2.5-1.5B-Instruct", "qwen2_5_1p5b", "gsm8k_1p5b", "math7b", ...
 _NAME_PATTERNS = (
@@ -147,6 +173,7 @@ _NAME_PATTERNS = (
     ("Qwen3-4B", re.compile(r"qwen3[-_]4b(?![a-z\d])")),
     ("Qwen3-8B", re.compile(r"qwen3[-_]8b(?![a-z\d])")),
     ("gemma-3-1b-it", re.compile(r"gemma[-_]?3[-_]1b(?![a-z\d])")),
+    ("gemma-3-4b-it", re.compile(r"gemma[-_]?3[-_]4b(?![a-z\d])")),
 )
 
 
