@@ -38,7 +38,7 @@ from benchmarks import _common  # noqa: E402
 
 CONFIGS = ("gsm8k_1p5b", "math7b")
 RATES = ("0.875", "0")
-TOPOLOGIES = ("v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v4:2x2x1")
+TOPOLOGIES = ("v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v4:2x2x1", "v5e:4x4", "v5e:4x8")
 PLAN_TOLERANCE = 0.15  # the plan within 15% of the compiler, per program
 QUICK = [("tiny_cpu", "0.75", "v5e:2x2", "full"), ("tiny_cpu", "0.75", "cpu", "full")]
 ONE_CHIP = (
