@@ -56,9 +56,9 @@ REF_SCORE_BUFFERS = {"v5e": 2}
 #   (v5e's 7B heap at 1/8/1 holds both gathered matrices and both score buffers at disjoint offsets).
 GATHERS_APART = ("v6e",)
 # XLA:GPU writes the reference's softmax output in float32 (4 bytes) or bf16 (2) by its cost model,
-# case by case (see `program_bytes`); the plan counts a value between (12.5% over bf16's, 16% under
-# float32's on that term).
-GPU_SOFTMAX_BYTES = 2.75
+# case by case (see `program_bytes`); the plan counts a value between: 4 + 2.6 bytes per score
+# against 6 and 8, 10% over the bf16 choice and 17.5% under the float32 one on that term.
+GPU_SOFTMAX_BYTES = 2.6
 TPU_LANES = 128  # a TPU vector register's minor dimension: narrower minor dimensions are padded
 
 
@@ -170,6 +170,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         out = {"train_step": resident + max(work, vocab_train + plan.logits_chunk)}
     else:
         out = {"train_step": resident + plan.logits_chunk + work + vocab_train + layers_copy}
+        if E < TPU_LANES:  # with narrow heads the vocabulary's phase reuses the layer's heap (the
+            # 0.5B's step on one v5e: f32[16,64,151936] at an offset inside a score buffer's slot)
+            vocab_phase = plan.logits_chunk + vocab_train
+            out = {"train_step": resident + max(work, vocab_phase) + layers_copy}
     if cfg.cppo.beta > 0:
         logits = plan.logits_chunk // 3 * n_all // max(n, 1)  # one chunk of logits, all rows
         # Float32 score buffers [rows, H, T, T] (one: the softmax computed in place of the scores;
@@ -181,6 +185,13 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # keeps one: the 0.5B's 64-wide heads, f32[16,2,7,1535,1535] once on one v5e chip)
         buffers = REF_SCORE_BUFFERS.get(generation, 1) if E >= TPU_LANES else 1
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
+        if E < TPU_LANES or axis["data"] * fsdp * tp == 1:
+            # On one chip, and with heads narrower than the lanes, the MLP's products and the
+            # logits take the scores' heap in turn: the 1.5B's reference has 4.18 GiB of
+            # temporaries on one v5e as at 1/1/8, where those buffers are 8x smaller (v6e: 2.39 at
+            # both); the 0.5B's logits lie inside its score buffer's slot. The larger counts.
+            mlp_logits = n_all * T * 2 * F * cb + logits
+            forward = max(n_all * T * (buffers * H * scores + 4 * H * E), mlp_logits)
         if gpu:
             # XLA:GPU holds the float32 scores (padded: f32[32,1536,9216] for the 1.5B's 16 rows
             # of 1535 tokens), the softmax's output, the float32 queries, the mask (a byte per

@@ -80,20 +80,7 @@ def _plan_misses(store: str) -> list[tuple[float, str]]:
     return misses
 
 
-@pytest.mark.parametrize(
-    "store",
-    [
-        "aot_tpu",
-        "aot_gpu",
-        pytest.param(
-            "aot_one_chip",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue #51: the 0.5B's programs on one v5e / v6e chip are planned up to 1.33x",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("store", ["aot_tpu", "aot_gpu", "aot_one_chip"])
 def test_the_plan_is_within_tolerance_of_every_stored_compile(store):
     from benchmarks import aot
 
