@@ -242,7 +242,7 @@ def render(
         )
     lines += [
         "",
-        f"Largest |plan/compiled - 1| over all programs the compiler accepted: {worst:.2f} "
+        f"Largest |plan/compiled - 1| over all programs the compiler accepted: {worst:.3f} "
         f"(target {PLAN_TOLERANCE:.2f}).",
         "",
     ]
