@@ -232,6 +232,15 @@ def qwen_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
     return build_qwen_model_dir(tmp_path_factory.mktemp("qwen_model") / "model", qwen_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
+    """The same, as a Qwen3ForCausalLM (the vocabulary Qwen3 shares with Qwen2.5)."""
+    from tests.qwen_vocab import build_qwen_model_dir
+
+    folder = tmp_path_factory.mktemp("qwen3_model") / "model"
+    return build_qwen_model_dir(folder, qwen_tokenizer_dir, arch="qwen3")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The peak memory mappings of the processes that ran tests (this one, or each worker); the list
     tests/test_documented_commands.py ran, with what happened to each command."""

@@ -132,18 +132,23 @@ GENERATION_CONFIG = {
 }
 
 
-def build_qwen_model_dir(out: str | Path, tok_dir: str | Path, seed: int = 0) -> Path:
+def build_qwen_model_dir(
+    out: str | Path, tok_dir: str | Path, seed: int = 0, arch: str = "qwen2"
+) -> Path:
     """A random Qwen2.5-shaped model with the real vocabulary, saved as a Hugging Face folder with the
     tokenizer of `tok_dir`: 151,936 embedding rows (tied), otherwise tiny: hidden 64 = 2 query heads of 32
     (vLLM's CPU attention takes head sizes 32, 64, ...) sharing 1 key/value head, 2 layers, MLP 128, rope
     theta 1e6 as Qwen2.5. Weights are O(1) noise (`helpers.random_model`) with the final norm scaled down
-    so that sampling varies; config.json and generation_config.json carry Qwen2.5-Instruct's end ids."""
+    so that sampling varies; config.json and generation_config.json carry Qwen2.5-Instruct's end ids.
+    `arch="qwen3"`: the same shapes as a Qwen3ForCausalLM (Qwen3 shares the vocabulary: no q/k/v
+    biases, the per-head q/k norms)."""
     import jax.numpy as jnp
 
     from cppo_jax.models import save_hf
     from tests.helpers import random_model, tiny_config
 
     cfg = tiny_config(
+        arch=arch,
         vocab_size=MODEL_VOCAB,
         hidden_size=64,
         intermediate_size=128,

