@@ -182,8 +182,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # f32[16,1535,12,128] beside the scores). H is every head where tensor does not divide the
         # query heads: the rules (`sharding.logical_spec`) then replicate attention over tensor.
         # (with heads narrower than the lanes, v5e fuses the mask into the scores' matmul and
-        # keeps one: the 0.5B's 64-wide heads, f32[16,2,7,1535,1535] once on one v5e chip)
-        buffers = REF_SCORE_BUFFERS.get(generation, 1) if E >= TPU_LANES else 1
+        # keeps one: the 0.5B's 64-wide heads, f32[16,2,7,1535,1535] once on one v5e chip; and
+        # with one key/value head per device: the 7B at 2/4/4 on v5e:4x8, f32[6,1,7,1535,1535])
+        two = E >= TPU_LANES and J > 1
+        buffers = REF_SCORE_BUFFERS.get(generation, 1) if two else 1
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
         if E < TPU_LANES or axis["data"] * fsdp * tp == 1:
             # On one chip, and with heads narrower than the lanes, the MLP's products and the
@@ -210,7 +212,10 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         mats = sum(1 for path, _, _ in params_shapes if path[0] in VOCAB)
         gathered_c = mats * vocab_c if fsdp > 1 else 0
         # (on GPUs too: the 7B's gathered bf16[152064,3584] shares the scores' slot at 2/4/1)
-        if fsdp > 1 and (generation in GATHERS_APART or gpu):  # a gathered matrix, relaid copy
+        # (and on v5e where it keeps one score buffer: the 7B's bf16[38016,3584] and its relaid
+        # copy share the scores' offsets at 2/4/4 on v5e:4x8)
+        apart = generation in GATHERS_APART or gpu or (generation in REF_SCORE_BUFFERS and not two)
+        if fsdp > 1 and apart:  # a gathered matrix and its relaid copy
             work = max(forward, 2 * vocab_c)
         else:
             work = forward + gathered_c
