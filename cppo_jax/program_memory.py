@@ -146,7 +146,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             # (fitted to the 1.5B + LoRA step at 1/1/1 on h100, 9.69 GiB of temporaries against
             # the full step's 10.98 less its gradients; with it every LoRA step in aot_gpu.md is
             # within 0.86-1.11 of XLA:GPU, where the full step's count gave 1.28, and libtpu's
-            # LoRA steps within 0.97-1.24: the 7B on v5e-8 13.72 GiB, the one-chip configs)
+            # LoRA steps within 0.92-1.12: the 7B on v5e-8 13.72 GiB, the one-chip configs)
             backward = 5 * cb * F + (2 * 4 + 4 * cb) * D
         kept_all = n * T * L * kept[tcfg.remat]
         # (two on a TPU with heads narrower than its lanes: the 0.5B's 64-wide heads on v5e keep
