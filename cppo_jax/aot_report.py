@@ -197,17 +197,16 @@ def _lora_hint(report: Report) -> list[str]:
     cfg = report.cfg
     if cfg.model.lora.enabled or report.usable is None:
         return []
-    lora = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(
-            cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=True)
-        ),
-    )
-    try:
-        peak = run_peak(
-            lora, planned_model(lora), shapes_of(lora), report.compiled.mesh, report.compiled.target
+    try:  # (a config LoRA cannot take, packed rows for one, gets no hint)
+        lora = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(
+                cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=True)
+            ),
         )
-    except ConfigError:  # a model the plan cannot size: no figure to offer
+        mesh, target = report.compiled.mesh, report.compiled.target
+        peak = run_peak(lora, planned_model(lora), shapes_of(lora), mesh, target)
+    except (ConfigError, ValueError):  # or a model the plan cannot size: no figure to offer
         return []
     return [
         f"LoRA adapters instead (model.lora.enabled=true, rank {cfg.model.lora.rank}) need about "

@@ -87,6 +87,9 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
     for `target` (a topology name, `v5e:2x4`: its generation picks the terms that differ)."""
     generation = target.split(":")[0]
     gpu = generation in GPUS  # XLA:GPU's buffer assignment differs where `gpu` is tested below
+    # libtpu's, where `narrow` is: heads narrower than a TPU's lanes (no target counts as a TPU's;
+    # `cpu`, XLA:CPU's compile, keeps the terms read before the lanes were)
+    narrow = generation not in GPUS and generation != "cpu" and tcfg.head_dim < TPU_LANES
     kw = layout.plan_kwargs(cfg, shapes, None)
     plan = layout.memory_plan(tcfg, mesh, **kw)
     axis = plan.mesh
@@ -151,7 +154,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         kept_all = n * T * L * kept[tcfg.remat]
         # (two on a TPU with heads narrower than its lanes: the 0.5B's 64-wide heads on v5e keep
         # f32[16,2,7,1535,1535] and its transpose, the mask fused into the scores' matmul)
-        score_buffers = 3 if gpu or E >= TPU_LANES else 2
+        score_buffers = 2 if narrow else 3
         work = n * T * (score_buffers * H * scores + backward)
         # and the probabilities cast to the compute dtype for the values' einsum (`attend`), kept
         # for the backward of the layer rebuilt: bf16[16,2,6,1535,1535] of the 1.5B at 1/1/8 on
@@ -170,7 +173,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         out = {"train_step": resident + max(work, vocab_train + plan.logits_chunk)}
     else:
         out = {"train_step": resident + plan.logits_chunk + work + vocab_train + layers_copy}
-        if E < TPU_LANES:  # with narrow heads the vocabulary's phase reuses the layer's heap (the
+        if narrow:  # with narrow heads the vocabulary's phase reuses the layer's heap (the
             # 0.5B's step on one v5e: f32[16,64,151936] at an offset inside a score buffer's slot)
             vocab_phase = plan.logits_chunk + vocab_train
             out = {"train_step": resident + max(work, vocab_phase) + layers_copy}
@@ -184,10 +187,11 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # (with heads narrower than the lanes, v5e fuses the mask into the scores' matmul and
         # keeps one: the 0.5B's 64-wide heads, f32[16,2,7,1535,1535] once on one v5e chip; and
         # with one key/value head per device: the 7B at 2/4/4 on v5e:4x8, f32[6,1,7,1535,1535])
-        two = E >= TPU_LANES and J > 1
+        two = not narrow and J > 1
         buffers = REF_SCORE_BUFFERS.get(generation, 1) if two else 1
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
-        if E < TPU_LANES or axis["data"] * fsdp * tp == 1:
+        one_chip = axis["data"] * fsdp * tp == 1 and generation not in GPUS and generation != "cpu"
+        if narrow or one_chip:
             # On one chip, and with heads narrower than the lanes, the MLP's products and the
             # logits take the scores' heap in turn: the 1.5B's reference has 4.18 GiB of
             # temporaries on one v5e as at 1/1/8, where those buffers are 8x smaller (v6e: 2.39 at
@@ -233,7 +237,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
             slots = C
         # A TPU lays out the cache's head dimension in its 128 lanes: the 0.5B's 64-wide heads
         # take twice their bytes (bf16[24,8,2,16,1024,64] in a 1.5 GiB slot on v5e, not 0.75)
-        lanes = E if gpu else -(-E // TPU_LANES) * TPU_LANES
+        lanes = -(-E // TPU_LANES) * TPU_LANES if narrow else E
         kv = 2 * L * _sampler_kv_heads(tcfg, tp) * lanes * slots * N * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
         if lora:  # the frozen unembedding cast to float32 for the logits (f32[75968,1536] of the
