@@ -2,7 +2,9 @@
 quickstart train, with this project's MATH recipe (configs/math7b.py).
 
     python -m cppo_jax.launch --config math_qwen3_4b model.path=/models/Qwen3-4B \
-        data.train=/data/math/train.jsonl
+        data.train=/data/math/train.jsonl mesh.data=4 mesh.fsdp=2
+
+on 8 GPUs of 80 GB (the layout `mesh=auto` picks there, and XLA:GPU's compile fits: 47.5 GiB peak).
 
 Everything but the model and the run's name is configs/math7b.py's: the released CPPO code's MATH
 prompt, rewards and evaluation (MATH-500 greedy during training), G = 16, p = 0.875 with
