@@ -89,7 +89,8 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
     gpu = generation in GPUS  # XLA:GPU's buffer assignment differs where `gpu` is tested below
     # libtpu's, where `narrow` is: heads narrower than a TPU's lanes (no target counts as a TPU's;
     # `cpu`, XLA:CPU's compile, keeps the terms read before the lanes were)
-    narrow = generation not in GPUS and generation != "cpu" and tcfg.head_dim < TPU_LANES
+    tpu = generation not in GPUS and generation != "cpu"
+    narrow = tpu and tcfg.head_dim < TPU_LANES
     kw = layout.plan_kwargs(cfg, shapes, None)
     plan = layout.memory_plan(tcfg, mesh, **kw)
     axis = plan.mesh
@@ -190,8 +191,7 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         two = not narrow and J > 1
         buffers = REF_SCORE_BUFFERS.get(generation, 1) if two else 1
         forward = n_all * T * (buffers * H * scores + 2 * F * cb + 4 * H * E) + logits
-        one_chip = axis["data"] * fsdp * tp == 1 and generation not in GPUS and generation != "cpu"
-        if narrow or one_chip:
+        if narrow or (tpu and axis["data"] * fsdp * tp == 1):
             # On one chip, and with heads narrower than the lanes, the MLP's products and the
             # logits take the scores' heap in turn: the 1.5B's reference has 4.18 GiB of
             # temporaries on one v5e as at 1/1/8, where those buffers are 8x smaller (v6e: 2.39 at

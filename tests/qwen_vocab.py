@@ -144,7 +144,6 @@ def build_qwen_model_dir(
     biases, the per-head q/k norms)."""
     import jax.numpy as jnp
 
-    from cppo_jax.models import save_hf
     from tests.helpers import random_model, tiny_config
 
     cfg = tiny_config(
@@ -162,6 +161,14 @@ def build_qwen_model_dir(
     )
     model = random_model(cfg, seed=seed)
     model.final_norm.scale_D.set_value(model.final_norm.scale_D.get_value() * jnp.float32(0.2))
+    return _save_with_qwen_ends(model, out, tok_dir)
+
+
+def _save_with_qwen_ends(model, out: str | Path, tok_dir: str | Path) -> Path:
+    """`model` saved as a Hugging Face folder with the tokenizer of `tok_dir`; config.json and
+    generation_config.json carry Qwen2.5-Instruct's end ids."""
+    from cppo_jax.models import save_hf
+
     extra = {"bos_token_id": ENDOFTEXT, "eos_token_id": IM_END}
     out = save_hf(model, Path(out), extra_config=extra, tokenizer_dir=tok_dir)
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
@@ -183,7 +190,7 @@ def build_gemma3_vocab_model_dir(out: str | Path, seed: int = 0) -> Path:
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as RawTokenizer
 
-    from cppo_jax.models import init_model, save_hf
+    from cppo_jax.models import init_model
     from cppo_jax.models.config import FULL, SLIDING
     from tests.helpers import tiny_config
 
@@ -210,7 +217,4 @@ def build_gemma3_vocab_model_dir(out: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=True,
         max_position_embeddings=512,
     )
-    extra = {"bos_token_id": ENDOFTEXT, "eos_token_id": IM_END}
-    out = save_hf(init_model(cfg, seed), out, extra_config=extra, tokenizer_dir=tok_dir)
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    return out
+    return _save_with_qwen_ends(init_model(cfg, seed), out, tok_dir)
