@@ -7,8 +7,8 @@ Q = 8 questions and 16 trained completions per step, mu = 2, beta = 0.04, prompt
 completions of 1024 tokens, the embedded sampler); what changes is only what one chip needs.
 `model.path` is required: a local Hugging Face folder of Qwen2.5-1.5B-Instruct.
 
-LoRA (rank 32, alpha 64, on every projection): only the adapters are trained (float32, with their
-AdamW state); the base is frozen in bfloat16 and is also the reference (no second copy), so a
+LoRA (`config_model.LORA_RECIPE`: rank 32, alpha 64, on every projection): only the adapters are
+trained (float32, with their AdamW state); the base is frozen in bfloat16 and is also the reference (no second copy), so a
 1.5B run needs about a third of full fine-tuning's memory. The learning rate is LoRA's usual
 1e-5 rather than full fine-tuning's 1e-6.
 
@@ -22,15 +22,13 @@ import runpy
 from pathlib import Path
 
 from cppo_jax.config import Config
+from cppo_jax.config_io import apply_overrides
+from cppo_jax.config_model import LORA_RECIPE
 
 _PAPER = runpy.run_path(str(Path(__file__).with_name("gsm8k_1p5b.py")))["get_config"]
 
 
 def get_config() -> Config:
-    cfg = _PAPER()
-    model = dataclasses.replace(
-        cfg.model, lora=dataclasses.replace(cfg.model.lora, enabled=True, rank=32, alpha=64.0)
-    )
-    optim = dataclasses.replace(cfg.optim, lr=1e-5)
+    cfg = apply_overrides(_PAPER(), list(LORA_RECIPE))
     trainer = dataclasses.replace(cfg.trainer, run_name="gsm8k_1p5b_lora_one_chip")
-    return dataclasses.replace(cfg, model=model, optim=optim, trainer=trainer)
+    return dataclasses.replace(cfg, trainer=trainer)

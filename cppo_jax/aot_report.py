@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cppo_jax import roofline
 from cppo_jax.aot_fit import UPDATE_PROGRAMS, Report
+from cppo_jax.config_model import LORA_RECIPE
 from cppo_jax.layout import mesh_overrides
 
 
@@ -164,15 +165,32 @@ def fit_overrides(report: Report) -> str:
     return f"{mesh_overrides(c.mesh)} trainer.micro_batch={m}"
 
 
-def no_fit_message(report: Report) -> str:
-    """Why nothing fits, naming the keys to change."""
+def _over(report: Report) -> list:
     c, usable = report.compiled, report.usable or 0
-    over = [p for p in c.programs if p.error or c.peak(p) > usable]
-    names = ", ".join(f"{p.name} ({'refused' if p.error else _gib(c.peak(p))})" for p in over)
+    return [p for p in c.programs if p.error or c.peak(p) > usable]
+
+
+def _names(report: Report, over: list) -> str:
+    c = report.compiled
+    return ", ".join(f"{p.name} ({'refused' if p.error else _gib(c.peak(p))})" for p in over)
+
+
+def no_fit_message(report: Report, lora: Report | None = None) -> str:
+    """Why nothing fits, naming the keys to change; `lora`: LoRA's recipe compiled too (it did not
+    fit either), named in place of the plan's LoRA figure."""
+    c = report.compiled
+    over = _over(report)
+    names = _names(report, over)
     hints = []
     if any(p.name in UPDATE_PROGRAMS for p in over):
         hints.append("no trainer.micro_batch fits the train step")
-        hints.extend(_lora_hint(report))
+        if lora is None:
+            hints.extend(_lora_hint(report))
+        else:
+            hints.append(
+                f"nor does LoRA's recipe ({' '.join(LORA_RECIPE)}), compiled: "
+                f"{_names(lora, _over(lora))}"
+            )
     if any(p.name == "sampler" for p in over):
         hints.append("the embedded sampler does not fit (rollout.backend=vllm moves it off)")
     return (
@@ -183,6 +201,17 @@ def no_fit_message(report: Report) -> str:
         + "; lower rollout.max_new_tokens or data.max_prompt_len, set cppo.beta=0, or compile "
         "for a larger topology"
     )
+
+
+def lora_verdict(lora: Report) -> str:
+    """The one-line verdict when full fine-tuning fits nowhere and LoRA's recipe, compiled, does."""
+    c = lora.compiled
+    how = (
+        f"as configured (run peak {_gib(c.run_peak)} of {_gib(lora.usable)} usable)"
+        if lora.fits
+        else f"at trainer.micro_batch={lora.micro_batch} of {lora.rows} rows"
+    )
+    return f"full fine-tuning does not fit {c.target}; LoRA fits {how}"
 
 
 def _lora_hint(report: Report) -> list[str]:

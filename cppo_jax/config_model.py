@@ -81,6 +81,17 @@ class LoraConfig:
         )
 
 
+# LoRA's recipe where full fine-tuning does not fit (the one-chip configs and `plan --compile-for`'s
+# fallback): rank 32, alpha 64 on every projection, and LoRA's usual learning rate of 1e-5 in place
+# of full fine-tuning's 1e-6 (the adapters start at zero and need the larger step). As overrides.
+LORA_RECIPE = (
+    "model.lora.enabled=true",
+    "model.lora.rank=32",
+    "model.lora.alpha=64",
+    "optim.lr=1e-05",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # a local Hugging Face folder; never a hub name (nothing is downloaded)

@@ -591,28 +591,55 @@ def main(argv: list[str] | None = None) -> int:
 def _compile_for(args) -> int:
     """`--compile-for`: exit 0 when the run fits (as configured, or with the overrides printed),
     1 when nothing searched fits, 2 on a config error (an unknown target, a mesh that does not
-    divide the target's devices, no libtpu)."""
+    divide the target's devices, no libtpu). Full fine-tuning that fits at no micro-batch is
+    compiled again with LoRA's recipe (`config_model.LORA_RECIPE`), and when that fits its
+    overrides are the ones printed (exit 0), named as LoRA's: the verdict a one-chip user needs."""
     import sys
 
     from cppo_jax import aot_fit, aot_report
     from cppo_jax.config_io import load_config
+    from cppo_jax.config_model import LORA_RECIPE
 
+    hbm = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
     try:
         cfg = load_config(args.config, args.overrides)
-        hbm = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
         report = aot_fit.fit(cfg, args.compile_for, hbm_bytes=hbm, search=not args.no_search)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(aot_report.lines(report)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(aot_report.as_json(report), indent=1))
+    as_json = aot_report.as_json(report)
     fixes = aot_report.fit_overrides(report)
+    lora = None
+    if report.fits is False and not fixes and not args.no_search and not cfg.model.lora.enabled:
+        try:  # (a config LoRA cannot take, packed rows for one, keeps the full run's verdict)
+            lora_cfg = load_config(args.config, [*args.overrides, *LORA_RECIPE])
+        except (ConfigError, ValueError):
+            lora_cfg = None
+        if lora_cfg is not None:
+            recipe = " ".join(LORA_RECIPE)
+            print(f"\nfull fine-tuning does not fit: compiling LoRA's recipe ({recipe})")
+            try:
+                lora = aot_fit.fit(lora_cfg, args.compile_for, hbm_bytes=hbm)
+            except (ConfigError, ValueError) as e:
+                print(f"  LoRA's recipe cannot be compiled here: {e}")
+        if lora is not None:
+            print("\n".join(aot_report.lines(lora)))
+            as_json["lora"] = aot_report.as_json(lora)
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_json, indent=1))
     if fixes:
         print(f"run with: {fixes}")
     if report.fits is not False or fixes:
         return 0
-    print(f"error: {aot_report.no_fit_message(report)}", file=sys.stderr)
+    if lora is not None:
+        lora_fixes = aot_report.fit_overrides(lora)
+        if lora.fits or lora_fixes:
+            tail = f" {lora_fixes}" if lora_fixes and not lora.fits else ""
+            print(f"verdict: {aot_report.lora_verdict(lora)}")
+            print(f"run with: {' '.join(LORA_RECIPE)}{tail}")
+            return 0
+    print(f"error: {aot_report.no_fit_message(report, lora)}", file=sys.stderr)
     return 1
 
 

@@ -297,3 +297,48 @@ def test_cpu_compile_of_packed_rows_is_within_15_percent_of_the_plan(tmp_path):
     assert [t for t in report["tried"] if t[0] == "trainer.micro_batch"] == [report["tried"][0]]
     step = next(p for p in report["programs"] if p["program"] == "train_step")
     assert 0.85 <= step["plan"] / step["peak"] <= 1.15, step
+
+
+def test_full_fine_tuning_that_fits_nowhere_gets_loras_compiled_verdict(tmp_path):
+    """Where full fine-tuning fits at no micro-batch, `--compile-for` compiles LoRA's recipe
+    (`config_model.LORA_RECIPE`) and, when that fits, exits 0 naming its overrides: a one-chip
+    user's verdict. A wider random model (768 wide, weights over activations) and a device sized
+    between the two runs' smallest peaks, both measured here at micro-batch 1."""
+    from conftest import build_arith_model_dir
+
+    from cppo_jax.config_model import LORA_RECIPE
+
+    model = build_arith_model_dir(tmp_path / "wide", hidden=768, layers=4)
+    base = (f"model.init_checkpoint={model}", "model.warm_start=", "rollout.max_new_tokens=8")
+
+    def smallest_peak(*extra: str) -> int:
+        out = tmp_path / "smallest.json"
+        res = plan("--compile-for", "cpu", "--no-search", *base, *extra, "--json", str(out))
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(out.read_text())["run_peak"]
+
+    full, lora = (
+        smallest_peak("trainer.micro_batch=1"),
+        smallest_peak(*LORA_RECIPE, "trainer.micro_batch=1"),
+    )
+    assert lora < full
+    memory = (lora + full) / 2 / 0.9  # 90% of a device is usable
+    out = tmp_path / "report.json"
+    res = plan(
+        "--compile-for",
+        "cpu",
+        "--device-memory-gb",
+        f"{memory / 1e9:.9f}",
+        *base,
+        "--json",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["fits"] is False and report["fit_overrides"] == ""
+    found = report["lora"]
+    assert found["fits"] or found["fit_overrides"]
+    assert "verdict: full fine-tuning does not fit cpu; LoRA fits" in res.stdout
+    assert f"run with: {' '.join(LORA_RECIPE)}" in res.stdout
+    if not found["fits"]:
+        assert f"trainer.micro_batch={found['micro_batch_found']}" in res.stdout.splitlines()[-1]
