@@ -96,6 +96,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    # The embedded sampler gathers the rows still running into ever smaller loops (0.6 of the rows
+    # of the last, `rollout.segments.compact_buckets`) as rows end: the same tokens, fewer row-steps.
+    compact: bool = False
     vllm_url: str = ""
     vllm_api_key: str = ""
     weights_dir: str = (

@@ -191,6 +191,7 @@ def run_benchmark(
         eos_id=tok.stop_ids,
         pad_id=tok.pad_id,
         cache_dtype=cfg.model.dtype,
+        compact=cfg.rollout.compact,
     )
     S = bench.samples
     how = "greedy" if bench.greedy else f"{S} samples at T {bench.temperature}, top-p {bench.top_p}"

@@ -130,6 +130,7 @@ def evaluate(
         eos_id=tok.stop_ids,
         pad_id=tok.pad_id,
         cache_dtype=cfg.model.dtype,
+        compact=cfg.rollout.compact,
     )
     what = f"{policy.path}" + (f" (step {policy.step})" if policy.step is not None else "")
     log(f"evaluating {what} with the {cfg.rollout.backend} backend; writing {out_dir}")

@@ -59,6 +59,7 @@ def sampling_params(cfg: Config, shapes: Shapes, stop_ids, pad_id: int) -> Sampl
         eos_id=tuple(stop_ids),
         pad_id=pad_id,
         cache_dtype=cfg.model.dtype,
+        compact=cfg.rollout.compact,
     )
 
 

@@ -31,6 +31,17 @@ def test_generation_quick(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
+def test_compaction_quick(tmp_path):
+    """benchmarks/compaction.py: the forced lengths come out (it checks), the tokens are the same
+    with compaction, and the compacted loops decode fewer row-steps, more of them useful."""
+    result = load_script("compaction").main(["--quick", "--out", str(tmp_path)])
+    plain, packed = result["rows"]
+    assert result["same_tokens"] and (result["N"], result["C"]) == (32, 64)
+    assert packed["row_steps"] < plain["row_steps"] and packed["useful"] > plain["useful"]
+    report = (tmp_path / "compaction.md").read_text()
+    assert "| compacted | 32, 20, 12, 8, 5, 3, 2, 1 |" in report and "os.cpu_count()" in report
+
+
 def test_packing_quick(tmp_path):
     """benchmarks/packing.py on GSM8K's real lengths (Qwen2.5 tokens), tiny model and slots."""
     rows = load_script("packing").main(["--quick", "--out", str(tmp_path)])

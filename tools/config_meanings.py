@@ -111,6 +111,9 @@ MEANINGS: dict[str, str] = {
     "logits divided by it too.",
     "rollout.top_p": "Nucleus sampling: keep the smallest set of tokens with this much probability.",
     "rollout.top_k": "Sample among the k most likely tokens; 0: off.",
+    "rollout.compact": "Embedded sampler: as rows end, decode the running ones in ever smaller loops "
+    "(0.6 of the rows of the last, down to one): the same tokens, fewer row-steps ("
+    "benchmarks/results/compaction.md).",
     "rollout.vllm_url": "Base URL of the vLLM server (`backend=vllm`), e.g. http://127.0.0.1:8000.",
     "rollout.vllm_api_key": "Sent as `Authorization: Bearer <key>` to the server's /v1 routes.",
     "rollout.push_every": "Push the policy's weights to the vLLM server every this many steps.",

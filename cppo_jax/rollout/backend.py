@@ -70,6 +70,7 @@ class EmbeddedBackend:
             eos_id=self.sp.eos_id,
             pad_id=self.sp.pad_id,
             cache_dtype=self.sp.cache_dtype,
+            compact=self.sp.compact,
         )
         seeds_Q = distributed.rows(np.zeros((prompt_QP.shape[0],), np.uint32), self.mesh)
         return self._sample(sp, 1, params, prompt_QP, prompt_valid_QP, seeds_Q)

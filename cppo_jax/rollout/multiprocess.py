@@ -76,7 +76,7 @@ class MainProcessBackend:
             np.zeros((n_rows,), bool),
             np.zeros((), np.int32),
         )
-        host = self._on_main(lambda: Samples(*(np.asarray(x) for x in fn())), template)
+        host = self._on_main(lambda: Samples(*(np.asarray(x) for x in fn()[:5])), template)
         return Samples(*(distributed.rows(x, self.mesh) for x in host[:4]), host[4])
 
     def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples: int):

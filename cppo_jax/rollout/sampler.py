@@ -10,6 +10,11 @@ slots (left-padded), C new tokens.
    separate completion cache, written in place. No G-fold prompt recompute and no G-fold prompt
    cache. The completion cache grows by segments (`SamplingParams.segment_len`) so that attention
    reads about the slots in use rather than all C.
+   With `SamplingParams.compact` (`rollout.compact`), once the rows still running fit a loop of
+   fewer rows (`segments.compact_buckets`: 0.6 of the last, down to one), they are gathered into
+   it, each with its own completion cache (the full C slots) and its question's prompt cache, and
+   decode on there (`_compacted`); the ended rows are not decoded any more. Every row keeps its own
+   random numbers, so the tokens are the ones drawn without compaction.
 3. The last position is sampled without a forward pass.
 
 Randomness: token t of sample j of question q is drawn by inverse CDF from one uniform number,
@@ -59,7 +64,7 @@ from cppo_jax.rollout.sampling import (
     is_end_id,
     sequence_uniforms,
 )
-from cppo_jax.rollout.segments import segment_ends
+from cppo_jax.rollout.segments import compact_buckets, segment_ends
 
 
 def positions_from_valid(valid_BT: jax.Array) -> jax.Array:
@@ -184,6 +189,55 @@ def _grow_kv(kv, slots: int):
     return grow(k, 5), grow(v, 4)
 
 
+def _compacted(
+    carry, buckets, body_over, running, u_NC, prompt_kv, prompt_valid_QP, first_pos_Q, G
+):
+    """The decode after the first loop, in ever smaller buckets of rows (`compact_buckets`): the
+    rows still running are gathered, in row order, into the next bucket (the ended ones fill it
+    up), the cache of each bucket row taken from the last, its prompt's keys and values from its
+    question's; each bucket decodes until the running rows fit the next. Tokens, log-probs, the
+    last logits and the ended flags go back to their rows after each bucket, so that the result
+    is laid out, and drawn from the same numbers, as without compaction."""
+    t, (k, v), logits_NV, tokens_NC, logp_NC, done_N, row_steps = carry
+    L, Q, J, _, E, C = k.shape
+    N = Q * G
+    # The cache by rows: keys [L, N, J, 1, E, C], values [L, N, J, 1, C, E] (one sample each).
+    k_B = k.transpose(0, 1, 3, 2, 4, 5).reshape(L, N, J, 1, E, C)
+    v_B = v.transpose(0, 1, 3, 2, 4, 5).reshape(L, N, J, 1, C, E)
+    rows_B, done_B = jnp.arange(N, dtype=jnp.int32), done_N
+    kp_LQJPE, vp_LQJPE = prompt_kv
+    for i, B in enumerate(buckets[1:], start=1):
+        order = jnp.argsort(done_B, stable=True)[:B]  # running rows first, in row order
+        rows_B = rows_B[order]
+        k_B, v_B = jnp.take(k_B, order, axis=1), jnp.take(v_B, order, axis=1)
+        q_B = rows_B // G
+        body = body_over(
+            u_NC[rows_B],
+            (jnp.take(kp_LQJPE, q_B, axis=1), jnp.take(vp_LQJPE, q_B, axis=1)),
+            prompt_valid_QP[q_B],
+            first_pos_Q[q_B],
+        )
+        fewer = buckets[i + 1] if i + 1 < len(buckets) else 0
+        state = (
+            t,
+            (k_B, v_B),
+            logits_NV[rows_B],
+            tokens_NC[rows_B],
+            logp_NC[rows_B],
+            done_N[rows_B],
+            row_steps,
+        )
+        cond = lambda c, fewer=fewer: (c[0] < C - 1) & running(c[5], fewer)  # noqa: E731
+        t, (k_B, v_B), logits_BV, tokens_BC, logp_BC, done_B, row_steps = jax.lax.while_loop(
+            cond, body, state
+        )
+        logits_NV = logits_NV.at[rows_B].set(logits_BV)
+        tokens_NC = tokens_NC.at[rows_B].set(tokens_BC)
+        logp_NC = logp_NC.at[rows_B].set(logp_BC)
+        done_N = done_N.at[rows_B].set(done_B)
+    return t, (k_B, v_B), logits_NV, tokens_NC, logp_NC, done_N, row_steps
+
+
 def sample_with_uniforms(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -227,40 +281,49 @@ def sample_with_uniforms(
         local_rope_TE = tuple(x[0] for x in rope_tables(jnp.arange(P + C)[None], cfg.local_rope()))
     layers = _decode_layers(model)
 
-    def emit(t, logits_NV, tokens_NC, logp_NC, done_N):
-        token_N, logp_N = choose(logits_NV, jax.lax.dynamic_index_in_dim(u_NC, t, 1, False), sp)
-        token_N = jnp.where(done_N, sp.pad_id, token_N)
-        tokens_NC = jax.lax.dynamic_update_index_in_dim(tokens_NC, token_N, t, 1)
-        logp_NC = jax.lax.dynamic_update_index_in_dim(logp_NC, jnp.where(done_N, 0.0, logp_N), t, 1)
-        return (
-            token_N,
-            tokens_NC,
-            logp_NC,
-            done_N | is_end_id(token_N, sp.eos_id, xp=jnp),
-        )
+    def emit(t, u_BC, logits_BV, tokens_BC, logp_BC, done_B):
+        token_B, logp_B = choose(logits_BV, jax.lax.dynamic_index_in_dim(u_BC, t, 1, False), sp)
+        token_B = jnp.where(done_B, sp.pad_id, token_B)
+        tokens_BC = jax.lax.dynamic_update_index_in_dim(tokens_BC, token_B, t, 1)
+        logp_BC = jax.lax.dynamic_update_index_in_dim(logp_BC, jnp.where(done_B, 0.0, logp_B), t, 1)
+        return token_B, tokens_BC, logp_BC, done_B | is_end_id(token_B, sp.eos_id, xp=jnp)
+
+    def body_over(u_BC, prompt_kv, prompt_valid, first_pos):
+        """A decode loop's body over B rows: B = N (the questions' G samples) or a compacted
+        bucket (each row its own "question" of one sample, its prompt's cache gathered)."""
+
+        def body(carry):
+            t, kv, logits_BV, tokens_BC, logp_BC, done_B, row_steps = carry
+            token_B, tokens_BC, logp_BC, done_B = emit(
+                t, u_BC, logits_BV, tokens_BC, logp_BC, done_B
+            )
+            pos = first_pos + t
+            logits_BV, kv = _decode_step(
+                model,
+                layers,
+                prompt_kv,
+                prompt_valid,
+                kv,
+                token_B,
+                t,
+                tuple(jnp.take(x, pos, axis=0) for x in rope_TE),
+                None
+                if local_rope_TE is None
+                else tuple(jnp.take(x, pos, axis=0) for x in local_rope_TE),
+            )
+            return t + 1, kv, logits_BV, tokens_BC, logp_BC, done_B, row_steps + token_B.shape[0]
+
+        return body
+
+    def running(done_B, fewer: int):
+        """Decode on while more than `fewer` rows run (0: while any does)."""
+        return jnp.sum(~done_B, dtype=jnp.int32) > fewer
 
     # 2. Decode: positions 0 .. C - 2 each sample a token and run it through the model. The
     # completion cache grows by segments (see `segments.segment_ends`) so attention reads about the slots
     # in use, not all C; each segment is one while loop over a fixed slot count.
-    def body(carry):
-        t, kv, logits_NV, tokens_NC, logp_NC, done_N = carry
-        token_N, tokens_NC, logp_NC, done_N = emit(t, logits_NV, tokens_NC, logp_NC, done_N)
-        pos_Q = first_pos_Q + t
-        logits_NV, kv = _decode_step(
-            model,
-            layers,
-            prompt_kv,
-            prompt_valid_QP,
-            kv,
-            token_N,
-            t,
-            tuple(jnp.take(x, pos_Q, axis=0) for x in rope_TE),
-            None
-            if local_rope_TE is None
-            else tuple(jnp.take(x, pos_Q, axis=0) for x in local_rope_TE),
-        )
-        return t + 1, kv, logits_NV, tokens_NC, logp_NC, done_N
-
+    buckets = compact_buckets(N) if sp.compact and C > 1 else [N]
+    body = body_over(u_NC, prompt_kv, prompt_valid_QP, first_pos_Q)
     ends = segment_ends(C, sp.segment_len)
     carry = (
         jnp.int32(0),
@@ -269,20 +332,27 @@ def sample_with_uniforms(
         jnp.full((N, C), sp.pad_id, jnp.int32),
         jnp.zeros((N, C), jnp.float32),
         jnp.zeros((N,), jnp.bool_),
+        jnp.int32(0),  # row-steps decoded (Samples.row_steps)
     )
+    fewer = buckets[1] if len(buckets) > 1 else 0
     for i, end in enumerate(ends if C > 1 else []):
         if i > 0:
             carry = (carry[0], _grow_kv(carry[1], end), *carry[2:])
         last = min(end, C - 1)
-        carry = jax.lax.while_loop(lambda c, last=last: (c[0] < last) & ~jnp.all(c[5]), body, carry)
-    t, _, logits_NV, tokens_NC, logp_NC, done_N = carry
+        cond = lambda c, last=last: (c[0] < last) & running(c[5], fewer)  # noqa: E731
+        carry = jax.lax.while_loop(cond, body, carry)
+    if len(buckets) > 1:
+        carry = _compacted(
+            carry, buckets, body_over, running, u_NC, prompt_kv, prompt_valid_QP, first_pos_Q, G
+        )
+    t, _, logits_NV, tokens_NC, logp_NC, done_N, row_steps = carry
     all_done = jnp.all(done_N)
     # 3. The last position needs no forward pass (a no-op when every sequence already stopped).
-    _, tokens_NC, logp_NC, _ = emit(t, logits_NV, tokens_NC, logp_NC, done_N)
+    _, tokens_NC, logp_NC, _ = emit(t, u_NC, logits_NV, tokens_NC, logp_NC, done_N)
     steps = jnp.where(all_done, t, t + 1)
     # done_N only stopped the loop: the masks come from the rule every backend uses.
     valid_NC, finished_N = completion_ends(tokens_NC, sp.eos_id, xp=jnp)
-    return Samples(tokens_NC, logp_NC, valid_NC, finished_N, steps)
+    return Samples(tokens_NC, logp_NC, valid_NC, finished_N, steps, row_steps)
 
 
 def sample(
@@ -325,7 +395,7 @@ def sampler_shardings(
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     in_ = (sharding_lib.param_shardings(params, mesh), rows(Q, P), rows(Q, P), rows(Q))
     C = sp.max_new_tokens
-    out = Samples(rows(N, C), rows(N, C), rows(N, C), rows(N), replicated)
+    out = Samples(rows(N, C), rows(N, C), rows(N, C), rows(N), replicated, replicated)
     return SamplerShardings(in_, out)
 
 

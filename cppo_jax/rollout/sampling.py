@@ -40,6 +40,10 @@ class SamplingParams:
     # Completion-cache slots of the first decode segment; later segments double it (0: one
     # segment of max_new_tokens). See `segments.segment_ends`.
     segment_len: int = SEGMENT_LEN
+    # Row compaction: as rows end, the running ones are gathered into ever smaller decode loops
+    # (`segments.compact_buckets`: 0.6 of the rows of the last, down to one); the tokens and
+    # log-probs are the same as without it.
+    compact: bool = False
 
     def __post_init__(self):
         eos = (self.eos_id,) if _is_int(self.eos_id) else self.eos_id
@@ -80,6 +84,9 @@ class Samples(NamedTuple):
     # int32 scalar: completion positions decoded, C unless every sequence stopped earlier (then
     # 1 + the last sequence's EOS position). None where a backend does not report it.
     steps: jax.Array | None = None
+    # int32 scalar: row-steps the decode loops ran (rows of each loop summed over its steps: N per
+    # step without compaction, `segments.decoded_row_steps`). None where a backend does not report it.
+    row_steps: jax.Array | None = None
 
 
 def is_end_id(tokens, end_ids, *, xp=np):

@@ -1,0 +1,237 @@
+"""The embedded sampler with and without row compaction (`rollout.compact`), on skewed completion lengths.
+
+Every decode step of the plain sampler runs all N = Q x G rows until the longest completion ends; with
+compaction, once the rows still running fit a loop of 0.6 of the rows, they are gathered into it, and
+so on down to one row (`rollout.segments.compact_buckets`). This script measures both on the same
+rollout, in one process, side by side:
+
+- The model: the demo's shape (Qwen2, hidden 128, 4 layers, 4 query / 2 key-value heads of 32, MLP 384,
+  vocabulary 462) with random weights, untied, its unembedding zeroed: the logits are exactly uniform, so
+  the uniform numbers the sampler draws tokens from (`sample_with_uniforms`) decide every token. A row
+  is made to end at its drawn length by a number that picks the EOS id (the last id) at that position;
+  every other number picks a non-EOS id. The work per step is the model's (the zeroed matrix is still
+  multiplied).
+- The lengths: Q = 8 questions x G = 16 samples, C = 1,024 new tokens at most, prompts of 24..72
+  tokens. Each completion's length is drawn from a log-normal of median C / 4 and sigma 1.0, cut at
+  C (`--median`, `--sigma`): reasoning completions are right-skewed, most well under the cap, a tail
+  running into it (about 8% here: the truncations GRPO runs report at a 1,024 cap), the shape that
+  makes a plain decode loop run mostly finished rows.
+- Useful fraction: row-steps of rows still running over row-steps decoded (`Samples.row_steps`, the
+  sampler's own count); seconds: the best of `--repeats` calls after a compiling call, timed apart.
+
+    python benchmarks/compaction.py            # writes benchmarks/results/compaction.md
+    python benchmarks/compaction.py --quick --out /tmp/c
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import load_average, machine, machine_line
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT_SLOTS, MIN_PROMPT, FIRST_ID = 72, 24, 3
+
+
+def model_config(quick: bool):
+    from cppo_jax.models import TransformerConfig
+
+    return TransformerConfig(
+        arch="qwen2",
+        vocab_size=462,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=1 if quick else 4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=PROMPT_SLOTS + 1024,
+    )
+
+
+def draw_lengths(n: int, C: int, median: float, sigma: float, seed: int = 0):
+    """Completion lengths (EOS included) from a log-normal of `median` tokens, cut to [1, C]."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    drawn = np.round(rng.lognormal(np.log(median), sigma, n))
+    return np.clip(drawn, 1, C).astype(np.int32)
+
+
+def forcing_uniforms(lengths, C: int, V: int, seed: int = 0):
+    """u [N, C] for uniform logits over V ids: row r draws a non-EOS id before position L_r - 1 and
+    the EOS id (V - 1) there, unless L_r = C (truncated: no EOS). Inverse CDF over V equal weights
+    picks id floor(u V)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 1)
+    N = len(lengths)
+    u = rng.uniform(0.0, (V - 1) / V * 0.999, size=(N, C)).astype(np.float32)
+    for r, n in enumerate(lengths):
+        if n < C:
+            u[r, n - 1] = 1.0 - 0.5 / V
+    return u
+
+
+def prompts(Q: int, V: int, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 2)
+    tokens = np.zeros((Q, PROMPT_SLOTS), np.int32)
+    valid = np.zeros((Q, PROMPT_SLOTS), bool)
+    for q in range(Q):
+        n = int(rng.integers(MIN_PROMPT, PROMPT_SLOTS + 1))
+        tokens[q, PROMPT_SLOTS - n :] = rng.integers(FIRST_ID, V - 1, size=n)
+        valid[q, PROMPT_SLOTS - n :] = True
+    return tokens, valid
+
+
+def measure(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from cppo_jax.models import init_model
+    from cppo_jax.rollout.sampler import sample_with_uniforms
+    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.segments import compact_buckets, running_rows
+
+    cfg = model_config(args.quick)
+    V, Q, G, C = cfg.vocab_size, args.questions, args.samples, args.C
+    N = Q * G
+    model = init_model(cfg, 0)
+    model.lm_head_DV[...] = jnp.zeros_like(model.lm_head_DV[...])
+    graphdef, state = nnx.split(model)
+    lengths = draw_lengths(N, C, args.median * C, args.sigma)
+    u_NC = jnp.asarray(forcing_uniforms(lengths, C, V))
+    tokens_QP, valid_QP = (jnp.asarray(x) for x in prompts(Q, V))
+    running = running_rows(lengths, C)
+    rows = []
+    for compact in (False, True):
+        sp = SamplingParams(max_new_tokens=C, temperature=1.0, eos_id=V - 1, compact=compact)
+        fn = jax.jit(functools.partial(sample_with_uniforms, graphdef, num_samples=G, sp=sp))
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(state, tokens_QP, valid_QP, u_NC))
+        compile_s = time.perf_counter() - start
+        got = np.asarray(out.valid_NC).sum(axis=1)
+        if not (got == lengths).all():
+            raise SystemExit(f"the forced lengths did not come out: {got[:8]} vs {lengths[:8]}")
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(state, tokens_QP, valid_QP, u_NC))
+            best = min(best, time.perf_counter() - start)
+        row_steps = int(out.row_steps)
+        rows.append(
+            {
+                "compact": compact,
+                "buckets": compact_buckets(N) if compact else [N],
+                "seconds": best,
+                "compile_s": compile_s - best,
+                "row_steps": row_steps,
+                "useful": sum(running) / row_steps,
+                "tokens": np.asarray(out.tokens_NC),
+            }
+        )
+    same = bool((rows[0].pop("tokens") == rows[1].pop("tokens")).all())
+    return {
+        "N": N,
+        "Q": Q,
+        "G": G,
+        "C": C,
+        "V": V,
+        "layers": cfg.num_layers,
+        "median": args.median * C,
+        "sigma": args.sigma,
+        "lengths": {
+            "mean": float(lengths.mean()),
+            "p50": float(np.median(lengths)),
+            "p90": float(np.percentile(lengths, 90)),
+            "capped": float((lengths == C).mean()),
+        },
+        "useful_row_steps": sum(running),
+        "same_tokens": same,
+        "rows": rows,
+    }
+
+
+def report(result: dict, info: dict) -> str:
+    plain = result["rows"][0]
+    ls = result["lengths"]
+    lines = [
+        "# Row compaction in the embedded sampler",
+        "",
+        f"Measured {info['date']} by `python benchmarks/compaction.py"
+        + (" --quick" if info["quick"] else "")
+        + "`.",
+        "",
+        machine_line(info),
+        f"- Model: qwen2, hidden 128, {result['layers']} layers, 4 heads (2 key/value) of 32, MLP "
+        f"384, vocabulary {result['V']}, float32, random weights, the unembedding zeroed so that the "
+        "drawn numbers decide the tokens (the module docstring).",
+        f"- Rollout: Q = {result['Q']} questions x G = {result['G']} samples (N = {result['N']}), "
+        f"C = {result['C']} new tokens at most, prompts of 24..72 tokens. Lengths log-normal of median "
+        f"{result['median']:.0f} and sigma {result['sigma']}, cut to C: mean {ls['mean']:.0f}, median "
+        f"{ls['p50']:.0f}, 90th percentile {ls['p90']:.0f}, {ls['capped']:.0%} at the cap.",
+        f"- Same tokens with and without compaction: {'yes' if result['same_tokens'] else 'NO'}. "
+        "Seconds: best of the calls after the compiling one; compile s: the first call less that.",
+        "",
+        "| sampler | buckets (rows per loop) | row-steps decoded | useful fraction | seconds | "
+        "compile s | speed-up |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        name = "compacted" if row["compact"] else "plain (today's)"
+        lines.append(
+            f"| {name} | {', '.join(map(str, row['buckets']))} | {row['row_steps']:,} | "
+            f"{row['useful']:.3f} | {row['seconds']:.2f} | {row['compile_s']:.1f} | "
+            f"{plain['seconds'] / row['seconds']:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Useful fraction: the {result['useful_row_steps']:,} row-steps of rows still running "
+        "(`segments.running_rows`) over the row-steps the loops ran (`Samples.row_steps`).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="a 1-layer model, C = 64: a smoke test"
+    )
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--C", type=int, default=1024, help="new tokens at most")
+    parser.add_argument("--median", type=float, default=0.25, help="median length, a fraction of C")
+    parser.add_argument("--sigma", type=float, default=1.0, help="the log-normal's sigma")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.C, args.questions, args.repeats = 64, 2, 1
+    out = args.out or (Path(tempfile.mkdtemp()) if args.quick else RESULTS)
+    info = {**machine(), "load_before": load_average(), "quick": args.quick}
+    result = measure(args)
+    info["load_after"] = load_average()
+    info["date"] = datetime.date.today().isoformat()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compaction.md").write_text(report(result, info))
+    (out / "compaction.json").write_text(json.dumps({"machine": info, **result}, indent=1))
+    print(report(result, info))
+    return result
+
+
+if __name__ == "__main__":
+    main()
