@@ -40,7 +40,7 @@ from __future__ import annotations
 from cppo_jax import layout
 from cppo_jax.aot_gpu import GPUS
 from cppo_jax.layout import _BYTES, _param_shapes, _shard_bytes, _split
-from cppo_jax.rollout.segments import SEGMENT_LEN, segment_ends
+from cppo_jax.rollout.segments import SEGMENT_LEN, compact_buckets, segment_ends
 
 VOCAB = ("embed_VD", "lm_head_DV")  # the vocabulary matrices' parameter paths
 
@@ -239,6 +239,12 @@ def program_bytes(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> 
         # take twice their bytes (bf16[24,8,2,16,1024,64] in a 1.5 GiB slot on v5e, not 0.75)
         lanes = -(-E // TPU_LANES) * TPU_LANES if narrow else E
         kv = 2 * L * _sampler_kv_heads(tcfg, tp) * lanes * slots * N * cb
+        if cfg.rollout.compact and C > 1:  # (`rollout.compact`) the first compacted loop's rows
+            # gathered while the uncompacted caches are still alive: each with the full C slots
+            # and its question's prompt slots (the later loops' are smaller)
+            B = _split(compact_buckets(rows)[1], dp)
+            P = shapes.P
+            kv += 2 * L * _sampler_kv_heads(tcfg, tp) * lanes * (C + P) * B * cb
         vocab_copy = 2 * vocab_shard * cb // pb if pb != cb and not lora else 0  # lookup, logits
         if lora:  # the frozen unembedding cast to float32 for the logits (f32[75968,1536] of the
             # 1.5B + LoRA sampler at 1/1/2 on h100: a quarter of its temporaries)

@@ -42,6 +42,7 @@ from cppo_jax import skipping as skip_lib
 from cppo_jax.config import Config
 from cppo_jax.rollout.draw import StepRollout
 from cppo_jax.rollout.overlap import Overlap
+from cppo_jax.rollout.segments import running_rows
 
 
 class NonFiniteError(RuntimeError):
@@ -142,6 +143,11 @@ class Trainer:
         )
         if cfg.cppo.filter_groups:
             metrics.update(selection.filter_counts(rewards_QG, sh.U))
+        if samples.row_steps is not None:  # the embedded sampler's decode work (`rollout.compact`)
+            row_steps = int(distributed.to_host(samples.row_steps))
+            running = sum(running_rows(valid_NC.sum(axis=1), sh.C))
+            metrics["rollout/row_steps"] = float(row_steps)
+            metrics["rollout/useful_fraction"] = running / row_steps if row_steps else 1.0
         if cfg.rollout.overlap:
             metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
             metrics["rollout/generate_s"] = rollout.seconds

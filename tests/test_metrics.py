@@ -129,6 +129,9 @@ def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
         n = len(prompts.examples) * G
         total += int(prompts.valid_nP.sum()) * G + round(row["completions/mean_length"] * n)
         assert row["num_tokens"] == total
+        # The sampler's decode work: all n rows every step (no rollout.compact), some of it useful.
+        assert row["rollout/row_steps"] % n == 0 and row["rollout/row_steps"] > 0
+        assert 0.0 < row["rollout/useful_fraction"] <= 1.0
     # Every logged key is documented in docs/metrics.md under its own name.
     doc = (ROOT / "docs" / "metrics.md").read_text()
     for key in rows[0]:
