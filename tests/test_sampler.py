@@ -442,11 +442,33 @@ def test_truncate_matches_a_sorting_reference_on_random_rows_with_ties():
     logits = np.round(rng.standard_normal((64, 37)) * 2, 1)  # rounding makes ties common
     logits[:8, :5] = -np.inf  # tokens already masked
     logits[8:16] += 50.0  # large positive logits
-    for top_k, top_p in ((5, 1.0), (0, 0.7), (7, 0.5)):
-        fn = jax.jit(functools.partial(sampling._truncate, top_k=top_k, top_p=top_p))
-        got = np.asarray(fn(jnp.asarray(logits, jnp.float32))) > -np.inf
+    for top_k, top_p in ((5, 1.0), (0, 0.7), (7, 0.5), (1, 0.9), (0, 0.999)):
         want = np.stack([np_truncated_probs(row, top_k, top_p) > 0 for row in logits])
-        np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
+        # Both methods (`sampling.TRUNCATION`): the bit search CPUs use, the sort accelerators use.
+        for method in ("bits", "sort"):
+            fn = functools.partial(sampling._truncate, top_k=top_k, top_p=top_p, method=method)
+            got = np.asarray(jax.jit(fn)(jnp.asarray(logits, jnp.float32))) > -np.inf
+            np.testing.assert_array_equal(got, want, err_msg=f"{method} {top_k=} {top_p=}")
+
+
+def test_truncation_is_the_bit_search_on_cpu_and_the_sort_elsewhere():
+    assert sampling.TRUNCATION.get("cpu") == "bits"
+    assert all(sampling.TRUNCATION.get(p, "sort") == "sort" for p in ("gpu", "cuda", "tpu"))
+    with pytest.raises(ValueError, match="'bits' or 'sort'"):
+        sampling._truncate(jnp.zeros((1, 4)), 2, 1.0, method="heap")
+
+
+def test_both_truncations_agree_on_wide_random_rows():
+    """At a vocabulary's width (4,096 ids, 32 rows of N(0, 3) logits, float32 sums over the whole
+    row): the same kept set by both methods for top-k, top-p and both."""
+    rng = np.random.default_rng(8)
+    logits = jnp.asarray(rng.standard_normal((32, 4096)) * 3, jnp.float32)
+    for top_k, top_p in ((50, 1.0), (0, 0.95), (200, 0.9)):
+        bits, sort = (
+            np.asarray(sampling._truncate(logits, top_k, top_p, method=m)) > -np.inf
+            for m in ("bits", "sort")
+        )
+        np.testing.assert_array_equal(bits, sort, err_msg=f"{top_k=} {top_p=}")
 
 
 def test_order_keys_sort_like_the_floats():

@@ -38,6 +38,7 @@ positions were decoded before every sequence stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -57,6 +58,7 @@ from cppo_jax.models.transformer import (
 )
 from cppo_jax.profile import KEPT_PROGRAMS
 from cppo_jax.rollout.sampling import (
+    TRUNCATION,
     Samples,
     SamplingParams,
     choose,
@@ -420,6 +422,11 @@ def make_sampler(
     if shardings is None:
         return _compiled_sampler(graphdef, num_samples, sp)
     leaves, treedef = jax.tree.flatten(shardings.in_)
+    if (
+        not sp.truncation
+    ):  # the token choice of the devices it is built for (a deviceless compile's)
+        platform = leaves[0].mesh.devices.flat[0].platform
+        sp = dataclasses.replace(sp, truncation=TRUNCATION.get(platform, "sort"))
     return _compiled_sampler(graphdef, num_samples, sp, ((treedef, tuple(leaves)), shardings.out))
 
 

@@ -44,6 +44,9 @@ class SamplingParams:
     # (`segments.compact_buckets`: 0.6 of the rows of the last, down to one); the tokens and
     # log-probs are the same as without it.
     compact: bool = False
+    # How top-k / top-p cuts are found ("bits" or "sort", `_truncate`); "": by the platform traced
+    # for (`sampler.make_sampler` sets it from the devices a sampler is built for).
+    truncation: str = ""
 
     def __post_init__(self):
         eos = (self.eos_id,) if _is_int(self.eos_id) else self.eos_id
@@ -139,15 +142,25 @@ def _largest_threshold(keys_NV: jax.Array, enough) -> jax.Array:
     return jax.lax.fori_loop(0, 32, body, jnp.zeros(keys_NV.shape[:1], jnp.uint32))
 
 
-def _truncate(logits_NV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+def _truncate(
+    logits_NV: jax.Array, top_k: int, top_p: float, method: str | None = None
+) -> jax.Array:
     """Mask logits outside the top-k set and outside the top-p nucleus with -inf.
 
     top-k keeps every token at least as large as the k-th largest logit (ties at the cut are all
     kept). top-p then keeps the smallest set of the remaining tokens, by decreasing logit, whose
     probability mass reaches `top_p` (the token that crosses it included), again with every token
-    tied with the last kept one. Both cuts are found by an exact bit-by-bit search over the
-    logits' order keys (32 masked passes) instead of a sort: sorting is slow on CPU.
+    tied with the last kept one. The cuts are found the way the backend does fastest (`method`:
+    None picks by the platform being traced for, `TRUNCATION`): on CPU by an exact bit-by-bit
+    search over the logits' order keys (32 masked passes: sorting is slow there), on accelerators
+    by `lax.top_k` and a sort (`_truncate_sorted`), the same cut.
     """
+    if method is None:
+        method = TRUNCATION.get(jax.default_backend(), "sort")
+    if method == "sort":
+        return _truncate_sorted(logits_NV, top_k, top_p)
+    if method != "bits":
+        raise ValueError(f"truncation method: 'bits' or 'sort', got {method!r}")
     keys_NV = _order_keys(logits_NV)
     keep_NV = jnp.ones(logits_NV.shape, jnp.bool_)
     if top_k == 1:
@@ -165,6 +178,37 @@ def _truncate(logits_NV: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
         cut_N = _largest_threshold(keys_NV, enough)
         keep_NV = keep_NV & (keys_NV >= cut_N[:, None])
+    return jnp.where(keep_NV, logits_NV, -jnp.inf)
+
+
+# The truncation per platform (`_truncate`): the bit search on CPU, where a sort of [N, V] is slow,
+# `lax.top_k` and a sort elsewhere (GPU and TPU sort natively; 32 passes over [N, V] per token
+# would cost more than the sort).
+TRUNCATION = {"cpu": "bits"}
+
+
+def _truncate_sorted(logits_NV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """`_truncate`'s cuts by `lax.top_k` and a descending sort: the k-th largest logit; then the
+    first sorted position whose cumulative weight reaches `top_p` of the total gives the nucleus's
+    smallest logit (every token tied with it kept, as the bit search keeps them)."""
+    V = logits_NV.shape[-1]
+    keep_NV = jnp.ones(logits_NV.shape, jnp.bool_)
+    if top_k == 1:
+        keep_NV = logits_NV >= jnp.max(logits_NV, axis=-1, keepdims=True)
+    elif 0 < top_k < V:
+        kth_N = jax.lax.top_k(logits_NV, top_k)[0][:, -1]
+        keep_NV = logits_NV >= kth_N[:, None]
+    if top_p < 1.0:
+        masked_NV = jnp.where(keep_NV, logits_NV, -jnp.inf)
+        max_N1 = jnp.max(masked_NV, axis=-1, keepdims=True)
+        target_N = top_p * jnp.sum(jnp.exp(masked_NV - max_N1), axis=-1)
+        sorted_NV = -jnp.sort(-masked_NV, axis=-1)  # descending
+        cum_NV = jnp.cumsum(jnp.exp(sorted_NV - max_N1), axis=-1)
+        reached_NV = cum_NV >= target_N[:, None]
+        # (a cumulative sum rounded below the total keeps every token, not only the first)
+        first_N = jnp.where(jnp.any(reached_NV, axis=-1), jnp.argmax(reached_NV, axis=-1), V - 1)
+        cut_N = jnp.take_along_axis(sorted_NV, first_N[:, None], axis=-1)[:, 0]
+        keep_NV = keep_NV & (logits_NV >= cut_N[:, None])
     return jnp.where(keep_NV, logits_NV, -jnp.inf)
 
 
@@ -224,7 +268,7 @@ def choose(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams):
     if sp.temperature != 0.0:
         if sp.top_k > 0 or sp.top_p < 1.0:
             # The largest logit always survives truncation, so the shift by the max still holds.
-            kept_NV = _truncate(scaled_NV, sp.top_k, sp.top_p) > -jnp.inf
+            kept_NV = _truncate(scaled_NV, sp.top_k, sp.top_p, sp.truncation or None) > -jnp.inf
             weight_NV = jnp.where(kept_NV, weight_NV, 0.0)
         token_N = _inverse_cdf(weight_NV, u_N)
     chosen_N = jnp.take_along_axis(scaled_NV, token_N[:, None], axis=-1)[:, 0]
