@@ -93,6 +93,7 @@ def _plan_misses(store: str, chips=lambda n: True) -> list[tuple[float, str]]:
         ("aot_tpu", lambda n: n <= 8),
         ("aot_gpu", lambda n: True),
         ("aot_one_chip", lambda n: True),
+        ("aot_compact", lambda n: True),
         pytest.param(
             "aot_tpu",
             lambda n: n > 8,
@@ -103,7 +104,7 @@ def _plan_misses(store: str, chips=lambda n: True) -> list[tuple[float, str]]:
             ),
         ),
     ],
-    ids=["tpu-slices-up-to-8", "gpu", "one-chip", "tpu-16-and-32-chips"],
+    ids=["tpu-slices-up-to-8", "gpu", "one-chip", "compact", "tpu-16-and-32-chips"],
 )
 def test_the_plan_is_within_tolerance_of_every_stored_compile(store, chips):
     from benchmarks import aot
