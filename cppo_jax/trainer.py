@@ -127,8 +127,8 @@ class Trainer:
             else:
                 rollout, sample_params = self._rollout(self.params, step), None
         batch, samples = rollout.batch, rollout.samples
-        tokens_NC, valid_NC, finished_N = distributed.to_host(  # one wait for the three
-            (samples.tokens_NC, samples.valid_NC, samples.finished_N)
+        tokens_NC, valid_NC, finished_N, row_steps = distributed.to_host(  # one wait for all
+            (samples.tokens_NC, samples.valid_NC, samples.finished_N, samples.row_steps)
         )
 
         # 3. Rewards: each process scores its own questions' completions; all get every reward.
@@ -143,8 +143,8 @@ class Trainer:
         )
         if cfg.cppo.filter_groups:
             metrics.update(selection.filter_counts(rewards_QG, sh.U))
-        if samples.row_steps is not None:  # the embedded sampler's decode work (`rollout.compact`)
-            row_steps = int(distributed.to_host(samples.row_steps))
+        if row_steps is not None:  # the embedded sampler's decode work (`rollout.compact`)
+            row_steps = int(row_steps)
             running = sum(running_rows(valid_NC.sum(axis=1), sh.C))
             metrics["rollout/row_steps"] = float(row_steps)
             metrics["rollout/useful_fraction"] = running / row_steps if row_steps else 1.0

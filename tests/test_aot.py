@@ -178,7 +178,8 @@ def test_sampler_keeps_weights_in_place_while_the_train_step_gathers_them():
     assert sampler, "the sampler's decode loops moved nothing: not an fsdp layout"
     assert not shapes & set(sampler), f"a parameter gathered per decode step: {sampler}"
     assert shapes & {tuple(g) for g in out["train_step"]}, out["train_step"]
-    assert out["rows"] == ["P('fsdp',)"] * 4 + ["P()"]  # tokens, logps, valid, finished; steps
+    # tokens, logps, valid, finished by rows; the decode count and the row-steps replicated
+    assert out["rows"] == ["P('fsdp',)"] * 4 + ["P()"] * 2
 
 
 def _raw_cpu(*overrides: str, only: tuple[str, ...] = ()) -> dict:
@@ -304,9 +305,8 @@ def test_full_fine_tuning_that_fits_nowhere_gets_loras_compiled_verdict(tmp_path
     (`config_model.LORA_RECIPE`) and, when that fits, exits 0 naming its overrides: a one-chip
     user's verdict. A wider random model (768 wide, weights over activations) and a device sized
     between the two runs' smallest peaks, both measured here at micro-batch 1."""
-    from conftest import build_arith_model_dir
-
     from cppo_jax.config_model import LORA_RECIPE
+    from tests.conftest import build_arith_model_dir
 
     model = build_arith_model_dir(tmp_path / "wide", hidden=768, layers=4)
     base = (f"model.init_checkpoint={model}", "model.warm_start=", "rollout.max_new_tokens=8")
