@@ -422,9 +422,7 @@ def make_sampler(
     if shardings is None:
         return _compiled_sampler(graphdef, num_samples, sp)
     leaves, treedef = jax.tree.flatten(shardings.in_)
-    if (
-        not sp.truncation
-    ):  # the token choice of the devices it is built for (a deviceless compile's)
+    if not sp.truncation:  # the token choice of the devices it is built for (deviceless too)
         platform = leaves[0].mesh.devices.flat[0].platform
         sp = dataclasses.replace(sp, truncation=TRUNCATION.get(platform, "sort"))
     return _compiled_sampler(graphdef, num_samples, sp, ((treedef, tuple(leaves)), shardings.out))
