@@ -56,12 +56,12 @@ docs: $(STAMP)
 # libtpu (the TPU compiler) for `python -m cppo_jax.plan --compile-for v5e:2x4` on a machine without
 # TPUs: installed once outside .venv (~/.cache/cppo_jax/libtpu-*), so other runs stay CPU-only and quiet.
 libtpu: $(STAMP)
-	$(PY) -m cppo_jax.aot --install-libtpu
+	$(PY) -m cppo_jax.planning.aot --install-libtpu
 
 # XLA:GPU's compiler (the CUDA PJRT plugin and ptxas, ~573 MB) for `--compile-for h100:8` on a machine
 # without GPUs: installed once outside .venv (~/.cache/cppo_jax/cuda-compiler-*), like libtpu.
 cuda-compiler: $(STAMP)
-	$(PY) -m cppo_jax.aot --install-cuda-compiler
+	$(PY) -m cppo_jax.planning.aot --install-cuda-compiler
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker, so a file's
 # servers and compiled programs are shared by its tests as in a one-process run; the longest files

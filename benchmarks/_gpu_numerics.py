@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cppo_jax import optimizer as optimizer_lib
-from cppo_jax import step as step_lib
-from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.config.schema import CPPOConfig, OptimConfig
 from cppo_jax.models.transformer import Transformer
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train import optimizer as optimizer_lib
 
 TOL_EPS = 4
 KINDS = ("einsum", "xla", "cudnn")

@@ -8,7 +8,7 @@
     python benchmarks/aot.py --render --replan   # ... with the plan of the current code
     python benchmarks/aot.py --quick         # a tiny config on v5e:2x2 and cpu (the suite)
 
-Each case runs `cppo_jax.aot_fit.fit` in a fresh process (its own host memory): the config at its paper
+Each case runs `cppo_jax.planning.fit.fit` in a fresh process (its own host memory): the config at its paper
 shapes (P = 512, C = 1024, G = 16; p = 0.875 with dynamic allocation, or p = 0), the mesh the plan
 prefers on that topology, the train step, the reference log-probs and the embedded sampler compiled by
 libtpu, and, when the whole batch does not fit, the largest micro-batch that does (found by compiling).
@@ -133,8 +133,9 @@ def key_of(row: dict) -> tuple:
 
 def measure(case: dict) -> dict:
     """One case in this process: `aot_fit.fit` and its rows."""
-    from cppo_jax import aot_fit, aot_report
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
+    from cppo_jax.planning import fit as aot_fit
+    from cppo_jax.planning import report as aot_report
 
     cfg = load_config(ROOT / "configs" / f"{case['config']}.py", case["overrides"])
     t0 = time.perf_counter()
@@ -175,11 +176,11 @@ def plan_programs(row: dict) -> dict[str, int]:
     """The current plan's figure per program for a stored case (its mesh and micro-batch)."""
     import dataclasses
 
-    from cppo_jax.config_io import load_config
-    from cppo_jax.config_run import MeshConfig
-    from cppo_jax.cppo import shapes_of
-    from cppo_jax.program_memory import planned_model as model_config
-    from cppo_jax.program_memory import program_bytes
+    from cppo_jax.algo.cppo import shapes_of
+    from cppo_jax.config.files import load_config
+    from cppo_jax.config.run import MeshConfig
+    from cppo_jax.planning.compiled_memory import planned_model as model_config
+    from cppo_jax.planning.compiled_memory import program_bytes
 
     cfg = load_config(ROOT / "configs" / f"{row['config']}.py", row["overrides"])
     cfg = dataclasses.replace(
@@ -210,7 +211,7 @@ def render(
         f"- Written by `python benchmarks/aot.py --suite {suite}`; compiled with {spec['compiler']}. "
         "Figures per device, GiB. `peak` = the program's total plus the run's state alive beside it "
         "(the optimizer state while sampling, the reference during the update). `plan` is "
-        "`cppo_jax.program_memory`'s estimate of the program's total, "
+        "`cppo_jax.planning.compiled_memory`'s estimate of the program's total, "
         + (
             f"of the current code ({_commit()}: `--render --replan`), beside programs compiled at "
             "the row's commit."

@@ -32,8 +32,9 @@ PROGRAMS = ("train_step", "ref_logps")
 
 def measure(case: dict) -> dict:
     """One (case, attention) in this process: each program's compiled memory."""
-    from cppo_jax import aot, programs
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
+    from cppo_jax.planning import aot
+    from cppo_jax.train import programs
 
     d, f, t = case["mesh"]
     overrides = [

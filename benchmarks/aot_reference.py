@@ -36,9 +36,10 @@ def measure(case: dict) -> dict:
     """One (case, variant) in this process: the reference program's compiled memory."""
     import jax.numpy as jnp
 
-    from cppo_jax import aot, programs
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
     from cppo_jax.models import transformer
+    from cppo_jax.planning import aot
+    from cppo_jax.train import programs
 
     if case["copy"] == "float32":  # the copy kept in the param dtype, as before
         kept = transformer.forward_copy

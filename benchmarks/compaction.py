@@ -98,9 +98,9 @@ def measure(args) -> dict:
     from flax import nnx
 
     from cppo_jax.models import init_model
-    from cppo_jax.rollout.sampler import sample_with_uniforms
-    from cppo_jax.rollout.sampling import SamplingParams
-    from cppo_jax.rollout.segments import compact_buckets, running_rows
+    from cppo_jax.rollout.embedded.sampler import sample_with_uniforms
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.segments import compact_buckets, running_rows
 
     cfg = model_config(args.quick)
     V, Q, G, C = cfg.vocab_size, args.questions, args.samples, args.C

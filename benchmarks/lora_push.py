@@ -56,12 +56,12 @@ def measure(
     import jax
     from flax import nnx
 
-    from cppo_jax.config import LoraConfig, RolloutConfig
+    from cppo_jax.config.schema import LoraConfig, RolloutConfig
     from cppo_jax.models import Tokenizer, load_hf
     from cppo_jax.models import lora_state as lora_lib
-    from cppo_jax.rollout.sampling import SamplingParams
-    from cppo_jax.rollout.vllm_backend import VLLMBackend
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.rollout.vllm.backend import VLLMBackend
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     tok = Tokenizer.from_dir(model_dir)
     model = load_hf(model_dir)

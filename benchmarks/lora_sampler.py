@@ -38,10 +38,10 @@ def measure(size, N: int, C: int, P: int, rank: int, repeats: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from cppo_jax.config_model import LoraConfig
+    from cppo_jax.config.model import LoraConfig
     from cppo_jax.models import TransformerConfig, init_model, lora_state
-    from cppo_jax.rollout.sampler import make_sampler
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     D, F, L, H, J, E = size
     cfg = TransformerConfig(

@@ -38,7 +38,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def run_one(spec: dict) -> dict:
     """One pass (paper_table.run_one) with `spec`'s LoRA rank (0: full) and learning rate."""
-    from cppo_jax.config_model import LoraConfig
+    from cppo_jax.config.model import LoraConfig
 
     base = paper_table.run_config
 

@@ -39,8 +39,8 @@ WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
 
 def run_one(url: str, out: Path, name: str, *, overlap: int, seed: int, grpo: bool, args) -> dict:
     """One training run through the server; returns its figures."""
-    from cppo_jax.config_io import load_config
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.config.files import load_config
+    from cppo_jax.train.trainer import Trainer
 
     overrides = [
         f"rollout.vllm_url={url}",
@@ -111,7 +111,7 @@ def server_for(args):
     if args.vllm_url:
         yield args.vllm_url, None
         return
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     with tempfile.TemporaryDirectory(prefix="overlap_vllm_") as tmp:
         server = VLLMServer(WARM_START, log_path=Path(tmp) / "server.log", startup_timeout_s=600)

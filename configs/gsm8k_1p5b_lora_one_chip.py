@@ -21,9 +21,9 @@ import dataclasses
 import runpy
 from pathlib import Path
 
-from cppo_jax.config import Config
-from cppo_jax.config_io import apply_overrides
-from cppo_jax.config_model import LORA_RECIPE
+from cppo_jax.config.files import apply_overrides
+from cppo_jax.config.model import LORA_RECIPE
+from cppo_jax.config.schema import Config
 
 _PAPER = runpy.run_path(str(Path(__file__).with_name("gsm8k_1p5b.py")))["get_config"]
 

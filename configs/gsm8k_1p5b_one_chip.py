@@ -19,7 +19,7 @@ import dataclasses
 import runpy
 from pathlib import Path
 
-from cppo_jax.config import Config
+from cppo_jax.config.schema import Config
 
 _PAPER = runpy.run_path(str(Path(__file__).with_name("gsm8k_1p5b.py")))["get_config"]
 

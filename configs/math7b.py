@@ -36,8 +36,8 @@ Check everything first, reading no weights: add `trainer.dry_run=true` (with `--
 import dataclasses
 from pathlib import Path
 
-from cppo_jax.config import Config
-from cppo_jax.config_io import load_config
+from cppo_jax.config.files import load_config
+from cppo_jax.config.schema import Config
 from cppo_jax.tasks.prompts import MATH_SYSTEM_PROMPT
 
 HERE = Path(__file__).resolve().parent

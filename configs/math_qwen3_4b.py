@@ -27,7 +27,7 @@ import dataclasses
 import runpy
 from pathlib import Path
 
-from cppo_jax.config import Config
+from cppo_jax.config.schema import Config
 
 _MATH = runpy.run_path(str(Path(__file__).with_name("math7b.py")))["get_config"]
 

@@ -8,7 +8,7 @@ and prints held-out accuracy before and after.
 from pathlib import Path
 
 import cppo_jax
-from cppo_jax.config import (
+from cppo_jax.config.schema import (
     Config,
     CPPOConfig,
     DataConfig,

@@ -13,8 +13,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from cppo_jax.config import Config
-from cppo_jax.config_io import load_config
+from cppo_jax.config.files import load_config
+from cppo_jax.config.schema import Config
 
 HERE = Path(__file__).resolve().parent
 

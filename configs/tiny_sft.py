@@ -5,8 +5,8 @@ model) and 30% stepwise, so that greedy decoding starts out direct and RL has a 
 (docs/learning.md). The shipped cppo_jax/assets/tiny_arith was made in stages (its README).
 """
 
-from cppo_jax.config import ArchConfig, DataConfig
-from cppo_jax.sft import SFTConfig
+from cppo_jax.config.schema import ArchConfig, DataConfig
+from cppo_jax.train.sft import SFTConfig
 
 
 def get_config() -> SFTConfig:

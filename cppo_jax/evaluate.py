@@ -56,18 +56,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from cppo_jax import eval_report
-from cppo_jax.config import Config
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import apply_overrides, load_config
-from cppo_jax.eval_benchmarks import (
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import apply_overrides, load_config
+from cppo_jax.config.schema import Config
+from cppo_jax.eval import report as eval_report
+from cppo_jax.eval.benchmarks import (
     BENCHMARKS,
     load_benchmark,
     resolve_benchmarks,
     reward_funcs,
     run_benchmark,
 )
-from cppo_jax.eval_checkpoint import (
+from cppo_jax.eval.policy import (
     EvaluationError,
     Policy,
     checkpoint_kind,
@@ -122,7 +122,7 @@ def evaluate(
 
     from cppo_jax.rewards.pool import RewardPool
     from cppo_jax.rollout.backend import make_backend
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     tok = policy.tokenizer
     sp = SamplingParams(
@@ -192,20 +192,20 @@ def dry_run(
     log=print,
 ) -> None:
     """`--dry-run`: what `evaluate` would load and score, checked without reading weights."""
-    from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.launch import _check_weights
+    from cppo_jax.models.hf_io import check_weights
+    from cppo_jax.train.checkpoint import Checkpointer
 
     path = Path(checkpoint).resolve()
     if checkpoint_kind(path) == "hf":
         if cfg is None:
             raise EvaluationError(f"{path} is a Hugging Face folder: give --config")
-        _check_weights(path, "--checkpoint")
+        check_weights(path, "--checkpoint")
         tok = find_tokenizer(cfg, path, str(path))
         what = f"model folder {path}"
     else:
         rcfg = run_config(path)
         base = rcfg.model.start_folder
-        _check_weights(Path(base), "model.path of the run")
+        check_weights(Path(base), "model.path of the run")
         ckpt = Checkpointer(path / "checkpoints")
         try:
             steps = ckpt.all_steps()

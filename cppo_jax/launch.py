@@ -30,11 +30,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from cppo_jax.config import Config
-from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
-from cppo_jax.config_io import load_config
-
-MODEL_REQUIRED = "model.path is required: a local Hugging Face folder (nothing is downloaded)"
+from cppo_jax.config.choices import MODEL_REQUIRED, REQUIRED_PREFIX, ConfigError
+from cppo_jax.config.files import load_config
+from cppo_jax.config.schema import Config
 
 
 def _placeholders(section, prefix: str = "") -> list[tuple[str, str]]:
@@ -66,53 +64,6 @@ def _model_key(cfg: Config) -> str:
     return "model.init_checkpoint" if cfg.model.init_checkpoint else "model.path"
 
 
-def _check_weights(folder: Path, key: str) -> None:
-    """Every tensor the loader reads is listed, with its shape, in the folder's safetensors headers."""
-    import json
-
-    from safetensors import safe_open
-
-    from cppo_jax.models.hf_io import name_table
-    from cppo_jax.models.hf_read import INDEX_FILE, SINGLE_FILE, read_hf_config
-
-    try:
-        tcfg = read_hf_config(folder)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"config key '{key}' = '{folder}': {e}") from e
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise ConfigError(
-                f"config key '{key}': {index} is not a safetensors index ({e})"
-            ) from e
-    else:
-        files = [SINGLE_FILE]
-    shapes: dict[str, tuple] = {}
-    for name in files:
-        path = folder / name
-        if not path.is_file():
-            raise ConfigError(
-                f"config key '{key}' = '{folder}': weight file {name} not found (a Hugging Face "
-                f"folder holds {SINGLE_FILE} or {INDEX_FILE} and its shards)"
-            )
-        try:
-            with safe_open(str(path), framework="np") as f:
-                for t in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    shapes[t] = tuple(f.get_slice(t).get_shape())
-        except Exception as e:  # safetensors raises its own error types
-            raise ConfigError(f"config key '{key}': {path} is not a safetensors file ({e})") from e
-    for entry in name_table(tcfg):
-        got = shapes.get(entry.hf_name)
-        if got != tuple(entry.hf_shape):
-            what = "missing" if got is None else f"of shape {got}"
-            raise ConfigError(
-                f"config key '{key}' = '{folder}': tensor {entry.hf_name} is {what}; config.json "
-                f"needs shape {tuple(entry.hf_shape)}"
-            )
-
-
 def _has_chat_template(folder: Path) -> bool:
     import json
 
@@ -127,6 +78,7 @@ def _has_chat_template(folder: Path) -> bool:
 
 def check_startable(cfg: Config) -> None:
     """Raise ConfigError naming the key when the run would fail on start (see the module docstring)."""
+    from cppo_jax.models.hf_io import check_weights
     from cppo_jax.models.tokenizer import has_tokenizer
     from cppo_jax.rewards import registry
 
@@ -138,7 +90,7 @@ def check_startable(cfg: Config) -> None:
                 f"config key '{key}' = '{folder}': no such folder (a local Hugging Face folder "
                 f"with config.json, *.safetensors and the tokenizer; nothing is downloaded)"
             )
-        _check_weights(folder, key)
+        check_weights(folder, key)
     tok_key = "model.tokenizer" if cfg.model.tokenizer else key
     tok = Path(cfg.model.tokenizer) if cfg.model.tokenizer else folder
     if cfg.model.tokenizer or not warm_start:
@@ -167,7 +119,7 @@ def check_startable(cfg: Config) -> None:
 
 
 def _describe(cfg: Config) -> str:
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
 
     sh = shapes_of(cfg)
     a = cfg.cppo
@@ -189,10 +141,10 @@ def resolve_mesh(cfg: Config, log=print, device_memory_gb: float | None = None) 
         return cfg
     import jax
 
-    from cppo_jax import layout
-    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.config.files import apply_overrides
     from cppo_jax.models.known import config_model_size
     from cppo_jax.plan import choose_mesh, plan_run
+    from cppo_jax.planning import memory as layout
 
     devices = jax.devices()
     if config_model_size(cfg) is None:  # e.g. a warm start not written yet: nothing to plan
@@ -220,8 +172,8 @@ def ensure_warm_start(cfg: Config, log=print) -> None:
     target = cfg.model.init_checkpoint
     if not target or Path(target).exists() or not cfg.model.warm_start:
         return
-    from cppo_jax import distributed
-    from cppo_jax.sft import SFTConfig, run_sft
+    from cppo_jax.parallel import distributed
+    from cppo_jax.train.sft import SFTConfig, run_sft
 
     if distributed.process_count() > 1:  # N processes would each train and write it
         raise ConfigError(
@@ -265,7 +217,7 @@ def run(
     if num_devices is not None:
         raise ConfigError("--devices plans a machine: give it with trainer.dry_run=true")
     cfg = resolve_mesh(cfg, log, device_memory_gb)  # before any weight is read
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     ensure_warm_start(cfg, log)
     if cfg.mesh.auto:  # the warm start has written the model whose size was unknown
@@ -353,11 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         "with trainer.dry_run=true and --devices, a planned machine's)",
     )
     args = parser.parse_intermixed_args(argv)
-    from cppo_jax import distributed, layout
+    from cppo_jax.parallel import distributed
+    from cppo_jax.planning import memory as layout
 
     fraction_note = layout.set_gpu_memory_fraction()  # before JAX starts a GPU backend
 
-    try:  # before anything touches a device (see cppo_jax/distributed.py for the sources)
+    try:  # before anything touches a device (see cppo_jax/parallel/distributed.py for the sources)
         distributed.initialize(
             coordinator=args.coordinator,
             num_processes=args.num_processes,
@@ -366,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     except distributed.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from cppo_jax.sft import SFTConfig, run_sft
+    from cppo_jax.train.sft import SFTConfig, run_sft
 
     try:
         cfg = load_config(args.config, args.overrides, expected=(Config, SFTConfig))
@@ -377,13 +330,13 @@ def main(argv: list[str] | None = None) -> int:
         run_sft(cfg)
         return 0
     if not cfg.trainer.dry_run:  # before anything compiles
-        from cppo_jax.profile import use_compile_cache
+        from cppo_jax.observe.profile import use_compile_cache
 
         use_compile_cache(cfg.trainer.compile_cache_dir)
-    from cppo_jax.checkpoint import CheckpointError
-    from cppo_jax.rollout.vllm_client import RolloutServerError
-    from cppo_jax.stopping import SignalStopError
-    from cppo_jax.trainer import NonFiniteError
+    from cppo_jax.rollout.vllm.client import RolloutServerError
+    from cppo_jax.train.checkpoint import CheckpointError
+    from cppo_jax.train.stopping import SignalStopError
+    from cppo_jax.train.trainer import NonFiniteError
 
     try:
         log = print if distributed.is_main() else _quiet

@@ -19,14 +19,16 @@ import functools
 import json
 from pathlib import Path
 
-from cppo_jax import layout, pack_plan, pipeline
-from cppo_jax.config import Config
-from cppo_jax.config_choices import REQUIRED_PREFIX, ConfigError
-from cppo_jax.config_run import MeshConfig
-from cppo_jax.layout import MemoryPlan, _gib, memory_lines, memory_plan
+from cppo_jax.config.choices import REQUIRED_PREFIX, ConfigError
+from cppo_jax.config.run import MeshConfig
+from cppo_jax.config.schema import Config
+from cppo_jax.data import prompt_batches as pipeline
 from cppo_jax.models.known import ModelSize, config_model_size
 from cppo_jax.models.known import transformer_config as base_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
+from cppo_jax.packing import plan as pack_plan
+from cppo_jax.planning import memory as layout
+from cppo_jax.planning.memory import MemoryPlan, _gib, memory_lines, memory_plan
 
 __all__ = [
     "MeshChoice",
@@ -247,7 +249,7 @@ def plan_run(
     """
     import jax
 
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
 
     sh = shapes_of(cfg)
     processes = jax.process_count()
@@ -306,7 +308,7 @@ class MeshChoice:
 
 def _placeable(mesh: dict[str, int], devices, allow_split: bool) -> bool:
     """Whether `mesh` maps onto `devices` (a TPU slice's torus may refuse a factorization)."""
-    from cppo_jax import sharding as sharding_lib
+    from cppo_jax.parallel import sharding as sharding_lib
 
     try:
         sharding_lib.make_mesh(MeshConfig(**mesh), devices=devices, allow_split=allow_split)
@@ -346,7 +348,7 @@ def choose_mesh(
     [T, T] scores). Unknown memory (`device_bytes` None: a CPU): the first layout in that order.
     Raises ConfigError with the plan's figures and the layouts that fit when nothing does.
     """
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
 
     sh = shapes_of(cfg)
     size = config_model_size(cfg)
@@ -487,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
 
     parser = argparse.ArgumentParser(
         prog="python -m cppo_jax.plan",
@@ -596,9 +598,10 @@ def _compile_for(args) -> int:
     overrides are the ones printed (exit 0), named as LoRA's: the verdict a one-chip user needs."""
     import sys
 
-    from cppo_jax import aot_fit, aot_report
-    from cppo_jax.config_io import load_config
-    from cppo_jax.config_model import LORA_RECIPE
+    from cppo_jax.config.files import load_config
+    from cppo_jax.config.model import LORA_RECIPE
+    from cppo_jax.planning import fit as aot_fit
+    from cppo_jax.planning import report as aot_report
 
     hbm = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
     try:

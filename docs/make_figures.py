@@ -2,7 +2,7 @@
 
     python docs/make_figures.py            # writes docs/figures/pruning.png
 
-Everything is computed with the functions the trainer uses (`cppo_jax.cppo`) on a fixed group of rewards;
+Everything is computed with the functions the trainer uses (`cppo_jax.algo.cppo`) on a fixed group of rewards;
 nothing is random, so the figure only changes when the code or this script does.
 """
 
@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from cppo_jax import cppo
+from cppo_jax.algo import cppo
 
 OUT = Path(__file__).resolve().parent / "figures"
 G = 16

@@ -118,8 +118,8 @@ TRAIN_ARGS=("${BASE_ARGS[@]}" "${OVERRIDES[@]}")
 # (0) The resolved config: the serving dtype and context follow from it (one copy of each fact).
 RESOLVED="$(cd "$ROOT" && "$PY" -c '
 import sys
-from cppo_jax.config import ConfigError
-from cppo_jax.config_io import load_config
+from cppo_jax.config.schema import ConfigError
+from cppo_jax.config.files import load_config
 args = sys.argv[1:]
 try:
     cfg = load_config(args[1], args[2:])

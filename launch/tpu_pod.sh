@@ -7,7 +7,7 @@
 # Runs `gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all --command "..."`, the command being
 # `cd DIR && PY -c <libtpu check> && CPPO_DISTRIBUTED=auto PY -m cppo_jax.launch --config CONFIG
 # overrides...` on each worker, PY being CPPO_PYTHON (default .venv/bin/python, relative to DIR): the
-# check refuses, naming the fix, a Python without libtpu (pip install -e ".[tpu]"). CPPO_DISTRIBUTED=auto makes cppo_jax.distributed call jax.distributed.initialize() without
+# check refuses, naming the fix, a Python without libtpu (pip install -e ".[tpu]"). CPPO_DISTRIBUTED=auto makes cppo_jax.parallel.distributed call jax.distributed.initialize() without
 # arguments: on a TPU VM JAX reads the coordinator, the worker count and this worker's id from the TPU
 # metadata. DIR (default ~/cppo_jax) must hold this repository and PY's environment on every worker, e.g. copied
 # with `gcloud compute tpus tpu-vm scp --recurse --worker=all`. Only process 0 (worker 0) writes logs and

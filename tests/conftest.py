@@ -7,7 +7,7 @@ compiled it first (the tiny models' programs recur across files). The folder is 
 made by the starting process, given to workers and subprocesses through the environment, and
 removed at the end, so a run never reuses programs from an earlier checkout. Counting compilations
 still sees every program: JAX reports a program loaded from the cache as a backend compile too
-(`tests.helpers.count_compiles`), and `cppo_jax.profile` tells the two apart.
+(`tests.helpers.count_compiles`), and `cppo_jax.observe.profile` tells the two apart.
 
 XLA:CPU compiles the suite's programs with LLVM at -O0 and without its expensive passes (`FAST_XLA`,
 in XLA_FLAGS for every process of the suite): XLA's own optimizations, fusions and buffer assignment
@@ -26,7 +26,7 @@ Tests that call `cppo_jax.launch.main` in this process point JAX's cache at thei
 The suite's process compiles thousands of programs, each holding a dozen or more memory mappings while
 it lives. At the kernel's limit (vm.max_map_count, 65530 by default) LLVM's next compile fails and the
 process dies of a segmentation fault: that ended whole runs of the suite in test_vllm.py, 20 minutes in.
-The code keeps only its latest programs (`cppo_jax.profile.KEPT_PROGRAMS`); JAX's own caches keep the
+The code keeps only its latest programs (`cppo_jax.observe.profile.KEPT_PROGRAMS`); JAX's own caches keep the
 programs of every function still alive, so after a test that leaves the process above half the limit
 they are cleared. The terminal summary reports the peak.
 """

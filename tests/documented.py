@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {"launch": launch.main, "evaluate": evaluate.main, "plan": plan.main}
 NOT_RUN = {
     "pip ": "installs packages (network)",
-    "python -m cppo_jax.aot --install-": "installs a compiler (network; make test runs it)",
+    "python -m cppo_jax.planning.aot --install-": "installs a compiler (network; make test runs it)",
     "huggingface-cli ": "downloads a model (network)",
-    "python -m cppo_jax.datasets ": "downloads a data set (network; tests/test_math_train_recipe.py runs it)",
+    "python -m cppo_jax.data.datasets ": "downloads a data set (network; tests/test_math_train_recipe.py runs it)",
     "gcloud ": "needs a Google Cloud project",
     "make ": "sets up or is this test suite",
     ".venv/bin/ruff ": "lint: make test runs it",

@@ -316,7 +316,7 @@ def sampled_reward(trainer, n: int, seed: int = 7) -> np.ndarray:
     """
     import jax.numpy as jnp
 
-    from cppo_jax.pipeline import decode_completions
+    from cppo_jax.data.prompt_batches import decode_completions
 
     questions = trainer.data.train_set.take(np.arange(len(trainer.data.train_set)))
     seeds_Q = (np.arange(len(questions.examples), dtype=np.uint32) * 1_000 + seed).astype(np.uint32)
@@ -337,7 +337,7 @@ def sampled_reward(trainer, n: int, seed: int = 7) -> np.ndarray:
 
 def reward_rise_config(out_dir: Path, *overrides: str):
     """A short CPPO run on 8 fixed arith questions from the shipped warm start (each step sees all 8)."""
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
 
     return load_config(
         Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.py",

@@ -2,7 +2,7 @@
 the GSPO and CISPO papers' objectives).
 
 Written with plain loops and Python sorting on purpose, so that it shares no structure with the
-JAX code it checks (cppo_jax.cppo, cppo_jax.loss). Names follow the project's shape suffixes.
+JAX code it checks (cppo_jax.algo.cppo, cppo_jax.algo.loss). Names follow the project's shape suffixes.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def policy_loss(
     max_completion_len=None,
     cispo_cap=5.0,
 ):
-    """(loss, metrics) with the same metric names as cppo_jax.loss.policy_loss."""
+    """(loss, metrics) with the same metric names as cppo_jax.algo.loss.policy_loss."""
     if loss_type == "gspo":
         loss = gspo_loss(logp_NT, old_NT, ref_NT, adv_N, mask_NT, eps_low, eps_high, beta)
     elif loss_type == "cispo":

@@ -17,8 +17,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from cppo_jax import aot, aot_fit, programs
-from cppo_jax.config_io import load_config
+from cppo_jax.config.files import load_config
+from cppo_jax.planning import aot
+from cppo_jax.planning import fit as aot_fit
+from cppo_jax.train import programs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
@@ -42,16 +44,18 @@ def plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-# The compiler's own figures for the same programs, read without cppo_jax.aot: programs.build on the
+# The compiler's own figures for the same programs, read without cppo_jax.planning.aot: programs.build on the
 # target's devices, then jax's lower/compile/memory_analysis.
 _RAW = textwrap.dedent(
     """
     import json, os, sys
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
-    from cppo_jax import aot, aot_fit, programs
-    from cppo_jax.config import MeshConfig
-    from cppo_jax.config_io import load_config
+    from cppo_jax.planning import aot
+    from cppo_jax.planning import fit as aot_fit
+    from cppo_jax.train import programs
+    from cppo_jax.config.schema import MeshConfig
+    from cppo_jax.config.files import load_config
     import dataclasses
     target, mesh = sys.argv[1], json.loads(sys.argv[2])
     os.environ["TPU_LIBRARY_PATH"] = aot.libtpu_path()
@@ -118,9 +122,10 @@ _LOOPS = textwrap.dedent(
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     import jax
     from jax.experimental import topologies
-    from cppo_jax import aot, programs
-    from cppo_jax.config import MeshConfig
-    from cppo_jax.config_io import load_config
+    from cppo_jax.planning import aot
+    from cppo_jax.train import programs
+    from cppo_jax.config.schema import MeshConfig
+    from cppo_jax.config.files import load_config
     os.environ["TPU_LIBRARY_PATH"] = aot.libtpu_path()
     devices = topologies.get_topology_desc("v5e:2x2", platform="tpu").devices
     cfg = dataclasses.replace(load_config(sys.argv[1], []), mesh=MeshConfig(data=1, fsdp=4, tensor=1))
@@ -305,7 +310,7 @@ def test_full_fine_tuning_that_fits_nowhere_gets_loras_compiled_verdict(tmp_path
     (`config_model.LORA_RECIPE`) and, when that fits, exits 0 naming its overrides: a one-chip
     user's verdict. A wider random model (768 wide, weights over activations) and a device sized
     between the two runs' smallest peaks, both measured here at micro-batch 1."""
-    from cppo_jax.config_model import LORA_RECIPE
+    from cppo_jax.config.model import LORA_RECIPE
     from tests.conftest import build_arith_model_dir
 
     model = build_arith_model_dir(tmp_path / "wide", hidden=768, layers=4)

@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import aot, aot_fit, aot_gpu, layout, roofline
-from cppo_jax.aot import AotError, Compiled, ProgramMemory
-from cppo_jax.aot_fit import Report
-from cppo_jax.config_io import load_config
+from cppo_jax.config.files import load_config
+from cppo_jax.planning import aot, roofline
+from cppo_jax.planning import fit as aot_fit
+from cppo_jax.planning import gpu_targets as aot_gpu
+from cppo_jax.planning import memory as layout
+from cppo_jax.planning.aot import AotError, Compiled, ProgramMemory
+from cppo_jax.planning.fit import Report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
@@ -142,8 +145,9 @@ def test_a_gpu_fits_in_the_memory_fraction_the_launch_gives_jax():
 _RAW = textwrap.dedent(
     """
     import json, sys
-    from cppo_jax import aot_gpu, programs
-    from cppo_jax.config_io import load_config
+    from cppo_jax.planning import gpu_targets as aot_gpu
+    from cppo_jax.train import programs
+    from cppo_jax.config.files import load_config
     devices = aot_gpu.gpu_devices("h100:1")
     cfg = load_config(sys.argv[1], [])
     fn, args = programs.build(cfg, devices).programs["ref_logps"]
@@ -192,7 +196,7 @@ def test_one_chip_tpu_hosts_get_their_own_host_bounds():
 
 _ONE_CHIP = textwrap.dedent(
     """
-    from cppo_jax import aot
+    from cppo_jax.planning import aot
     for target in ("v5e:1x1", "v6e:1x1"):
         d = aot.target_devices(target)
         print("ONE", target, len(d), d[0].device_kind)
@@ -219,8 +223,9 @@ def test_one_chip_tpu_topologies_compile_for_one_device():
 
 _SPLIT = textwrap.dedent(
     """
-    from cppo_jax import aot, sharding
-    from cppo_jax.config_run import MeshConfig
+    from cppo_jax.planning import aot
+    from cppo_jax.parallel import sharding
+    from cppo_jax.config.run import MeshConfig
     devices = aot.target_devices("v6e:4x4")
     mesh = sharding.make_mesh(MeshConfig(data=8, fsdp=1, tensor=2), devices)
     ids = sorted(d.id for d in mesh.devices.flat)
@@ -250,8 +255,8 @@ def test_a_mesh_that_cannot_be_placed_names_the_mesh_and_the_torus(monkeypatch):
     import jax
     from jax.experimental import mesh_utils
 
-    from cppo_jax import sharding
-    from cppo_jax.config_run import MeshConfig
+    from cppo_jax.config.run import MeshConfig
+    from cppo_jax.parallel import sharding
 
     def refuse(*args, **kwargs):
         raise NotImplementedError("Failed to find assignment for logical_axis_index 2 of size 2")
@@ -270,9 +275,9 @@ def test_full_fine_tuning_that_does_not_fit_names_lora_with_the_plans_figure():
     names LoRA with the plan's figure for it; a LoRA run gets no such hint."""
     import dataclasses
 
-    from cppo_jax.aot_report import no_fit_message
-    from cppo_jax.cppo import shapes_of
-    from cppo_jax.program_memory import planned_model, run_peak
+    from cppo_jax.algo.cppo import shapes_of
+    from cppo_jax.planning.compiled_memory import planned_model, run_peak
+    from cppo_jax.planning.report import no_fit_message
 
     refused = ProgramMemory("train_step", temporaries=31 * 2**30, error="RESOURCE_EXHAUSTED")
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}

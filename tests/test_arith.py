@@ -112,7 +112,7 @@ def test_prompts_are_the_released_strings_byte_for_byte():
 
 
 def test_paper_configs_send_the_released_prompts():
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
 
     for name, expected in (
         ("gsm8k_1p5b.py", RELEASED_GSM8K_PROMPT),

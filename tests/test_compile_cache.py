@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cppo_jax.profile import compile_cache_folder
+from cppo_jax.observe.profile import compile_cache_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_the_suite_process_goes_back_to_the_suites_cache(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from cppo_jax.profile import use_compile_cache
+    from cppo_jax.observe.profile import use_compile_cache
     from tests.conftest import restore_suite_compilation
 
     def stored(folder: Path) -> set[str]:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import config as C
-from cppo_jax import config_choices
-from cppo_jax import config_io as CI
+from cppo_jax.config import choices as config_choices
+from cppo_jax.config import files as CI
+from cppo_jax.config import schema as C
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.name != "tiny_sft.py")
@@ -246,7 +246,7 @@ def test_a_shipped_config_by_name_a_new_one_without_code_and_an_unknown_name_lis
     """`--config gsm8k_1p5b` is configs/gsm8k_1p5b.py; any configs/<name>.py is found the same way
     (one added later needs no code); an unknown name is refused naming the known configs."""
     monkeypatch.chdir(tmp_path)
-    shipped = Path(CI.__file__).resolve().parents[1] / "configs"
+    shipped = Path(CI.__file__).resolve().parents[2] / "configs"
     assert CI.resolve_config_path("gsm8k_1p5b") == shipped / "gsm8k_1p5b.py"
     assert CI.resolve_config_path(str(shipped / "math7b.py")) == shipped / "math7b.py"  # a path
     assert set(CI.known_configs()) >= {p.stem for p in shipped.glob("*.py")}

@@ -1,4 +1,4 @@
-"""Tests of cppo_jax.cppo: advantages, pruning, counts and reward checks (vs a NumPy reference)."""
+"""Tests of cppo_jax.algo.cppo: advantages, pruning, counts and reward checks (vs a NumPy reference)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cppo_jax import cppo
-from cppo_jax.config_choices import ADV_SCALES, GROUP_METRICS, METRICS
+from cppo_jax.algo import cppo
+from cppo_jax.config.choices import ADV_SCALES, GROUP_METRICS, METRICS
 
 try:
     import reference_numpy as ref
@@ -304,7 +304,7 @@ def test_random_metric_needs_rng():
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_truncated):
     """The trainer's prune step: each kept row is its completion behind its own question's prompt."""
-    from cppo_jax.config import CPPOConfig
+    from cppo_jax.config.schema import CPPOConfig
 
     Q, G, P, C = 6, 4, 3, 5
     algo = CPPOConfig(
@@ -350,8 +350,8 @@ def test_prune_trains_the_kept_completions_with_their_prompts(scope, mask_trunca
 
 def test_step_shapes_count_exactly():
     """Q and M in every scope; a slice count that does not divide Q is refused naming the key."""
-    from cppo_jax.config import CPPOConfig
-    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.schema import CPPOConfig
 
     batch = CPPOConfig(num_generations=16, questions_per_step=3, pruning_rate=0.9, scope="batch")
     assert cppo.step_shapes(batch, 4, 4).M == 4  # floor(48 * (1 - 0.9))
@@ -486,8 +486,8 @@ def test_paper_configs_match_the_released_settings(name, slices, p):
     The fork (scripts/CPPO*.sh): `slices` GPUs (one training process each) of 16 completions each; with allocation each draws
     16 / int(G (1 - p)) questions of G = 16 and keeps 16 completions of its slice (drops int(N p)).
     """
-    from cppo_jax.config_io import load_config
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
+    from cppo_jax.config.files import load_config
 
     cfg = load_config(name, [f"cppo.pruning_rate={p}"])
     a = cfg.cppo
@@ -510,7 +510,7 @@ def test_max_variance_keeps_the_subset_of_largest_variance():
     """PODS' rule against brute force over every k-subset, on continuous and on binary rewards."""
     import itertools
 
-    from cppo_jax.cppo import keep_indices
+    from cppo_jax.algo.cppo import keep_indices
 
     rng = np.random.default_rng(0)
     cases = [rng.normal(size=(5, 7)), rng.integers(0, 4, size=(6, 8)).astype(np.float32)]
@@ -530,14 +530,14 @@ def test_max_variance_keeps_the_subset_of_largest_variance():
     kept = np.asarray(keep_indices(r, 4, metric="max_variance"))[0]
     assert sorted(np.asarray(r)[0][kept]) == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="within each question"):
-        from cppo_jax.cppo import keep_indices_batch
+        from cppo_jax.algo.cppo import keep_indices_batch
 
         keep_indices_batch(jnp.zeros(8), 4, metric="max_variance")
 
 
 def test_max_variance_needs_question_scope():
-    from cppo_jax.config import CPPOConfig
-    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.schema import CPPOConfig
 
     CPPOConfig(metric="max_variance", pruning_rate=0.5)
     with pytest.raises(ConfigError, match="needs cppo.scope='question'"):

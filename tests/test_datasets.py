@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cppo_jax import datasets, example_format
+from cppo_jax.data import datasets, example_format
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cppo_jax import distributed
+from cppo_jax.parallel import distributed
 from tests.conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,8 +94,8 @@ def test_launch_refuses_incomplete_flags(capsys):
 
 def test_warm_start_is_not_run_by_every_process(tmp_path, monkeypatch):
     from cppo_jax import launch
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.files import load_config
 
     target = tmp_path / "warm"
     cfg = load_config(ROOT / "configs" / "tiny_cpu.py", [f"model.init_checkpoint={target}"])
@@ -120,7 +120,7 @@ def _train_worker(model_dir: str, out_dir: str, result: str) -> None:
     from test_trainer import small_config
 
     from cppo_jax.models import save_hf
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     cfg = small_config(Path(out_dir), Path(model_dir), *OVERRIDES)
     trainer = Trainer(cfg)
@@ -159,7 +159,7 @@ class _FakeServer:
         self.pushed: list[tuple[int, float]] = []
 
     def generate(self, params, prompt_QP, prompt_valid_QP, seeds_Q, num_samples):
-        from cppo_jax.rollout.sampling import Samples
+        from cppo_jax.rollout.embedded.sampling import Samples
 
         tokens = _fake_tokens(prompt_QP, seeds_Q, num_samples, self.columns)
         N, C = tokens.shape
@@ -176,7 +176,7 @@ class _FakeServer:
     def sync_weights(self, params, step):
         import jax
 
-        from cppo_jax.rollout.vllm_client import RolloutServerError
+        from cppo_jax.rollout.vllm.client import RolloutServerError
 
         if step == 99:
             raise RolloutServerError("the server is down")
@@ -197,7 +197,7 @@ def _fake_tokens(prompt_QP, seeds_Q, G, C) -> np.ndarray:
 def _rollout_server_check(trainer) -> dict:
     """Process 0 alone talks to the (fake) server; every process gets its completions."""
     from cppo_jax.rollout.multiprocess import MainProcessBackend
-    from cppo_jax.rollout.vllm_client import RolloutServerError
+    from cppo_jax.rollout.vllm.client import RolloutServerError
 
     fake = _FakeServer(columns=5)
     backend = MainProcessBackend(
@@ -380,9 +380,9 @@ def _export_worker(out_dir: str, result: str) -> None:
     import jax
     from flax import nnx
 
-    from cppo_jax import sharding
-    from cppo_jax.config_run import MeshConfig
+    from cppo_jax.config.run import MeshConfig
     from cppo_jax.models import TransformerConfig, init_model, save_hf
+    from cppo_jax.parallel import sharding
 
     cfg = TransformerConfig(
         arch="qwen2",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax.config import Config
-from cppo_jax.sft import SFTConfig
+from cppo_jax.config.schema import Config
+from cppo_jax.train.sft import SFTConfig
 from tools import docs_gen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +71,8 @@ def test_check_fails_on_drift_and_generation_names_the_problem(tmp_path, monkeyp
 
 
 def test_source_is_read_for_comments_and_rules():
-    from cppo_jax.config import CPPOConfig, DataConfig
-    from cppo_jax.config_run import MeshConfig
+    from cppo_jax.config.run import MeshConfig
+    from cppo_jax.config.schema import CPPOConfig, DataConfig
 
     assert "held out of train" in docs_gen.field_comments(DataConfig)["val_size"]
     rules = docs_gen.validation_rules(CPPOConfig)

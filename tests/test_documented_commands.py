@@ -37,11 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-from cppo_jax import eval_checkpoint, evaluate, launch, plan
-from cppo_jax.config import Config
-from cppo_jax.config_io import load_config
+from cppo_jax import evaluate, launch, plan
+from cppo_jax.config.files import load_config
+from cppo_jax.config.schema import Config
+from cppo_jax.eval import policy as eval_checkpoint
 from cppo_jax.models import known
-from cppo_jax.sft import SFTConfig
+from cppo_jax.train.sft import SFTConfig
 from tests.conftest import build_arith_model_dir
 from tests.documented import _ENV, NOT_RUN, Doc, _head, _synopsis, collect
 from tests.test_launch import model_folder
@@ -99,8 +100,8 @@ class StandIns:
         """`runs/NAME[/best]` as the documented training command with run_name NAME leaves it."""
         import numpy as np
 
-        from cppo_jax.checkpoint import Checkpointer
-        from cppo_jax.config_io import save_config
+        from cppo_jax.config.files import save_config
+        from cppo_jax.train.checkpoint import Checkpointer
 
         run = Path(path)
         best = run.name == "best"

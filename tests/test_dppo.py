@@ -1,4 +1,4 @@
-"""DPPO's pruning (cppo_jax/dppo.py): capped inclusion probabilities, systematic draws whose
+"""DPPO's pruning (cppo_jax/algo/dppo.py): capped inclusion probabilities, systematic draws whose
 inclusion frequencies are exactly those probabilities, and an enumeration of every outcome of the
 prompt and completion draws showing that the rescaled estimator's expectation is the unpruned
 policy-gradient (the gradient of `loss.policy_loss` over all Q * G completions)."""
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cppo_jax import cppo, dppo, loss
-from cppo_jax.config import ConfigError, CPPOConfig
+from cppo_jax.algo import cppo, dppo, loss
+from cppo_jax.config.schema import ConfigError, CPPOConfig
 from tests import reference_numpy as ref
 from tests.helpers import prune_inputs
 

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import apply_overrides
-from cppo_jax.trainer import Trainer
-from cppo_jax.trainer_eval import subset_ids
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import apply_overrides
+from cppo_jax.train.evaluation import subset_ids
+from cppo_jax.train.trainer import Trainer
 from tests.test_trainer import run_trainer, small_config
 
 
@@ -83,7 +83,7 @@ def test_a_long_evaluation_shows_a_progress_bar_unless_progress_is_off(
 
 
 def test_eval_subset_refuses_a_negative_count():
-    from cppo_jax.config import Config
+    from cppo_jax.config.schema import Config
 
     with pytest.raises(ConfigError, match="trainer.eval_subset"):
         apply_overrides(Config(), ["trainer.eval_subset=-1"])

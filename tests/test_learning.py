@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax.config_io import load_config
-from cppo_jax.trainer import Trainer
+from cppo_jax.config.files import load_config
+from cppo_jax.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -76,8 +76,8 @@ def test_direct_style_has_the_r1_layout_and_the_answer():
 
 
 def test_direct_fraction_out_of_range_names_the_key():
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.sft import SFTConfig
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.train.sft import SFTConfig
 
     with pytest.raises(ConfigError, match=r"sft\.direct_fraction.*1\.5.*\[0, 1\]"):
         SFTConfig(direct_fraction=1.5)
@@ -93,8 +93,8 @@ def test_direct_fraction_out_of_range_names_the_key():
     ],
 )
 def test_sft_settings_out_of_range_name_the_key(fields, key):
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.sft import SFTConfig
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.train.sft import SFTConfig
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         SFTConfig(**fields)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from cppo_jax.config import Config
-from cppo_jax.config_io import apply_overrides
-from cppo_jax.logp_sources import LogpSources, logp_sources
+from cppo_jax.algo.logp_sources import LogpSources, logp_sources
+from cppo_jax.config.files import apply_overrides
+from cppo_jax.config.schema import Config
 
 TRUTH = [
     # overlap, tis_cap, mu: old,       after the first, behaviour
@@ -52,7 +52,7 @@ def test_mu_3_is_mu_2s_rule_and_mu_0_is_refused():
 def test_programs_batch_fields_follow_the_sources(tmp_path):
     """`programs.batch_fields` (what the deviceless compile builds) carries old log-probs exactly when
     the sources give them from outside, behaviour log-probs exactly with TIS."""
-    from cppo_jax import programs
+    from cppo_jax.train import programs
 
     for overlap, tis_cap, mu, want in TRUTH:
         overrides = [f"cppo.tis_cap={tis_cap}", f"cppo.mu={mu}"]

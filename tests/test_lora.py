@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax import config_io
-from cppo_jax import sharding as sharding_lib
-from cppo_jax.config import Config
-from cppo_jax.config_choices import LORA_TARGETS, ConfigError
-from cppo_jax.config_model import LoraConfig
+from cppo_jax.config import files as config_io
+from cppo_jax.config.choices import LORA_TARGETS, ConfigError
+from cppo_jax.config.model import LoraConfig
+from cppo_jax.config.schema import Config
 from cppo_jax.models import lora, lora_state
+from cppo_jax.parallel import sharding as sharding_lib
 from tests.helpers import forward, random_model, tiny_config
 
 
@@ -146,8 +146,8 @@ def test_rank_above_a_targets_width_names_the_key_and_the_target():
 def test_the_sampler_on_merged_weights_samples_as_the_adapted_model():
     """What the trainer's rollout runs (the merged weights, a model without adapters) and the
     adapted model itself sample the same greedy tokens."""
-    from cppo_jax.rollout.sampler import make_sampler
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     adapted = _noisy_adapters(lora_state.with_adapters(random_model(tiny_config()), LoraConfig(3)))
     graphdef, adapters, base = lora_state.split(adapted)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import apply_overrides
-from cppo_jax.config_model import LoraConfig
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import apply_overrides
+from cppo_jax.config.model import LoraConfig
 from cppo_jax.models import load_hf, lora_state, peft_io, save_hf
-from cppo_jax.trainer import Trainer
+from cppo_jax.train.trainer import Trainer
 from tests.helpers import forward, load_hf_torch, random_model, tiny_config
 from tests.test_lora import _inputs, _noisy_adapters
 from tests.test_lora_train import _batch as _random_batch
@@ -139,7 +139,7 @@ def test_a_lora_run_exports_the_merged_policy_and_a_peft_adapter(tmp_path, arith
 
 
 def test_export_of_a_lora_checkpoint_merges_the_adapters(tmp_path, arith_model_dir):
-    from cppo_jax.export import export_run
+    from cppo_jax.train.export import export_run
 
     trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
     try:

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from cppo_jax.models.lora import WEIGHTS
-from cppo_jax.trainer import Trainer
+from cppo_jax.train.trainer import Trainer
 from tests.conftest import build_arith_model_dir
 from tests.test_trainer import small_config
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax import programs
-from cppo_jax import step as step_lib
 from cppo_jax.models import load_hf
-from cppo_jax.trainer import Trainer
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train import programs
+from cppo_jax.train.trainer import Trainer
 from tests.test_trainer import small_config
 
 LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8")

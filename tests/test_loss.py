@@ -1,4 +1,4 @@
-"""Tests of cppo_jax.loss: chunked log-probs and the clipped policy loss (the completion masks are
+"""Tests of cppo_jax.algo.loss: chunked log-probs and the clipped policy loss (the completion masks are
 `rollout.sampling.completion_ends`'s, tested in tests/test_sampler.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cppo_jax import cppo, loss
-from cppo_jax.config_choices import LOSS_TYPES
+from cppo_jax.algo import cppo, loss
+from cppo_jax.config.choices import LOSS_TYPES
 
 try:
     import reference_numpy as ref
@@ -111,7 +111,7 @@ def test_k_equal_g_equals_unpruned_grpo():
 
     # The trainer's prune step with p = 0 (k = G): row n of the completions holds the token n, so the
     # trained batch says which completion each kept row is; every row must come back, in order.
-    from cppo_jax.config import CPPOConfig
+    from cppo_jax.config.schema import CPPOConfig
 
     algo = CPPOConfig(num_generations=G, questions_per_step=Q, pruning_rate=0.0)
     shapes = cppo.step_shapes(algo, prompt_len=1, completion_len=T)

@@ -1,4 +1,4 @@
-"""The MATH training split's recipe: `python -m cppo_jax.datasets --write OUT` writes the file that
+"""The MATH training split's recipe: `python -m cppo_jax.data.datasets --write OUT` writes the file that
 configs/math7b.py's `data.train` wants, from the hub when `datasets` is installed (a stand-in module
 here: nothing is downloaded), and the paper config's dry run takes it."""
 
@@ -9,8 +9,9 @@ import json
 import sys
 import types
 
-from cppo_jax import datasets, launch
-from cppo_jax.config_io import load_config
+from cppo_jax import launch
+from cppo_jax.config.files import load_config
+from cppo_jax.data import datasets
 from tests.test_launch import MATH7B, QWEN25_7B, model_folder
 
 ROWS = [

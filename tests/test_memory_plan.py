@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cppo_jax import layout, plan
-from cppo_jax import step as step_lib
-from cppo_jax.config_io import apply_overrides
+from cppo_jax import plan
+from cppo_jax.config.files import apply_overrides
 from cppo_jax.models.hf_read import read_hf_config
-from cppo_jax.trainer import Trainer
+from cppo_jax.planning import memory as layout
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train.trainer import Trainer
 from tests.conftest import build_arith_model_dir
 from tests.test_trainer import small_config
 
@@ -209,9 +210,9 @@ def test_reference_and_rollout_snapshot_are_counted_in_the_compute_dtype():
     """The reference policy and the overlap's rollout snapshot only run forwards: the trainer holds them
     in the compute dtype (`transformer.forward_copy`), so with bf16 compute and float32 params each is
     exactly half the params' bytes, and both count in what stays resident through the step."""
-    from cppo_jax.config import Config
-    from cppo_jax.config_io import apply_overrides
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
+    from cppo_jax.config.files import apply_overrides
+    from cppo_jax.config.schema import Config
     from tests.helpers import tiny_config
 
     mesh = {"data": 1, "fsdp": 2, "tensor": 1}

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import launch, layout, plan
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import load_config
-from cppo_jax.config_run import MeshConfig
+from cppo_jax import launch, plan
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import load_config
+from cppo_jax.config.run import MeshConfig
+from cppo_jax.planning import memory as layout
 from tests.conftest import xla_flags
 from tests.test_launch import MATH7B, QWEN25_7B, _jsonl, model_folder
 
@@ -53,7 +54,8 @@ def test_mesh_config_auto_and_explicit_sizes():
 # real launch whose Trainer is a stand-in that prints the config it gets (no weight is read).
 _WORKER = """
 import json, sys
-from cppo_jax import launch, trainer
+from cppo_jax import launch
+from cppo_jax.train import trainer
 argv = json.loads(sys.argv[1])
 print("DRY", launch.main([*argv, "trainer.dry_run=true"]), flush=True)
 def stand_in(cfg):
@@ -105,7 +107,7 @@ def test_nothing_fits_is_refused_before_any_weight_is_read(
 ):
     """One device of 40 GB holds no layout of the 7B run: the plan is printed, the run refused (exit
     2) before the trainer is built, and no run folder is made."""
-    from cppo_jax import trainer
+    from cppo_jax.train import trainer
 
     def never(cfg):
         raise AssertionError("the trainer was built: weights would be read")
@@ -124,7 +126,7 @@ def test_nothing_fits_is_refused_before_any_weight_is_read(
 
 def test_launch_and_the_script_choose_through_the_same_function(math7b_run, tmp_path, monkeypatch):
     """`plan --pick-mesh` (what gpu_node.sh runs) and the launch both call `plan.choose_mesh`."""
-    from cppo_jax import trainer
+    from cppo_jax.train import trainer
 
     calls = []
     real = plan.choose_mesh
@@ -181,7 +183,7 @@ def test_a_mesh_the_torus_cannot_hold_is_placed_split_or_refused_by_name(monkeyp
     physical axis split, or, without that, a MeshError naming the mesh instead of a traceback."""
     import jax
 
-    from cppo_jax import sharding
+    from cppo_jax.parallel import sharding
 
     real = jax.make_mesh
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cppo_jax.config import (
+from cppo_jax.config.schema import (
     Config,
 )
-from cppo_jax.runlog import reward_metrics
+from cppo_jax.observe.runlog import reward_metrics
 from tests.test_trainer import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def _config(out_dir: Path, model_dir: Path, *overrides: str) -> Config:
 def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
     tmp_path, arith_model_dir
 ):
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     cfg = _config(tmp_path, arith_model_dir)
     trainer = Trainer(cfg)

@@ -235,10 +235,10 @@ def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(policy, scan)
 
 
 def test_remat_policies_are_checked_by_name():
-    from cppo_jax.config import Config
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.config_io import apply_overrides, from_dict, to_dict
-    from cppo_jax.config_model import ModelConfig
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.files import apply_overrides, from_dict, to_dict
+    from cppo_jax.config.model import ModelConfig
+    from cppo_jax.config.schema import Config
 
     # An older run's config.json (a boolean) and an older command line still load.
     old = to_dict(Config())
@@ -418,8 +418,8 @@ def test_library_attention_computes_what_einsum_attention_does():
 
 
 def test_cudnn_attention_is_refused_off_a_gpu_and_outside_bfloat16():
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.config_model import ModelConfig
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.model import ModelConfig
 
     with pytest.raises(ValueError, match="attention: cudnn needs dtype bfloat16"):
         small_config(attention="cudnn")

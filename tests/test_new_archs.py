@@ -258,8 +258,8 @@ def test_sampler_logps_equal_the_full_forward(tmp_path, arch):
     (the window a mask over the prompt's and the completions' static slots)."""
     from flax import nnx
 
-    from cppo_jax.rollout.sampler import make_sampler, positions_from_valid
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler, positions_from_valid
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     model = load_hf(checkpoint(tmp_path, arch))
     P, C, G = 11, 7, 2
@@ -363,10 +363,10 @@ def test_gemma_library_attention_and_packed_rows_keep_the_window():
     log-probs; a packed forward whose window were ignored would not."""
     from flax import nnx
 
-    from cppo_jax import packing
-    from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig
-    from cppo_jax.packed_rows import packed_batch, packed_completion_logps
+    from cppo_jax.config.schema import CPPOConfig
+    from cppo_jax.packing import pack as packing
+    from cppo_jax.packing.rows import packed_batch, packed_completion_logps
+    from cppo_jax.train import device_fns as step_lib
 
     M, P, C = 5, 5, 9
     model = helpers.random_model(_gemma_tiny(), seed=2)

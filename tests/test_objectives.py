@@ -1,4 +1,4 @@
-"""GSPO and CISPO (`cppo.loss_type=gspo|cispo`, cppo_jax/loss.py): each loss against a direct NumPy
+"""GSPO and CISPO (`cppo.loss_type=gspo|cispo`, cppo_jax/algo/loss.py): each loss against a direct NumPy
 transcription of its paper's equation (tests/reference_numpy.py), its gradient, the identities
 (on-policy GSPO is the sequence-mean policy gradient; CISPO without a cap is the unclipped IS
 gradient), and its composition with truncated IS and micro-batches. Packing, pruning and LoRA:
@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cppo_jax import loss
-from cppo_jax.config import CPPOConfig
-from cppo_jax.config_choices import ConfigError
+from cppo_jax.algo import loss
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.schema import CPPOConfig
 
 try:
     import reference_numpy as ref
@@ -187,7 +187,7 @@ def test_micro_batches_give_the_whole_batchs_gradient(loss_type):
     their tokens (step._grads), so accumulation gives the whole batch's loss and gradient."""
     from flax import nnx
 
-    from cppo_jax import step as step_lib
+    from cppo_jax.train import device_fns as step_lib
 
     try:
         from helpers import random_model, tiny_config

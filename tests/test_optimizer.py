@@ -1,4 +1,4 @@
-"""Tests of the optimizer update in cppo_jax.optimizer: `apply_update` with `make_optimizer`'s transform
+"""Tests of the optimizer update in cppo_jax.train.optimizer: `apply_update` with `make_optimizer`'s transform
 against optax's own `chain(clip_by_global_norm, adamw)` + `apply_updates`, and the skip of a
 non-finite update (params and optimizer state bit-identical)."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from cppo_jax import optimizer as optimizer_lib
-from cppo_jax.config import OptimConfig
+from cppo_jax.config.schema import OptimConfig
+from cppo_jax.train import optimizer as optimizer_lib
 
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
 # Normwise per leaf (max |ours - optax| <= RTOL * max |optax|): the same formulas, fused differently

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cppo_jax import trainer_run
-from cppo_jax.config_choices import ConfigError
+from cppo_jax.config.choices import ConfigError
 from cppo_jax.rollout.backend import EmbeddedBackend
-from cppo_jax.rollout.vllm_client import RolloutServerError
-from cppo_jax.trainer import Trainer
+from cppo_jax.rollout.vllm.client import RolloutServerError
+from cppo_jax.train import loop as trainer_run
+from cppo_jax.train.trainer import Trainer
 from tests.helpers import spread_reward
 from tests.reliability.runs import read_events
 from tests.test_trainer import small_config

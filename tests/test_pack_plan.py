@@ -1,4 +1,4 @@
-"""Tests of cppo_jax.pack_plan: the packed rows `trainer.pack_rows=auto` chooses from a run's lengths
+"""Tests of cppo_jax.packing.plan: the packed rows `trainer.pack_rows=auto` chooses from a run's lengths
 (host code: NumPy, no JAX), and the config key that asks for it."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from cppo_jax import pack_plan
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_run import TrainerConfig
-from cppo_jax.cppo import Shapes
+from cppo_jax.algo.cppo import Shapes
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.run import TrainerConfig
+from cppo_jax.packing import plan as pack_plan
 
 L = 24
 
@@ -92,8 +92,8 @@ def test_choice_keeps_a_given_row_count_and_falls_back_to_m_without_lengths():
 
 
 def test_pack_rows_is_auto_by_default_and_an_integer_when_given():
-    from cppo_jax.config import Config
-    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.config.files import apply_overrides
+    from cppo_jax.config.schema import Config
 
     assert TrainerConfig().pack_rows == "auto"
     assert apply_overrides(Config(), ["trainer.pack_rows=3"]).trainer.pack_rows == 3
@@ -106,9 +106,9 @@ def test_pack_rows_is_auto_by_default_and_an_integer_when_given():
 def test_the_run_and_the_plan_choose_the_same_rows(tmp_path, arith_model_dir):
     """The run chooses R from the data it loaded (`roles.build_data`), the plan and the compiled
     programs from the config (`config_choice`): the same lengths, the same R."""
-    from cppo_jax import roles
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
     from cppo_jax.models.tokenizer import Tokenizer
+    from cppo_jax.train import roles
 
     try:
         from test_trainer import small_config

@@ -1,4 +1,4 @@
-"""Packed training rows on the device (`cppo_jax.packed_rows`, `step` with a `PackedBatch`): the
+"""Packed training rows on the device (`cppo_jax.packing.rows`, `step` with a `PackedBatch`): the
 packed forward's completion log-probs, the loss and the gradient equal the padded step's, and one
 compiled step serves every packing of a run."""
 
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax import optimizer as optimizer_lib
-from cppo_jax import packing
-from cppo_jax import step as step_lib
-from cppo_jax.config import CPPOConfig, OptimConfig
-from cppo_jax.config_choices import LOSS_TYPES
-from cppo_jax.packed_rows import packed_batch
+from cppo_jax.config.choices import LOSS_TYPES
+from cppo_jax.config.schema import CPPOConfig, OptimConfig
+from cppo_jax.packing import pack as packing
+from cppo_jax.packing.rows import packed_batch
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train import optimizer as optimizer_lib
 from tests.conftest import default_xla_env, xla_flags
 
 try:
@@ -146,7 +146,7 @@ def _train(out_dir, model_dir, *overrides: str):
     """(trainer, metrics, events) of a 3-step run of tests/test_trainer.py's small config."""
     import json
 
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     try:
         from test_trainer import read_metrics, small_config
@@ -180,8 +180,8 @@ def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_pat
 
 
 def test_trainer_pack_is_refused_with_micro_batches():
-    from cppo_jax.config_choices import ConfigError
-    from cppo_jax.config_run import TrainerConfig
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.config.run import TrainerConfig
 
     with pytest.raises(ConfigError, match="trainer.micro_batch"):
         TrainerConfig(pack=True, micro_batch=2)
@@ -193,9 +193,11 @@ sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
 import test_packed_rows as t
 from helpers import SMOOTH_ADAMW
-from cppo_jax import optimizer as optimizer_lib, sharding as sharding_lib, step as step_lib
-from cppo_jax.config import ConfigError, MeshConfig, OptimConfig
-from cppo_jax.packed_rows import Packer
+from cppo_jax.train import optimizer as optimizer_lib
+from cppo_jax.parallel import sharding as sharding_lib
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.config.schema import ConfigError, MeshConfig, OptimConfig
+from cppo_jax.packing.rows import Packer
 
 graphdef, params, spec = t._parts()
 # the params after one update are compared: AdamW smooth in the gradient (issue #50)
@@ -278,8 +280,8 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np, optax
-from cppo_jax import trainer_update
-from cppo_jax.trainer import Trainer
+from cppo_jax.train import update as trainer_update
+from cppo_jax.train.trainer import Trainer
 import test_packed_rows as t
 from test_trainer import small_config
 

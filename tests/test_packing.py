@@ -1,4 +1,4 @@
-"""Tests of cppo_jax.packing: first-fit decreasing of a step's sequences into R rows of L tokens
+"""Tests of cppo_jax.packing.pack: first-fit decreasing of a step's sequences into R rows of L tokens
 (host code: NumPy, no JAX)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cppo_jax import packing
+from cppo_jax.packing import pack as packing
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -124,5 +124,5 @@ def test_packing_imports_no_jax():
     import subprocess
     import sys
 
-    code = "import sys, cppo_jax.packing; sys.exit('jax' in sys.modules)"
+    code = "import sys, cppo_jax.packing.pack; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

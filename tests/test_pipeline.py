@@ -8,8 +8,8 @@ import grain
 import numpy as np
 import pytest
 
-from cppo_jax import pipeline
-from cppo_jax.config import DataConfig
+from cppo_jax.config.schema import DataConfig
+from cppo_jax.data import prompt_batches as pipeline
 
 
 def _batches(ds, steps: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cppo_jax import profile
+from cppo_jax.observe import profile
 
 
 def _tiny_fn():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import program_memory
-from cppo_jax.config_io import load_config
-from cppo_jax.cppo import shapes_of
-from cppo_jax.programs import model_config
+from cppo_jax.algo.cppo import shapes_of
+from cppo_jax.config.files import load_config
+from cppo_jax.planning import compiled_memory as program_memory
+from cppo_jax.train.programs import model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ import dataclasses
 import jax
 import pytest
 
-from cppo_jax import programs
 from cppo_jax.rollout import backend as backend_lib
-from cppo_jax.trainer import Trainer
+from cppo_jax.train import programs
+from cppo_jax.train.trainer import Trainer
 from tests.test_trainer import small_config
 
 
@@ -103,7 +103,7 @@ def test_compiling_ahead_leaves_the_first_step_nothing_to_compile(tmp_path, arit
     from `trainer_run`): the first step's program compiled from the config alone into the trainer's
     own function. The first step then compiles every program but that one; the packed run's pruning
     program is its own."""
-    from cppo_jax.trainer_update import compile_ahead
+    from cppo_jax.train.update import compile_ahead
 
     def compiled_names(fn) -> list[str]:
         names = []
@@ -137,9 +137,9 @@ def test_a_failed_compile_ahead_says_why_and_the_run_goes_on(
 ):
     """Compiling ahead only saves time: when it fails the event says why, and the step compiles and
     trains as without it."""
-    from cppo_jax.trainer_update import compile_ahead
+    from cppo_jax.train.update import compile_ahead
 
-    def broken(cfg, devices):
+    def broken(cfg, devices, num_steps=None):
         raise ValueError("no abstract arguments for this config")
 
     trainer = Trainer(small_config(tmp_path, arith_model_dir))

@@ -13,10 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cppo_jax import datasets, example_format, pipeline, scoring
+from cppo_jax.data import datasets, example_format
+from cppo_jax.data import prompt_batches as pipeline
 from cppo_jax.models.tokenizer import Tokenizer
 from cppo_jax.rewards import RewardPool
 from cppo_jax.tasks.prompts import GSM8K_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
+from cppo_jax.train import scoring
 from tests.qwen_vocab import (
     DEFAULT_SYSTEM,
     ENDOFTEXT,
@@ -150,7 +152,7 @@ GOLD_SOLUTION = "She earns 12 * 150 = 1800 dollars.\n#### 1,800"
 def _score(tok, rows_NC: list[list[int]], C: int, stop_ids):
     """The trainer's step 3 on these completion ids: valid up to the first stop id (as the samplers
     mark them), decoded and scored by `scoring.score_rollout` with the paper's GSM8K rewards."""
-    from cppo_jax.rollout.sampling import completion_ends
+    from cppo_jax.rollout.embedded.sampling import completion_ends
 
     tokens_NC = np.full((len(rows_NC), C), tok.pad_id, np.int32)
     length_N = np.zeros(len(rows_NC), np.int32)

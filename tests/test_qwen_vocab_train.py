@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cppo_jax.config_io import load_config
+from cppo_jax.config.files import load_config
 from tests.qwen_vocab import ENDOFTEXT, GEMMA3_VOCAB, IM_END, IM_START, MODEL_VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def _config(tmp_path: Path, model_dir: Path, *overrides: str):
 
 
 def _train(cfg):
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
@@ -130,7 +130,7 @@ def same_tokens_on_both_sides(url: str, trainer) -> None:
     """The server (vLLM's own copy of the tokenizer, in its own environment) and the trainer agree: the
     ChatML text of a training prompt tokenizes to the trainer's prompt ids there, and the server's text of
     its completion is the trainer's decode of the same ids."""
-    from cppo_jax.rollout.vllm_client import VLLMClient
+    from cppo_jax.rollout.vllm.client import VLLMClient
 
     client = VLLMClient(url)
     valid = trainer.data.train_set.valid_nP[0].astype(bool)
@@ -156,8 +156,8 @@ def test_gsm8k_config_through_a_vllm_server(tmp_path, model, request):
     for Qwen2.5 and for Qwen3 (served by vLLM as its own Qwen3ForCausalLM)."""
     qwen_model_dir = request.getfixturevalue(model)
     from cppo_jax.models.hf_read import read_hf_config
-    from cppo_jax.rollout.vllm_backend import push_bytes
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.backend import push_bytes
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     server = VLLMServer(
         qwen_model_dir,

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cppo_jax import datasets
+from cppo_jax.data import datasets
 from cppo_jax.rewards import RewardPool, gsm8k, registry
 from cppo_jax.rewards import math as math_rewards
 
@@ -545,7 +545,7 @@ def test_host_modules_do_not_import_jax():
         "import sys\n"
         "import cppo_jax.rewards, cppo_jax.rewards.math, cppo_jax.rewards.pool, cppo_jax.rewards.registry\n"
         "import cppo_jax.rewards.worker_procs\n"
-        "import cppo_jax.datasets, cppo_jax.example_format, cppo_jax.tasks, cppo_jax.tasks.arith, cppo_jax.tasks.tiny_tokenizer\n"
+        "import cppo_jax.data.datasets, cppo_jax.data.example_format, cppo_jax.tasks, cppo_jax.tasks.arith, cppo_jax.tasks.tiny_tokenizer\n"
         "bad = [m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -10,10 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from cppo_jax import cppo, optimizer, roles
-from cppo_jax import sharding as sharding_lib
-from cppo_jax import step as step_lib
+from cppo_jax.algo import cppo
 from cppo_jax.models import Tokenizer
+from cppo_jax.parallel import sharding as sharding_lib
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train import optimizer, roles
 from tests.test_lora_train import LORA
 from tests.test_trainer import small_config
 

@@ -147,8 +147,8 @@ def test_embedded_sampler_greedy_matches_transformers_past_original_length(tmp_p
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax.rollout.sampler import make_sampler
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     path = _checkpoint(tmp_path, name)
     model = load_hf(path)

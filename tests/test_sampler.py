@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax.rollout import sampler, sampling
-from cppo_jax.rollout.sampler import make_sampler, positions_from_valid
-from cppo_jax.rollout.sampling import SamplingParams
-from cppo_jax.rollout.segments import segment_ends
+from cppo_jax.rollout.embedded import sampler, sampling
+from cppo_jax.rollout.embedded.sampler import make_sampler, positions_from_valid
+from cppo_jax.rollout.embedded.sampling import SamplingParams
+from cppo_jax.rollout.embedded.segments import segment_ends
 
 try:
     import helpers
@@ -287,8 +287,8 @@ def test_a_row_ends_at_the_first_of_several_eos_ids(policy, greedy):
 def _as_served(samples, sp):
     """valid_NC of the vLLM backend's `samples_from_completions` on the rows of `samples`, each
     cut to its valid tokens (what a server sends back, with "stop" or "length"), no server."""
-    from cppo_jax.rollout.vllm_backend import samples_from_completions
-    from cppo_jax.rollout.vllm_client import Completion
+    from cppo_jax.rollout.vllm.backend import samples_from_completions
+    from cppo_jax.rollout.vllm.client import Completion
 
     tokens_NC, valid_NC = np.asarray(samples.tokens_NC), np.asarray(samples.valid_NC)
     finished_N = np.asarray(samples.finished_N)

@@ -18,9 +18,9 @@ import pytest
 from flax import nnx
 
 from cppo_jax.models.config import FULL, SLIDING
-from cppo_jax.rollout.sampler import make_sampler
-from cppo_jax.rollout.sampling import SamplingParams
-from cppo_jax.rollout.segments import compact_buckets, decoded_row_steps, running_rows
+from cppo_jax.rollout.embedded.sampler import make_sampler
+from cppo_jax.rollout.embedded.sampling import SamplingParams
+from cppo_jax.rollout.embedded.segments import compact_buckets, decoded_row_steps, running_rows
 
 try:
     import helpers

@@ -1,4 +1,4 @@
-"""The selection rules after CPPO (cppo_jax/selection.py), pinned against plain NumPy references:
+"""The selection rules after CPPO (cppo_jax/algo/selection.py), pinned against plain NumPy references:
 zero-variance group filtering (DAPO, static shapes), proportional sampling with re-weighting (an
 unbiased pruned estimator), PODS' max-variance tie rule; and filtering inside `cppo.prune` and a run."""
 
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cppo_jax import cppo, selection
-from cppo_jax.config import CPPOConfig
-from cppo_jax.config_choices import ConfigError
+from cppo_jax.algo import cppo, selection
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.schema import CPPOConfig
 from tests import reference_numpy as ref
 from tests.helpers import prune_inputs
 

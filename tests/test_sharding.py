@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from cppo_jax import layout, plan
-from cppo_jax import sharding as sharding_lib
-from cppo_jax.config_io import load_config
-from cppo_jax.config_run import MeshConfig
+from cppo_jax import plan
+from cppo_jax.config.files import load_config
+from cppo_jax.config.run import MeshConfig
+from cppo_jax.parallel import sharding as sharding_lib
+from cppo_jax.planning import memory as layout
 from tests.conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,12 +77,12 @@ def _worker() -> dict:
     import optax
     from flax import nnx
 
-    from cppo_jax import cppo
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax import step as step_lib
-    from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.algo import cppo
+    from cppo_jax.config.schema import CPPOConfig, OptimConfig
     from cppo_jax.models.transformer import TransformerConfig, init_model
+    from cppo_jax.train import device_fns as step_lib
+    from cppo_jax.train import optimizer as optimizer_lib
+    from cppo_jax.train.checkpoint import Checkpointer
     from tests.helpers import SMOOTH_ADAMW
 
     assert len(jax.devices()) == 8
@@ -275,10 +276,10 @@ def _sampler_on_a_mesh(graphdef, host_params, mesh, prompt_QP, pvalid_QP, G, C, 
     import jax.numpy as jnp
     import numpy as np
 
-    from cppo_jax import distributed
+    from cppo_jax.parallel import distributed
     from cppo_jax.rollout.backend import EmbeddedBackend
-    from cppo_jax.rollout.sampler import make_sampler, place, sampler_shardings
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampler import make_sampler, place, sampler_shardings
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     Q, P = prompt_QP.shape
     sp = SamplingParams(max_new_tokens=C, temperature=1.0, eos_id=(0,), pad_id=0)
@@ -418,7 +419,7 @@ def test_checkpoint_from_one_mesh_restores_onto_another(mesh_results):
 def test_plan_for_the_paper_configs_on_8_x_80gb(tmp_path, capsys):
     from test_launch import QWEN25_1P5B, QWEN25_7B
 
-    from cppo_jax.cppo import shapes_of
+    from cppo_jax.algo.cppo import shapes_of
     from cppo_jax.models.transformer import TransformerConfig
 
     verdicts = {}
@@ -479,10 +480,10 @@ def test_memory_estimate_matches_xla_for_a_tiny_model():
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax import optimizer as optimizer_lib
-    from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig, OptimConfig
+    from cppo_jax.config.schema import CPPOConfig, OptimConfig
     from cppo_jax.models.transformer import Transformer, TransformerConfig
+    from cppo_jax.train import device_fns as step_lib
+    from cppo_jax.train import optimizer as optimizer_lib
 
     N, P, C = 16, 16, 48
     tcfg = TransformerConfig(

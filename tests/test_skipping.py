@@ -1,4 +1,4 @@
-"""GRESO prompt skipping (`cppo_jax.skipping`): the p^z rule, p's adaptation, the fixed batch shape,
+"""GRESO prompt skipping (`cppo_jax.data.skipping`): the p^z rule, p's adaptation, the fixed batch shape,
 exploration, exact resume (unit and a real trainer run), metrics, config errors."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cppo_jax import pipeline
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.skipping import PromptSkipper, easy_of, resume, zero_variance
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.data import prompt_batches as pipeline
+from cppo_jax.data.skipping import PromptSkipper, easy_of, resume, zero_variance
 from tests.test_trainer import read_metrics, small_config
 
 EPS64 = float(np.finfo(np.float64).eps)
@@ -187,7 +187,7 @@ def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
     (the embedded sampler behind test_overlap's recording wrapper, slowed so that the next step's
     rollout runs while this step trains) step s + 1 is drawn before step s is recorded, in every run."""
     from cppo_jax.rollout.backend import EmbeddedBackend
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
     from tests.test_overlap import RecordingBackend
 
     def run(name: str, steps: int, *extra: str) -> tuple[list, dict]:
@@ -255,8 +255,8 @@ def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
     tokens once, and ends where an uninterrupted run ends."""
     import jax.numpy as jnp
 
-    from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.trainer import NonFiniteError, Trainer
+    from cppo_jax.train.checkpoint import Checkpointer
+    from cppo_jax.train.trainer import NonFiniteError, Trainer
 
     def make(name: str, steps: int, *extra: str) -> Trainer:
         return Trainer(

@@ -104,8 +104,8 @@ import json, sys
 import jax, numpy as np
 sys.path.insert(0, {tests!r})
 from test_splash import _pair, padded_rows
-from cppo_jax import sharding
-from cppo_jax.config import MeshConfig
+from cppo_jax.parallel import sharding
+from cppo_jax.config.schema import MeshConfig
 out = {{}}
 einsum, splash = _pair("float32")
 tokens, valid, positions = padded_rows()
@@ -145,8 +145,9 @@ def test_splash_attention_under_a_mesh_matches_one_device():
 _TPU = """
 import json, os, sys
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-from cppo_jax import aot, programs
-from cppo_jax.config_io import load_config
+from cppo_jax.planning import aot
+from cppo_jax.train import programs
+from cppo_jax.config.files import load_config
 devices = aot.target_devices("v5e:2x2")
 out = {}
 for kind in ("einsum", "splash"):

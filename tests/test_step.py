@@ -1,4 +1,4 @@
-"""cppo_jax.step's train step: all mu updates of a step in one program.
+"""cppo_jax.train.device_fns's train step: all mu updates of a step in one program.
 
 With mu > 1 the old policy's log-probs come from the first update's forward instead of a separate
 pass: `one_update` returns them (in the batch's row order, micro-batched or not) and the train step
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax import optimizer as optimizer_lib
-from cppo_jax import step as step_lib
-from cppo_jax.config import CPPOConfig, OptimConfig
+from cppo_jax.config.schema import CPPOConfig, OptimConfig
 from cppo_jax.models import TransformerConfig, init_model
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train import optimizer as optimizer_lib
 
 try:
     from helpers import SMOOTH_ADAMW
@@ -168,7 +168,7 @@ def test_a_process_keeps_only_the_latest_programs():
     """Each run's optimizer is a new object, so each run builds its own train step: the cache reuses
     a program for the same key and keeps the `KEPT_PROGRAMS` latest, releasing older ones (and their
     compiled executables)."""
-    from cppo_jax.profile import KEPT_PROGRAMS
+    from cppo_jax.observe.profile import KEPT_PROGRAMS
 
     graphdef, params, spec, tx = _parts()
     first, _ = step_lib.compiled(graphdef, tx, spec)
@@ -210,9 +210,9 @@ def test_bf16_training_logps_equal_the_samplers_with_float32_params():
     weight instead: ~1e4 float32 ulps here (0.1 to 0.4 bf16 ulps: below any bf16 tolerance, so the
     tolerance is float32's, which the shared bf16 operands allow).
     """
-    from cppo_jax import loss as loss_lib
-    from cppo_jax.rollout.sampler import make_sampler
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.algo import loss as loss_lib
+    from cppo_jax.rollout.embedded.sampler import make_sampler
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
     from tests import helpers
 
     cfg = helpers.tiny_config(tie_word_embeddings=False, dtype="bfloat16", num_layers=1)

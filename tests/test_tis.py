@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cppo_jax import cppo, loss
-from cppo_jax.config import Config, CPPOConfig
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import apply_overrides
+from cppo_jax.algo import cppo, loss
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import apply_overrides
+from cppo_jax.config.schema import Config, CPPOConfig
 from tests.helpers import prune_inputs
 
 try:
@@ -252,7 +252,7 @@ def _rows(trainer):
 def test_embedded_sampler_weights_are_one(tmp_path, arith_model_dir):
     """Without overlap the behaviour log-probs are the embedded sampler's: the same float32 model the
     trainer recomputes with, so every weight is 1 up to rounding accumulated over the sequence."""
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
 
     cfg = small_config(tmp_path, arith_model_dir, "cppo.tis_cap=2", "trainer.steps=2")
     trainer = Trainer(cfg)

@@ -111,8 +111,8 @@ def test_stop_ids_gather_generation_config_config_and_chat_template(tok_dir, tmp
     tok = Tokenizer.from_dir(t)
     assert tok.end_of_turn_id() == 0 and tok.stop_ids == (2, 0)
     # The reward text of a completion ended by the second id stops there.
-    from cppo_jax.pipeline import decode_completions
-    from cppo_jax.rollout.sampling import completion_ends
+    from cppo_jax.data.prompt_batches import decode_completions
+    from cppo_jax.rollout.embedded.sampling import completion_ends
 
     ids = tok.encode("The answer is 42.")
     row = np.asarray([[*ids, 0, *tok.encode(" and more")]], np.int32)
@@ -155,9 +155,9 @@ def test_enable_thinking_reaches_the_chat_template(tmp_path, setting, tail):
     """`data.enable_thinking` is handed to the template as its `enable_thinking` (None: not at all,
     the template's default), for the prompts the trainer builds; a template without the variable
     gives the same prompt whatever the setting."""
-    from cppo_jax import pipeline
-    from cppo_jax.config import Config
-    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.config.files import apply_overrides
+    from cppo_jax.config.schema import Config
+    from cppo_jax.data import prompt_batches as pipeline
     from cppo_jax.tasks import arith
     from cppo_jax.tasks.tiny_tokenizer import build_tokenizer
 

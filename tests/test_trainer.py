@@ -20,14 +20,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cppo_jax import step as step_lib
-from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.config import Config, CPPOConfig, DataConfig, OptimConfig, RewardConfig, RolloutConfig
-from cppo_jax.config_io import apply_overrides, to_dict
-from cppo_jax.config_model import ModelConfig
-from cppo_jax.config_run import LoggingConfig, TrainerConfig
-from cppo_jax.cppo import shapes_of
-from cppo_jax.trainer import NonFiniteError, Trainer
+from cppo_jax.algo.cppo import shapes_of
+from cppo_jax.config.files import apply_overrides, to_dict
+from cppo_jax.config.model import ModelConfig
+from cppo_jax.config.run import LoggingConfig, TrainerConfig
+from cppo_jax.config.schema import (
+    Config,
+    CPPOConfig,
+    DataConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+)
+from cppo_jax.train import device_fns as step_lib
+from cppo_jax.train.checkpoint import Checkpointer
+from cppo_jax.train.trainer import NonFiniteError, Trainer
 from tests.helpers import SMOOTH_ADAMW_OVERRIDES, spread_reward
 
 REQUIRED_METRICS = [
@@ -361,7 +368,7 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path, arith_model_
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=6", "trainer.checkpoint_every=2")
     config_file = tmp_path / "cfg.py"
     config_file.write_text(
-        "import json\nfrom cppo_jax.config_io import from_dict\n"
+        "import json\nfrom cppo_jax.config.files import from_dict\n"
         f"DATA = json.loads({json.dumps(json.dumps(to_dict(cfg)))})\n"
         "def get_config():\n    return from_dict(DATA)\n"
     )
@@ -400,17 +407,54 @@ def test_sigkill_between_checkpoints_then_resume_is_exact(tmp_path, arith_model_
     assert '"resumed"' in events
 
 
-def test_profile_window_traces_every_phase_and_dumps_hlo(tmp_path, arith_model_dir):
-    from cppo_jax import profile
+def test_a_profiled_step_runs_the_production_program_with_its_phases_named(
+    tmp_path, arith_model_dir
+):
+    """The steps of `trainer.profile_steps` run the program every other step runs (steps 4-7 in
+    one, `after_rewards`), never the phases apart; its phases are named scopes, so the dumped HLO
+    (the very program, compiled) and the trace name them."""
+    from cppo_jax.observe import profile
 
     cfg = small_config(tmp_path, arith_model_dir, "trainer.steps=3", "trainer.profile_steps=[2,3]")
-    trainer, _ = run_trainer(cfg)
-    phases = ["rollout", "reward", "ref_logps", "old_logps", "update", "weight_sync"]
-    found = profile.trace_contains(trainer.host.out_dir / "profile", phases)
+    trainer = Trainer(cfg)
+    calls = {"step": [], "train_step": 0}
+    fused, train_step = trainer.actor.fused.update, trainer.actor.train_step
+
+    class Step:  # the fused program, its calls' argument shapes kept
+        def __call__(self, *args):
+            calls["step"].append(jax.tree.map(_abstract_of, args))
+            return fused(*args)
+
+        def lower(self, *args):
+            return fused.lower(*args)
+
+    def apart(*args):
+        calls["train_step"] += 1
+        return train_step(*args)
+
+    trainer.actor = dataclasses.replace(
+        trainer.actor, fused=trainer.actor.fused._replace(update=Step()), train_step=apart
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert len(calls["step"]) == 3 and calls["train_step"] == 0  # profiled or not: one program
+    out = trainer.host.out_dir / "profile"
+    found = profile.trace_contains(out, ["rollout", "reward", "update", "weight_sync"])
     assert all(found.values()), found
-    hlo = list((trainer.host.out_dir / "profile" / "hlo").glob("train_step*"))
-    assert hlo and hlo[0].stat().st_size > 1000
+    dumped = (out / "hlo" / "step.hlo.txt").read_text()
+    assert dumped == fused.lower(*calls["step"][-1]).compile().as_text()  # the production program
+    for scope in ("prune/", "ref_logps/", "update/"):
+        assert scope in dumped, scope
+    assert "old_logps/" not in dumped  # no overlap: the old policy's log-probs are the update's own
     assert "xla compilations" in (trainer.host.out_dir / "compiled_programs.md").read_text().lower()
+
+
+def _abstract_of(x):
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
 
 
 # ----- fidelity to the released code (issue 18) -----
@@ -553,7 +597,7 @@ def test_slice_scope_in_the_trainer_and_both_eval_rules(tmp_path, arith_model_di
 
 def test_rewards_see_text_decoded_with_special_tokens_skipped(arith_model_dir):
     """As released (`skip_special_tokens=True`): chat markers, EOS and padding never reach a reward."""
-    from cppo_jax import pipeline
+    from cppo_jax.data import prompt_batches as pipeline
     from cppo_jax.models import Tokenizer
     from cppo_jax.rewards import gsm8k
 
@@ -582,8 +626,8 @@ def test_rewards_see_text_decoded_with_special_tokens_skipped(arith_model_dir):
 def test_prompt_comes_from_data_system_prompt_and_prompt_format(tmp_path, arith_model_dir):
     """The prompt the trainer encodes: the configured system prompt through the chat template, none
     when it is empty, or the plain format without a template; a bad format names the key."""
-    from cppo_jax import pipeline
-    from cppo_jax.config_choices import ConfigError
+    from cppo_jax.config.choices import ConfigError
+    from cppo_jax.data import prompt_batches as pipeline
     from cppo_jax.models import Tokenizer
 
     tok = Tokenizer.from_dir(arith_model_dir)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from cppo_jax.trainer import Trainer
+from cppo_jax.train.trainer import Trainer
 from tests.conftest import xla_flags
 from tests.helpers import SMOOTH_ADAMW_OVERRIDES, spread_reward
 from tests.step_counts import count_after_rewards
@@ -122,7 +122,7 @@ def test_a_two_device_mesh_trains_as_one_device(tmp_path, arith_model_dir):
     code = (
         "import sys, json, jax, numpy as np\n"
         "from pathlib import Path\n"
-        "from cppo_jax.trainer import Trainer\n"
+        "from cppo_jax.train.trainer import Trainer\n"
         "from tests.test_trainer import small_config\n"
         f"cfg = small_config(Path({str(tmp_path / 'two')!r}), Path({str(arith_model_dir)!r}),"
         f" *{over!r}, 'mesh.data=2')\n"

@@ -66,7 +66,7 @@ def build_model_dir(out: Path, *, tied: bool, seed: int = 0) -> Path:
 
 
 def _serve(tmp_path_factory, name: str, model_dir_fn, env: dict | None = None):
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     folder = tmp_path_factory.mktemp(name)
     model_dir = model_dir_fn(folder)
@@ -91,7 +91,7 @@ def tied(tmp_path_factory):
 def trained_export(folder: Path) -> Path:
     """An untied random model trained two steps (embedded sampler, a spread reward): its run's
     `export/`, the folder a user hands to vLLM."""
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
     from tests.helpers import spread_reward
     from tests.test_trainer import small_config
 
@@ -134,10 +134,10 @@ def bf16(tmp_path_factory):
 def _setup(server, model_dir, run_dir, *, max_new_tokens=12, temperature=1.0, **backend_kw):
     from flax import nnx
 
-    from cppo_jax.config import RolloutConfig
+    from cppo_jax.config.schema import RolloutConfig
     from cppo_jax.models import Tokenizer, load_hf
-    from cppo_jax.rollout.sampling import SamplingParams
-    from cppo_jax.rollout.vllm_backend import VLLMBackend
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.rollout.vllm.backend import VLLMBackend
 
     tok = Tokenizer.from_dir(model_dir)
     graphdef, params = nnx.split(load_hf(model_dir))
@@ -181,7 +181,7 @@ def _perturb(params, seed: int, scale: float = 0.05, only: str | None = None):
 def _probe_logps(backend, params) -> np.ndarray:
     import jax.numpy as jnp
 
-    from cppo_jax.rollout.vllm_probe import probe_fn
+    from cppo_jax.rollout.vllm.probe import probe_fn
 
     ids = backend.probe_ids(params)
     lp_TV = np.asarray(probe_fn(backend.graphdef)(params, jnp.asarray(ids, jnp.int32)))
@@ -205,7 +205,9 @@ def _check_pushes(backend, params, only_names: list[str | None]) -> list[float]:
 
 
 def _trainer_config(out_dir: Path, model_dir: Path, url: str, steps: int):
-    from cppo_jax.config import (
+    from cppo_jax.config.model import ModelConfig
+    from cppo_jax.config.run import LoggingConfig, TrainerConfig
+    from cppo_jax.config.schema import (
         Config,
         CPPOConfig,
         DataConfig,
@@ -213,8 +215,6 @@ def _trainer_config(out_dir: Path, model_dir: Path, url: str, steps: int):
         RewardConfig,
         RolloutConfig,
     )
-    from cppo_jax.config_model import ModelConfig
-    from cppo_jax.config_run import LoggingConfig, TrainerConfig
 
     return Config(
         model=ModelConfig(init_checkpoint=str(model_dir)),
@@ -313,7 +313,7 @@ class TestTiedServer:
     def test_sharded_file_push_is_confirmed(self, tied, tmp_path):
         """A file push above the shard limit (here a fifth of the model) reloads on the server and
         passes the probe check; bytes are the shards'."""
-        from cppo_jax.rollout.vllm_probe import push_bytes
+        from cppo_jax.rollout.vllm.probe import push_bytes
 
         server, model_dir, _ = tied
         backend, _, params, _, _ = _setup(server, model_dir, tmp_path, max_shard_bytes=400_000)
@@ -324,7 +324,7 @@ class TestTiedServer:
         backend.close()
 
     def test_stale_weights_are_caught(self, tied, tmp_path):
-        from cppo_jax.rollout.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm.client import WeightSyncError
 
         server, model_dir, _ = tied
         backend, _, params_a, _, tok = _setup(server, model_dir, tmp_path)
@@ -354,7 +354,7 @@ class TestTiedServer:
 
     def test_cppo_run_raises_reward_like_embedded(self, tied, tmp_path):
         """The reward-rise run of test_trainer.py, rolled out by the server with a push per step."""
-        from cppo_jax.trainer import Trainer
+        from cppo_jax.train.trainer import Trainer
         from tests.helpers import reward_rise_config, sampled_reward
 
         server, _, _ = tied
@@ -418,8 +418,8 @@ class TestTiedServer:
         temperature 1), so every weight pi_old / pi_server is 1 within the fp32 log-prob tolerance."""
         import jax
 
-        from cppo_jax.config_io import apply_overrides
-        from cppo_jax.trainer import Trainer
+        from cppo_jax.config.files import apply_overrides
+        from cppo_jax.train.trainer import Trainer
 
         server, model_dir, _ = tied
         cfg = _trainer_config(tmp_path, model_dir, server.url, 2)
@@ -450,9 +450,9 @@ class TestTiedServer:
 
     def test_server_killed_mid_run(self, tied, tmp_path):
         """Last test of the class: it kills the shared server."""
-        from cppo_jax.checkpoint import Checkpointer
-        from cppo_jax.rollout.vllm_client import RolloutServerError
-        from cppo_jax.trainer import Trainer
+        from cppo_jax.rollout.vllm.client import RolloutServerError
+        from cppo_jax.train.checkpoint import Checkpointer
+        from cppo_jax.train.trainer import Trainer
 
         server, model_dir, _ = tied
         trainer = Trainer(_trainer_config(tmp_path, model_dir, server.url, 5))
@@ -491,7 +491,7 @@ class TestUntiedServer:
         import jax.numpy as jnp
 
         from cppo_jax.rollout.backend import EmbeddedBackend
-        from cppo_jax.rollout.vllm_backend import samples_from_completions
+        from cppo_jax.rollout.vllm.backend import samples_from_completions
 
         server, model_dir, _ = untied
         assert model_dir.name == "export" and (model_dir.parent / "checkpoints").is_dir()
@@ -553,7 +553,7 @@ class TestBf16Server:
     def test_fp32_check_against_bf16_server_fails(self, bf16, tmp_path):
         """The finding: an fp32 probe at the old 1e-3 tolerance (what the trainer did before the push
         compared like with like) refuses a right push to a bf16 server."""
-        from cppo_jax.rollout.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm.client import WeightSyncError
 
         server, model_dir, _ = bf16
         backend, _, params, _, _ = _setup(
@@ -593,7 +593,7 @@ class TestBf16Server:
         """A stale push (the reload skipped: the server keeps the previous weights) and a wrong one
         (other weights reloaded behind the client's back) raise in bf16; measured: the gap between a
         right push and a push one update stale, by the update's size."""
-        from cppo_jax.rollout.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm.client import WeightSyncError
 
         server, model_dir, _ = bf16
         backend, _, params_a, _, _ = _setup(server, model_dir, tmp_path, probe_tol=None)
@@ -638,13 +638,13 @@ def test_file_push_of_a_sharded_checkpoint_loads_and_counts_every_shard(arith_mo
     asked for `model.safetensors` and raised FileNotFoundError)."""
     from flax import nnx
 
-    from cppo_jax.config import RolloutConfig
+    from cppo_jax.config.schema import RolloutConfig
     from cppo_jax.models import load_hf
     from cppo_jax.models.hf_io import state_to_hf_tensors
     from cppo_jax.models.hf_read import INDEX_FILE
-    from cppo_jax.rollout.sampling import SamplingParams
-    from cppo_jax.rollout.vllm_backend import VLLMBackend
-    from cppo_jax.rollout.vllm_probe import push_bytes
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
+    from cppo_jax.rollout.vllm.backend import VLLMBackend
+    from cppo_jax.rollout.vllm.probe import push_bytes
     from tests.helpers import load_hf_torch
 
     graphdef, params = nnx.split(load_hf(arith_model_dir))
@@ -784,7 +784,7 @@ def test_gpu_node_dry_run_follows_the_config_and_the_cpu_switch():
 
 
 def test_tiny_cpu_vllm_config(monkeypatch):
-    from cppo_jax.config_io import load_config
+    from cppo_jax.config.files import load_config
 
     monkeypatch.delenv("CPPO_VLLM_URL", raising=False)
     cfg = load_config(ROOT / "configs" / "tiny_cpu_vllm.py")

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from cppo_jax.rollout.vllm_client import (
+from cppo_jax.rollout.vllm.client import (
     Completion,
     ResponseError,
     RolloutServerError,
@@ -331,7 +331,7 @@ def test_bad_url_rejected():
 
 def test_client_and_server_helper_import_no_jax():
     code = (
-        "import sys, cppo_jax.rollout.vllm_client, cppo_jax.rollout.vllm_server; "
+        "import sys, cppo_jax.rollout.vllm.client, cppo_jax.rollout.vllm.server; "
         "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -348,13 +348,13 @@ def _unused_port() -> int:
 
 
 def _sp(**kw):
-    from cppo_jax.rollout.sampling import SamplingParams
+    from cppo_jax.rollout.embedded.sampling import SamplingParams
 
     return SamplingParams(**{"max_new_tokens": 5, "eos_id": EOS, "pad_id": 0, **kw})
 
 
 def test_samples_layout():
-    from cppo_jax.rollout.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.vllm.backend import samples_from_completions
 
     groups = [
         [
@@ -374,7 +374,7 @@ def test_samples_layout():
     np.testing.assert_allclose(logp[0], [-0.1, -0.2, -0.3, 0, 0], rtol=1e-6)
     np.testing.assert_array_equal(finished, [True, False, True, True])
     # The rule the embedded sampler uses: valid up to and including the first EOS.
-    from cppo_jax.rollout.sampling import completion_ends
+    from cppo_jax.rollout.embedded.sampling import completion_ends
 
     want = completion_ends(np.asarray(s.tokens_NC), EOS)
     np.testing.assert_array_equal(valid, want[0])
@@ -384,8 +384,8 @@ def test_samples_layout():
 
 
 def test_samples_end_at_any_of_several_stop_ids():
-    from cppo_jax.rollout.sampling import completion_ends
-    from cppo_jax.rollout.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.embedded.sampling import completion_ends
+    from cppo_jax.rollout.vllm.backend import samples_from_completions
 
     other = EOS + 1  # a second end id (e.g. <|endoftext|> beside <|im_end|>)
     sp = _sp(eos_id=(EOS, other))
@@ -404,7 +404,7 @@ def test_samples_end_at_any_of_several_stop_ids():
 def test_samples_reject_a_finish_reason_the_end_ids_contradict():
     """finished_N comes from the end ids (as the embedded sampler's), so `cppo.mask_truncated`
     treats both backends alike; a server stopping on another id is refused, not guessed at."""
-    from cppo_jax.rollout.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.vllm.backend import samples_from_completions
 
     stopped = Completion((7, 8), (-0.1, -0.2), "stop")  # 8 is not an end id here
     with pytest.raises(ResponseError, match="finish_reason 'stop', but its end ids .* truncated"):
@@ -415,7 +415,7 @@ def test_samples_reject_a_finish_reason_the_end_ids_contradict():
 
 
 def test_samples_reject_incomplete_groups():
-    from cppo_jax.rollout.vllm_backend import samples_from_completions
+    from cppo_jax.rollout.vllm.backend import samples_from_completions
 
     one = Completion((7, EOS), (-0.1, -0.2), "stop")
     with pytest.raises(ResponseError, match="question 1 came back with 1 completions, expected 2"):
@@ -428,9 +428,9 @@ def test_samples_reject_incomplete_groups():
 def _tiny_backend(url, tmp_path, sp=None, **kw):
     from flax import nnx
 
-    from cppo_jax.config import RolloutConfig
+    from cppo_jax.config.schema import RolloutConfig
     from cppo_jax.models import init_model
-    from cppo_jax.rollout.vllm_backend import VLLMBackend
+    from cppo_jax.rollout.vllm.backend import VLLMBackend
     from tests.helpers import tiny_config
 
     graphdef, params = nnx.split(init_model(tiny_config(), seed=0))

@@ -35,9 +35,9 @@ class _Client:
 
 
 def test_route_choice(tmp_path):
-    from cppo_jax.config import ConfigError, RolloutConfig
-    from cppo_jax.rollout.vllm_client import RolloutServerError
-    from cppo_jax.rollout.vllm_lora import make_lora_pusher, server_lora_rank
+    from cppo_jax.config.schema import ConfigError, RolloutConfig
+    from cppo_jax.rollout.vllm.client import RolloutServerError
+    from cppo_jax.rollout.vllm.lora import make_lora_pusher, server_lora_rank
 
     def cfg(choice):
         return RolloutConfig(backend="vllm", vllm_url="http://x", lora_push=choice)
@@ -64,7 +64,7 @@ def test_route_choice(tmp_path):
 
 @pytest.fixture(scope="class")
 def lora_server(tmp_path_factory):
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     folder = tmp_path_factory.mktemp("vllm_lora")
     server = VLLMServer(
@@ -79,7 +79,7 @@ def lora_server(tmp_path_factory):
 
 
 def _lora_config(out_dir: Path, url: str, rank: int, steps: int = 3):
-    from cppo_jax.config_io import apply_overrides
+    from cppo_jax.config.files import apply_overrides
     from tests.helpers import spread_reward
     from tests.test_vllm import _trainer_config
 
@@ -102,13 +102,13 @@ class TestLoraServer:
         import jax.numpy as jnp
 
         from cppo_jax.models.peft_io import adapter_bytes
-        from cppo_jax.rollout.vllm_backend import (
+        from cppo_jax.rollout.vllm.backend import (
             default_probe_ids,
             probe_fn,
             probe_tolerance,
             push_bytes,
         )
-        from cppo_jax.trainer import Trainer
+        from cppo_jax.train.trainer import Trainer
 
         trainer = Trainer(_lora_config(tmp_path, lora_server.url, rank=SERVER_RANK))
         backend = trainer.rollout.backend
@@ -157,8 +157,8 @@ class TestLoraServer:
         assert not lora.folder.exists()  # close() unloads the adapter and removes the folders
 
     def test_a_rank_above_the_servers_is_refused_clearly(self, lora_server, tmp_path):
-        from cppo_jax.rollout.vllm_client import RolloutServerError, WeightSyncError
-        from cppo_jax.trainer import Trainer
+        from cppo_jax.rollout.vllm.client import RolloutServerError, WeightSyncError
+        from cppo_jax.train.trainer import Trainer
 
         trainer = Trainer(_lora_config(tmp_path, lora_server.url, rank=2 * SERVER_RANK))
         try:

@@ -36,12 +36,12 @@ def _worker(target: str) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax import aot
-    from cppo_jax import sharding as sharding_lib
-    from cppo_jax import step as step_lib
-    from cppo_jax.config import CPPOConfig
-    from cppo_jax.config_run import MeshConfig
+    from cppo_jax.config.run import MeshConfig
+    from cppo_jax.config.schema import CPPOConfig
     from cppo_jax.models import TransformerConfig, init_model
+    from cppo_jax.parallel import sharding as sharding_lib
+    from cppo_jax.planning import aot
+    from cppo_jax.train import device_fns as step_lib
 
     M, P, C = 8, 6, 5
     rng = np.random.default_rng(0)

@@ -19,10 +19,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cppo_jax.config import RolloutConfig
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.rollout.vllm_http import RolloutServerError
-from cppo_jax.rollout.weight_transfer import SHM_BACKEND, ProtocolPusher, changed_indices
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.schema import RolloutConfig
+from cppo_jax.rollout.vllm.transport import RolloutServerError
+from cppo_jax.rollout.vllm.weight_transfer import SHM_BACKEND, ProtocolPusher, changed_indices
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -136,7 +136,7 @@ def test_full_then_sparse_payloads_decode_bit_exactly(tmp_path):
 def test_ulp_steps_bridge_long_gaps_and_leave_large_moves_as_values(tmp_path):
     """Elements a few ulps off go as (gap, step) bytes, gaps over 255 bridged by no-op entries; a weight
     crossing zero (its bit pattern jumps) goes as index and value; the decode is bit-exact."""
-    from cppo_jax.rollout.weight_transfer import ulp_steps
+    from cppo_jax.rollout.vllm.weight_transfer import ulp_steps
 
     rng = np.random.default_rng(3)
     old = {
@@ -201,7 +201,7 @@ def test_full_push_schedule_and_refusal(tmp_path):
 
 
 def test_route_choice():
-    from cppo_jax.rollout.vllm_push import resolve_route
+    from cppo_jax.rollout.vllm.push import resolve_route
 
     assert resolve_route("file", FakeServer()) == "file"
     assert resolve_route("auto", FakeServer()) == "protocol"
@@ -255,7 +255,7 @@ def _protocol_server(fault: str):
     [("hang", "did not answer within the read timeout"), ("die", "failed 1 times in a row")],
 )
 def test_transfer_timeout_or_server_death_is_an_error_then_a_full_push(tmp_path, fault, message):
-    from cppo_jax.rollout.vllm_http import JSONClient
+    from cppo_jax.rollout.vllm.transport import JSONClient
 
     httpd = _protocol_server(fault)
     try:
@@ -338,7 +338,7 @@ class TestProtocolServer:
         backend.close()
 
     def test_dropped_tensor_and_skipped_finish_are_refused(self, shm_server, tmp_path):
-        from cppo_jax.rollout.vllm_client import WeightSyncError
+        from cppo_jax.rollout.vllm.client import WeightSyncError
         from tests.test_vllm import _one_update
 
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol")
@@ -423,7 +423,7 @@ def test_trainer_side_imports_neither_jax_nor_torch():
     import sys
 
     code = (
-        "import sys, cppo_jax.rollout.weight_transfer; "
+        "import sys, cppo_jax.rollout.vllm.weight_transfer; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'torch')]; "
         "assert not bad, bad"
     )
@@ -435,8 +435,8 @@ class TestProtocolRun:
     def test_a_cppo_run_with_sparse_sync_ends_equal_to_a_full_push(self, shm_server, tmp_path):
         """A whole CPPO run through `Trainer` (4 steps, lr 1e-3, a push after each update, one full push in
         three): the weights it leaves on the server equal a fresh full push of its final policy."""
-        from cppo_jax.config_io import apply_overrides
-        from cppo_jax.trainer import Trainer
+        from cppo_jax.config.files import apply_overrides
+        from cppo_jax.train.trainer import Trainer
         from tests.helpers import spread_reward
         from tests.test_vllm import _trainer_config
 
@@ -491,9 +491,9 @@ def test_device_patch_decodes_bit_exactly_to_the_new_weights(arith_model_dir, tm
     from flax import nnx
 
     from cppo_jax.models import load_hf
-    from cppo_jax.rollout.device_patch import DevicePatcher
-    from cppo_jax.rollout.vllm_probe import serving_graphdef
-    from cppo_jax.rollout.vllm_push import hf_tensors
+    from cppo_jax.rollout.vllm.device_patch import DevicePatcher
+    from cppo_jax.rollout.vllm.probe import serving_graphdef
+    from cppo_jax.rollout.vllm.push import hf_tensors
 
     graphdef, params = nnx.split(load_hf(arith_model_dir))
     model_cfg = nnx.merge(graphdef, params).cfg

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import json, sys
 from pathlib import Path
-from cppo_jax import config_io
+from cppo_jax.config import files as config_io
 import cppo_jax
 out = {"package": str(Path(cppo_jax.__file__).parent), "known": config_io.known_configs()}
 for name in ("gsm8k_1p5b", "tiny_cpu.py", "math7b"):

@@ -94,7 +94,7 @@ MEANINGS: dict[str, str] = {
     "the file and line.",
     "data.shuffle": "Shuffle the training questions (per epoch, from `data.seed`).",
     "data.seed": "Seed of the question order, of the validation hold-out and of the arith generator.",
-    "data.skip_zero_variance": "GRESO pre-rollout skipping (`cppo_jax/skipping.py`): a question whose "
+    "data.skip_zero_variance": "GRESO pre-rollout skipping (`cppo_jax/data/skipping.py`): a question whose "
     "last z outcomes had zero reward variance is rolled out with probability p^z when it comes up, and "
     "passed over otherwise; p adapts per easy/hard kind toward `data.skip_target`.",
     "data.skip_p_init": "Initial exploration probability p of both easy (all correct) and hard (all "
@@ -176,7 +176,7 @@ MEANINGS: dict[str, str] = {
     "cppo.eps_high": "Upper clip range: the ratio is clipped above at 1 + eps_high (DAPO: 0.28).",
     "cppo.loss_type": "Loss aggregation: `token_mean` (released CPPO code; over the whole batch, as "
     "DAPO's token-level loss, micro-batched or not), `seq_mean` (GRPO paper), `dr_grpo` (a constant "
-    "denominator; needs `adv_scale=none`) (see cppo_jax/loss.py). `dapo` is refused: it was "
+    "denominator; needs `adv_scale=none`) (see cppo_jax/algo/loss.py). `dapo` is refused: it was "
     "`token_mean`; DAPO here is `token_mean` with `eps_high=0.28`, `mask_truncated` and "
     '`filter_groups`. Two other objectives (docs/concepts.md, "GSPO and CISPO"): `gspo` (one '
     "length-normalised ratio per completion, clipped per completion, averaged over completions; its "
@@ -220,7 +220,7 @@ MEANINGS: dict[str, str] = {
     "optim.eps": "Adam's epsilon.",
     "optim.grad_clip": "Clip the gradient's global norm to this; 0: off.",
     "optim.allow_bf16_underflow": "Train with `model.param_dtype=bfloat16` at an `optim.lr` under "
-    "0.02 x 2^-9 = 3.9e-5 (`config_choices.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
+    "0.02 x 2^-9 = 3.9e-5 (`config.choices.BF16_MIN_LR`), refused by default: AdamW's update (about lr per "
     "step) is then under half the bf16 spacing of every weight of magnitude 0.02 or more, so it "
     "rounds away and the weights do not move.",
     # mesh
@@ -248,7 +248,7 @@ MEANINGS: dict[str, str] = {
     "trainer.pack_rows": "Rows of a packed step (static per run). `auto`: chosen at load from the "
     "run's training prompts and reference-solution lengths (capped at C; C where a task has no "
     "worked solution) over 2000 simulated steps: the 99.5% quantile of the rows first-fit decreasing "
-    "needs, + 5%, at most M (cppo_jax/pack_plan.py; the `pack_rows` event and the plan say how). "
+    "needs, + 5%, at most M (cppo_jax/packing/plan.py; the `pack_rows` event and the plan say how). "
     "A step that does not fit trains padded (same loss and gradient; `pack_overflow` event, "
     "`pack/overflow` metric). On a mesh, split over data x fsdp as the kept sequences are (e.g. a "
     "multiple of data x fsdp); 0: the kept sequences M (always fits, saves nothing).",
@@ -259,10 +259,10 @@ MEANINGS: dict[str, str] = {
     "trainer.dry_run": "Load and check the config, data, tokenizer and shapes, print the plan, train "
     "nothing (no weights needed).",
     "trainer.profile_steps": "`[first, last]`, steps numbered as in metrics.jsonl: record an XLA "
-    "trace of these steps under `<run>/profile` (cppo_jax/profile.py), and the train step's HLO; "
-    "these steps run pruning, the reference's and the old policy's log-probs and the updates as "
-    "separate programs, each timed (`timing_s/ref_logps`, `timing_s/old_logps`), where other steps "
-    "run them as one (cppo_jax/update_program.py). `[]`: no trace.",
+    "trace of these steps under `<run>/profile` (cppo_jax/observe/profile.py), and the HLO of the "
+    "program they run after the rewards (`profile/hlo/step.hlo.txt`): the same program as every other "
+    "step (cppo_jax/train/after_rewards.py), its phases named scopes (`prune`, `ref_logps`, "
+    "`old_logps`, `update`) in the HLO and the trace (docs/profiling.md). `[]`: no trace.",
     "trainer.compile_cache_dir": "Persistent XLA compilation cache: `auto` (`$JAX_COMPILATION_CACHE_DIR` "
     "when set, else `~/.cache/cppo_jax/xla`), a folder, or `none`. A repeated or resumed run (or "
     "another run with the same shapes) loads its programs instead of compiling them again.",
@@ -290,7 +290,7 @@ MEANINGS: dict[str, str] = {
     "logging.wandb_entity": "The W&B entity (team or user); None: the account's default.",
     "logging.wandb_mode": "`online`, or `offline`: written under `<run>/wandb` without a network or "
     "an account (`wandb sync` uploads it later).",
-    # sft (cppo_jax/sft.py)
+    # sft (cppo_jax/train/sft.py)
     "sft.out": "The Hugging Face folder written at the end (the RL run's `model.init_checkpoint`).",
     "sft.init_from": "Continue from this Hugging Face folder (weights and tokenizer) instead of a "
     "random model with the tiny tokenizer.",
@@ -328,7 +328,7 @@ SECTION_NOTES: dict[str, str] = {
     "trainer": "The run: length, outputs, checkpoints, evaluation, safety nets.",
     "eval": "How held-out accuracy is counted; both rules are always reported.",
     "logging": "What the run writes for its user besides metrics.jsonl.",
-    "sft": "The supervised warm start (`cppo_jax/sft.py`), a config file of its own whose "
+    "sft": "The supervised warm start (`cppo_jax/train/sft.py`), a config file of its own whose "
     "`get_config()` returns an `SFTConfig` (configs/tiny_sft.py). Its keys are set without the "
     "`sft.` prefix, e.g. `python -m cppo_jax.launch --config configs/tiny_sft.py steps=300`.",
 }

@@ -1,6 +1,8 @@
 """Model layer: the NNX decoder, Hugging Face checkpoint I/O and the tokenizer wrapper.
 
 Exports resolve lazily, so `from cppo_jax.models import Tokenizer` (host code) imports no JAX.
+
+May import: parallel, config.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from cppo_jax.config_choices import ATTENTION_KINDS, REMAT_POLICIES, remat_policy
+from cppo_jax.config.choices import ATTENTION_KINDS, REMAT_POLICIES, remat_policy
 from cppo_jax.models.rope import normalize_scaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from cppo_jax import sharding as sharding_lib
 from cppo_jax.models.hf_read import INDEX_FILE, SINGLE_FILE, read_hf_config, read_hf_tensors
 from cppo_jax.models.transformer import Transformer, TransformerConfig, has_o_bias
+from cppo_jax.parallel import sharding as sharding_lib
 
 GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = (
@@ -146,7 +146,7 @@ def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray] | None:
     several processes every process must call this (parameters are gathered across them, one at a
     time) and only process 0 gets the tensors (None elsewhere: no other host holds a model copy).
     """
-    from cppo_jax import distributed
+    from cppo_jax.parallel import distributed
 
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     host = distributed.to_main({path: var.get_value() for path, var in params.items()})
@@ -174,7 +174,7 @@ def hf_tensors_to_model(
     Every tensor is checked (missing, wrong shape, unexpected) before any parameter is built.
     `sources` maps tensor names to the file they came from, for error messages (a missing
     tensor is reported against `default_source`). With a `mesh`, each parameter is placed on it
-    by its logical axis names and `cppo_jax.sharding.RULES`.
+    by its logical axis names and `cppo_jax.parallel.sharding.RULES`.
     """
     sources = sources or {}
     where = lambda name: sources.get(name, default_source)  # noqa: E731
@@ -236,7 +236,7 @@ def load_hf(
     `dtype` is the compute dtype, `param_dtype` the storage dtype of the parameters, `remat`
     names what each layer keeps for the backward pass (`TransformerConfig.remat`), `scan_layers` runs the layers under
     one scan (else unrolled), `attention` is `TransformerConfig.attention`; with a `mesh` the parameters are sharded on it by the rules of
-    `cppo_jax.sharding`.
+    `cppo_jax.parallel.sharding`.
     """
     cfg = read_hf_config(
         path,
@@ -352,3 +352,50 @@ def save_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def check_weights(folder: Path, key: str) -> None:
+    """Every tensor the loader reads is listed, with its shape, in the folder's safetensors headers;
+    a ConfigError naming the config key `key` otherwise (checked before any weight is read)."""
+    import json
+
+    from safetensors import safe_open
+
+    from cppo_jax.config.choices import ConfigError
+
+    try:
+        tcfg = read_hf_config(folder)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"config key '{key}' = '{folder}': {e}") from e
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ConfigError(
+                f"config key '{key}': {index} is not a safetensors index ({e})"
+            ) from e
+    else:
+        files = [SINGLE_FILE]
+    shapes: dict[str, tuple] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(
+                f"config key '{key}' = '{folder}': weight file {name} not found (a Hugging Face "
+                f"folder holds {SINGLE_FILE} or {INDEX_FILE} and its shards)"
+            )
+        try:
+            with safe_open(str(path), framework="np") as f:
+                for t in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    shapes[t] = tuple(f.get_slice(t).get_shape())
+        except Exception as e:  # safetensors raises its own error types
+            raise ConfigError(f"config key '{key}': {path} is not a safetensors file ({e})") from e
+    for entry in name_table(tcfg):
+        got = shapes.get(entry.hf_name)
+        if got != tuple(entry.hf_shape):
+            what = "missing" if got is None else f"of shape {got}"
+            raise ConfigError(
+                f"config key '{key}' = '{folder}': tensor {entry.hf_name} is {what}; config.json "
+                f"needs shape {tuple(entry.hf_shape)}"
+            )

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cppo_jax.config_choices import LORA_TARGETS, ConfigError
-from cppo_jax.config_model import LoraConfig
+from cppo_jax.config.choices import LORA_TARGETS, ConfigError
+from cppo_jax.config.model import LoraConfig
 from cppo_jax.models.matmul import dense
 
 # target -> (its weight's attribute on Attention / MLP, the letters of the weight's input and

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax.config_model import LoraConfig
+from cppo_jax.config.model import LoraConfig
 from cppo_jax.models.lora import WEIGHTS, check, names
 from cppo_jax.models.transformer import Transformer, init_adapter_value
 
@@ -85,7 +85,7 @@ def cast(base, dtype):
 def numpy_adapters(adapters) -> dict[tuple, np.ndarray] | None:
     """path -> host array of each adapter on process 0, None on the others (every process calls it:
     an adapter sharded over processes is gathered, as `distributed.to_main` does for exports)."""
-    from cppo_jax import distributed
+    from cppo_jax.parallel import distributed
 
     flat = nnx.to_flat_state(adapters)
     arrays = distributed.to_main([v.get_value() for _, v in flat])

@@ -26,7 +26,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 from jax.sharding import PartitionSpec
 
-from cppo_jax import sharding as sharding_lib
+from cppo_jax.parallel import sharding as sharding_lib
 
 LANE = 128  # the length is padded to a multiple of this
 BLOCKS = (512, 256, 128)  # each kernel's block: the largest that divides the padded length

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cppo_jax import sharding
 from cppo_jax.models import lora
 from cppo_jax.models.attention import attend, attention_mask, library_attend, sliding_window_mask
 from cppo_jax.models.config import DTYPES, HF_ARCHITECTURES, TransformerConfig, has_o_bias
 from cppo_jax.models.kv_cache import Cache
 from cppo_jax.models.matmul import dense
 from cppo_jax.models.rope import apply_rope, rope_tables
+from cppo_jax.parallel import sharding
 
 # DTYPES, HF_ARCHITECTURES, TransformerConfig, dense and has_o_bias are defined elsewhere and
 # importable from here as before.
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 _INIT_STD = 0.02
-# Logical names of activations (mapped onto the mesh by cppo_jax.sharding.RULES).
+# Logical names of activations (mapped onto the mesh by cppo_jax.parallel.sharding.RULES).
 _ACT_EMBED = ("batch", "length", "act_embed")
 _ACT_HEADS = ("batch", "length", "act_heads", "head_dim")
 _ACT_KV_HEADS = ("batch", "length", "act_kv_heads", "head_dim")
@@ -51,7 +51,7 @@ _ACT_VOCAB = ("batch", "length", "act_vocab")
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """The one place activations get logical sharding constraints (cppo_jax.sharding.RULES).
+    """The one place activations get logical sharding constraints (cppo_jax.parallel.sharding.RULES).
 
     The identity unless a mesh is active while tracing (`sharding.use_mesh`, set by the jitted step
     functions); a dim the rule's mesh axes do not divide stays replicated.
@@ -355,7 +355,7 @@ class Transformer(nnx.Module):
         and attend over all S slots; index advances by T. Without one, the cache stays None.
         Padding queries see no valid key and get finite, meaningless outputs.
 
-        `segment_BT` (packed rows, `cppo_jax.packing`; no cache): int ids of the sequences sharing a
+        `segment_BT` (packed rows, `cppo_jax.packing.pack`; no cache): int ids of the sequences sharing a
         row, 0 on padding. A query sees the keys at or before it with its own id (a padding slot
         sees the padding before it), `valid_BT` unused; positions restart per sequence.
         """

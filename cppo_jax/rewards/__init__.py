@@ -1,6 +1,8 @@
 """Rewards for CPPO: GSM8K and MATH accuracy and format (spec section 4), a registry, and a worker pool.
 
 `cppo_jax.rewards.math` (math-verify, sympy) is imported on first use, so GSM8K-only runs stay light.
+
+May import: config.
 """
 
 from __future__ import annotations

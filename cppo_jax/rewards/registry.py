@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from cppo_jax.config_choices import TASKS
+from cppo_jax.config.choices import TASKS
 
 __all__ = [
     "TASK_EVAL",

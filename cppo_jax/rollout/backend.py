@@ -13,12 +13,12 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from cppo_jax import distributed
-from cppo_jax.config import RolloutConfig
+from cppo_jax.config.schema import RolloutConfig
+from cppo_jax.parallel import distributed
+from cppo_jax.rollout.embedded.sampler import make_sampler, place, sampler_shardings
+from cppo_jax.rollout.embedded.sampling import Samples, SamplingParams
 from cppo_jax.rollout.multiprocess import MainProcessBackend
-from cppo_jax.rollout.sampler import make_sampler, place, sampler_shardings
-from cppo_jax.rollout.sampling import Samples, SamplingParams
-from cppo_jax.rollout.vllm_backend import VLLMBackend
+from cppo_jax.rollout.vllm.backend import VLLMBackend
 
 
 class RolloutBackend(Protocol):

@@ -14,8 +14,9 @@ import time
 import jax
 import numpy as np
 
-from cppo_jax import distributed, pipeline
-from cppo_jax.rollout.sampling import Samples
+from cppo_jax.data import prompt_batches as pipeline
+from cppo_jax.parallel import distributed
+from cppo_jax.rollout.embedded.sampling import Samples
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """Several trainer processes, one rollout server: only process 0 talks to it, every process gets the result.
 
 `make_backend` wraps the vLLM backend in `MainProcessBackend` when `jax.process_count() > 1` (see
-`cppo_jax.distributed` for how the processes are connected).
+`cppo_jax.parallel.distributed` for how the processes are connected).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from cppo_jax import distributed
-from cppo_jax.rollout.sampling import Samples
-from cppo_jax.rollout.vllm_client import RolloutServerError
+from cppo_jax.parallel import distributed
+from cppo_jax.rollout.embedded.sampling import Samples
+from cppo_jax.rollout.vllm.client import RolloutServerError
 
 
 class MainProcessBackend:

@@ -19,7 +19,7 @@
 # GET /health (up to $VLLM_HEALTH_TIMEOUT s), print the URL on stdout and return; stop it with
 #   kill -- -$(cat PID_FILE)
 # --foreground: exec the server in this process instead (the caller owns and stops it; what
-#   cppo_jax.rollout.vllm_server.VLLMServer uses). --install-only: build the environment and exit.
+#   cppo_jax.rollout.vllm.server.VLLMServer uses). --install-only: build the environment and exit.
 # --dry-run: print the commands (install, start) without running anything.
 #
 # Environment: VLLM_HOST (127.0.0.1), VLLM_PID_FILE (${TMPDIR:-/tmp}/cppo_vllm_PORT.pid),

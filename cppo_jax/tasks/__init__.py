@@ -1,4 +1,7 @@
-"""Tasks: system prompts, the synthetic `arith` task, and its tiny tokenizer (`cppo_jax.tasks.tiny_tokenizer`)."""
+"""Tasks: system prompts, the synthetic `arith` task, and its tiny tokenizer (`cppo_jax.tasks.tiny_tokenizer`).
+
+May import: nothing of the package.
+"""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ def expected_state(step: int) -> dict:
 
 
 def main(directory: str) -> None:
-    from cppo_jax.checkpoint import Checkpointer
+    from cppo_jax.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(directory, keep=3)
     step = (ckpt.latest_step() or 0) + 1

@@ -11,7 +11,7 @@ import pytest
 def shared_trainer(tmp_path_factory, arith_model_dir):
     """(trainer, (params, opt_state) to start from). Built with 5 steps, no checkpoints until the end,
     max_nan_streak 2 and no reference model (beta 0: one compiled function fewer)."""
-    from cppo_jax.trainer import Trainer
+    from cppo_jax.train.trainer import Trainer
     from tests.test_trainer import small_config
 
     cfg = small_config(

@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cppo_jax.config import Config
-from cppo_jax.config_io import to_dict
+from cppo_jax.config.files import to_dict
+from cppo_jax.config.schema import Config
 
 
 def write_config_file(path: Path, cfg: Config) -> Path:
     """A config file whose get_config() returns `cfg` (so `python -m cppo_jax.launch` can run it)."""
     path.write_text(
-        "import json\nfrom cppo_jax.config_io import from_dict\n"
+        "import json\nfrom cppo_jax.config.files import from_dict\n"
         f"DATA = json.loads({json.dumps(json.dumps(to_dict(cfg)))})\n"
         "def get_config():\n    return from_dict(DATA)\n"
     )
@@ -60,9 +60,9 @@ def rewind(trainer, run_dir: Path, params, opt_state, *overrides: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from cppo_jax.checkpoint import Checkpointer
-    from cppo_jax.config_io import apply_overrides
-    from cppo_jax.runlog import RunLog
+    from cppo_jax.config.files import apply_overrides
+    from cppo_jax.observe.runlog import RunLog
+    from cppo_jax.train.checkpoint import Checkpointer
 
     if not hasattr(trainer, "_built_cfg"):
         trainer._built_cfg = trainer.cfg

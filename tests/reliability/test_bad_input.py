@@ -15,12 +15,13 @@ import json
 
 import pytest
 
-from cppo_jax import launch, pipeline
-from cppo_jax.config import DataConfig
-from cppo_jax.config_choices import ConfigError
+from cppo_jax import launch
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.schema import DataConfig
+from cppo_jax.data import prompt_batches as pipeline
 from cppo_jax.models import Tokenizer
 from cppo_jax.tasks.prompts import system_prompt_for
-from cppo_jax.trainer import Trainer
+from cppo_jax.train.trainer import Trainer
 from tests.reliability.runs import write_config_file
 from tests.test_trainer import small_config
 

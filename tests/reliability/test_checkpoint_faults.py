@@ -23,9 +23,9 @@ import jax
 import numpy as np
 import pytest
 
-from cppo_jax.checkpoint import Checkpointer, CheckpointError
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.trainer import Trainer
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.train.checkpoint import Checkpointer, CheckpointError
+from cppo_jax.train.trainer import Trainer
 from tests.reliability.ckpt_writer import expected_state
 from tests.reliability.runs import digit_steps, metrics_steps, rewind
 from tests.test_trainer import small_config

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.rollout.sampling import Samples
-from cppo_jax.trainer import NonFiniteError
+from cppo_jax.rollout.embedded.sampling import Samples
+from cppo_jax.train.checkpoint import Checkpointer
+from cppo_jax.train.trainer import NonFiniteError
 from tests.reliability.runs import metrics_steps, read_events, rewind
 
 

@@ -19,15 +19,15 @@ import time
 import jax
 import pytest
 
-from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.rollout.vllm_backend import VLLMBackend
-from cppo_jax.rollout.vllm_client import (
+from cppo_jax.rollout.vllm.backend import VLLMBackend
+from cppo_jax.rollout.vllm.client import (
     ResponseError,
     RolloutServerError,
     VLLMClient,
     WeightSyncError,
 )
-from cppo_jax.trainer import Trainer
+from cppo_jax.train.checkpoint import Checkpointer
+from cppo_jax.train.trainer import Trainer
 from tests.reliability.runs import metrics_steps, read_events, rewind
 from tests.test_trainer import small_config
 from tests.test_vllm_client import FakeVLLM
@@ -232,7 +232,7 @@ def _space_fault(setup, name, monkeypatch, *, at_start: bool, oserror: bool = Fa
     step 1, or whose write fails with ENOSPC (a full /dev/shm) after step 1."""
     import errno
 
-    from cppo_jax.rollout import vllm_routes
+    from cppo_jax.rollout.vllm import routes as vllm_routes
 
     _, trainer, init, tmp, *_ = setup
     run_dir = tmp / name
@@ -267,7 +267,7 @@ def test_push_folder_too_small_is_named_with_a_checkpoint(setup, monkeypatch):
     """Checked before the first push: a push folder whose file system cannot hold two copies of the
     weights (the free-space probe says 1 kB) stops the run with an error naming the folder, Docker's
     --shm-size and rollout.weights_dir, and a checkpoint of the starting state."""
-    from cppo_jax.rollout.vllm_push import PushSpaceError
+    from cppo_jax.rollout.vllm.push import PushSpaceError
 
     trainer = setup[1]
     run_dir, err = _space_fault(setup, "space", monkeypatch, at_start=True)
@@ -286,7 +286,7 @@ def test_push_folder_too_small_is_named_with_a_checkpoint(setup, monkeypatch):
 def test_full_push_folder_mid_write_is_a_push_failure_with_a_checkpoint(setup, monkeypatch):
     """An OSError while writing (ENOSPC: /dev/shm filled by something else) ends as any failed push:
     a RolloutServerError naming the folder and the fix, the finished step checkpointed."""
-    from cppo_jax.rollout.vllm_push import PushSpaceError
+    from cppo_jax.rollout.vllm.push import PushSpaceError
 
     run_dir, err = _space_fault(setup, "enospc", monkeypatch, at_start=False, oserror=True)
     assert isinstance(err.__cause__, PushSpaceError), repr(err.__cause__)

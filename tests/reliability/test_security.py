@@ -17,12 +17,12 @@ import jax
 import numpy as np
 import pytest
 
-from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.config import Config, RolloutConfig
-from cppo_jax.config_choices import ConfigError
-from cppo_jax.config_io import apply_overrides
-from cppo_jax.rollout.sampling import SamplingParams
-from cppo_jax.rollout.vllm_backend import PUSH_MARKER, VLLMBackend, claim_push_folder, push_folder
+from cppo_jax.config.choices import ConfigError
+from cppo_jax.config.files import apply_overrides
+from cppo_jax.config.schema import Config, RolloutConfig
+from cppo_jax.rollout.embedded.sampling import SamplingParams
+from cppo_jax.rollout.vllm.backend import PUSH_MARKER, VLLMBackend, claim_push_folder, push_folder
+from cppo_jax.train.checkpoint import Checkpointer
 from tests.reliability.ckpt_writer import expected_state
 from tests.test_vllm_client import FakeVLLM
 
@@ -122,7 +122,7 @@ def test_nothing_is_unpickled_from_checkpoints_models_or_servers(
     ckpt.close()
 
     from cppo_jax.models import load_hf
-    from cppo_jax.rollout.vllm_client import VLLMClient
+    from cppo_jax.rollout.vllm.client import VLLMClient
 
     assert load_hf(arith_model_dir).cfg.vocab_size > 0
     fake = FakeVLLM("ok")
@@ -151,7 +151,7 @@ def test_package_source_has_no_unpickling_calls():
 def test_vllm_server_is_loopback_by_default_with_an_api_key_option_and_documented_private():
     import inspect
 
-    from cppo_jax.rollout.vllm_server import VLLMServer
+    from cppo_jax.rollout.vllm.server import VLLMServer
 
     script = (ROOT / "launch" / "vllm_server.sh").read_text()
     assert 'HOST="${VLLM_HOST:-127.0.0.1}"' in script

@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT: the current step finishes, a checkpoint is saved, the run exits with 128 + signal.
 
-The promise (cppo_jax/stopping.py, docs/reliability.md): after the first SIGTERM/SIGINT the run finishes
+The promise (cppo_jax/train/stopping.py, docs/reliability.md): after the first SIGTERM/SIGINT the run finishes
 the step in flight, saves a checkpoint of it, logs a `stopped` event and exits with 143 (SIGTERM) or 130
 (SIGINT); a resumed run carries on from that step. A second signal ends the process at once (the default
 action), which loses nothing that was checkpointed.
@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from cppo_jax.checkpoint import Checkpointer
-from cppo_jax.stopping import SignalStopError
+from cppo_jax.train.checkpoint import Checkpointer
+from cppo_jax.train.stopping import SignalStopError
 from tests.reliability.runs import launch, metrics_steps, rewind, write_config_file
 from tests.test_trainer import small_config
 
@@ -86,7 +86,7 @@ def test_sigint_in_process_saves_the_finished_step(shared_trainer, tmp_path):
 def test_second_signal_ends_the_process_at_once():
     code = (
         "import os, signal, time\n"
-        "from cppo_jax.stopping import StopSignals\n"
+        "from cppo_jax.train.stopping import StopSignals\n"
         "with StopSignals() as stop:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    assert stop.requested == signal.SIGTERM, stop.requested\n"

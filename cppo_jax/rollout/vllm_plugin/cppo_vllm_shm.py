@@ -10,7 +10,7 @@ entry point; putting this folder on the server's PYTHONPATH is the whole install
 with `--weight-transfer-config '{"backend": "cppo_shm"}'`. The HTTP routes, the worker's session checks
 (start, update, finish) and the trainer's client are vLLM's protocol unchanged; only the data plane differs.
 
-Wire format (written by `cppo_jax/rollout/weight_transfer.py`, which imports neither torch nor JAX):
+Wire format (written by `cppo_jax/rollout/vllm/weight_transfer.py`, which imports neither torch nor JAX):
 
 - `init_weight_transfer_engine {"root": DIR}`: the only folder payload files may be read from.
 - `update_weights {"file", "names", "dtype_names", "shapes", "offsets", "counts", "index_offsets",

@@ -1,0 +1,318 @@
+"""vLLM's weight-transfer protocol, trainer side: full and sparse pushes through shared memory.
+
+Host code: numpy and the standard library, no JAX and no torch. The server side is vLLM's own protocol
+(dev routes `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+`/finish_weight_update`, on with `VLLM_SERVER_DEV_MODE=1`) with the `cppo_shm` engine of
+`cppo_jax/rollout/vllm_plugin/cppo_vllm_shm.py` registered through vLLM's engine factory; the wire format is
+described there. One push is one round: start, one update call naming every tensor, finish.
+
+- Full push: every tensor's bytes, in the serving dtype.
+- Sparse push: for each tensor, the elements whose serving-dtype bit pattern changed since the last
+  confirmed push, in two groups. Most move by a few units of their bit pattern (an RL update is a few ulps
+  at most: `ulp_steps`); those go as steps: per element one uint8 gap from the previous stepped index and
+  one int8 step of the bit pattern, 2 bytes where an index and a value take 4 + 2. The rest (a weight that
+  crosses zero, or moves more than 127 ulps) go as flat int32 indices and new values (vLLM's
+  `SparseWeightPatch` coordinates). A tensor with nothing changed is sent with 0 elements (so a dropped
+  tensor is still detected), one with over a quarter of its elements changed, or where a patch would be
+  no smaller than the tensor, is sent whole. A sparse
+  push names the round it was diffed against (`base_round`); the server refuses it unless it holds that
+  round.
+
+`ProtocolPusher.push` returns per-push figures: `bytes` (payload), `changed_frac` (changed elements / all
+elements; 1 for a full push), `write_s` (trainer side: diff and write), `pause_s` (the server's share:
+start + update + finish + prefix-cache reset, during which its engine cannot generate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cppo_jax.rollout.vllm.transport import JSONClient, RolloutServerError
+
+__all__ = [
+    "SHM_BACKEND",
+    "ProtocolPusher",
+    "changed_indices",
+    "encode",
+    "gap_steps",
+    "server_backend",
+    "ulp_steps",
+]
+
+SHM_BACKEND = "cppo_shm"
+_ALIGN = 64
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def server_backend(client: JSONClient) -> str | None:
+    """The weight-transfer backend the server was started with (`--weight-transfer-config`), from the
+    dev route `GET /server_info`; None when it has none or no such route."""
+    try:
+        out = client.request(
+            "GET", "/server_info?config_format=json", what="reading the weight-transfer backend"
+        )
+    except RolloutServerError as e:
+        if e.status == 404:
+            return None
+        raise
+    try:
+        cfg = out["vllm_config"].get("weight_transfer_config")
+    except (TypeError, KeyError, AttributeError):
+        return None
+    return str(cfg.get("backend")) if isinstance(cfg, dict) and cfg.get("backend") else None
+
+
+def changed_mask(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Flat bool mask of the elements whose bit pattern differs between `old` and `new` (same shape
+    and dtype)."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
+    if new.size >= 2**31:
+        raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
+    u = _UINT[new.dtype.itemsize]
+    return np.ascontiguousarray(old).view(u).ravel() != np.ascontiguousarray(new).view(u).ravel()
+
+
+def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Flat int32 indices where `new`'s bit pattern differs from `old`'s (same shape and dtype)."""
+    return np.flatnonzero(changed_mask(old, new)).astype(np.int32)
+
+
+def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Encode the changed elements `idx` (ascending) of `old` -> `new` (same shape and dtype) as steps.
+
+    Returns (gaps_S uint8, steps_S int8, rest_idx int32): entry s patches flat index
+    cumsum(gaps)[s] - 1 by adding steps[s] to its unsigned bit pattern. Elements whose pattern moves by
+    more than 127 are left in `rest_idx` (sent as index and value). A gap over 255 is bridged by entries of
+    gap 255 and step 0 (no-ops), so every gap fits a byte."""
+    if new.dtype.itemsize not in (2, 4):  # the server steps 16- and 32-bit patterns only
+        return np.zeros(0, np.uint8), np.zeros(0, np.int8), idx.astype(np.int32)
+    u = _UINT[new.dtype.itemsize]
+    wide = np.int32 if new.dtype.itemsize == 2 else np.int64  # holds any difference of two patterns
+    d = np.ascontiguousarray(new).view(u).reshape(-1)[idx].astype(wide)
+    d -= np.ascontiguousarray(old).view(u).reshape(-1)[idx]  # in place: one array of idx's size
+    small = np.abs(d) <= 127
+    return (*gap_steps(idx[small], d[small]), idx[~small].astype(np.int32))
+
+
+def gap_steps(at: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Steps `d` (|d| <= 127) of the ascending flat indices `at` as (gaps_S uint8, steps_S int8):
+    entry s patches flat index cumsum(gaps)[s] - 1; a gap over 255 is bridged by entries of gap 255
+    and step 0."""
+    gap = np.diff(at, prepend=-1)
+    fill = (gap - 1) // 255  # bridging entries before each element
+    pos = np.arange(at.size) + np.cumsum(fill)
+    gaps_S = np.full(at.size + int(fill.sum()), 255, np.uint8)
+    steps_S = np.zeros(gaps_S.size, np.int8)
+    gaps_S[pos] = gap - 255 * fill
+    steps_S[pos] = d
+    return gaps_S, steps_S
+
+
+class ProtocolPusher:
+    """Pushes HF-named tensors to a vLLM server through its weight-transfer protocol.
+
+    `root`: the folder both sides read (the server must see it at the same path; `/dev/shm/...` keeps it
+    in memory). `full_push_every`: after this many pushes since the last full one the next is full again
+    (1: every push is full). `invalidate()` forces the next push to be full (after a refused check).
+    """
+
+    def __init__(self, client: JSONClient, root: str | Path, *, full_push_every: int = 1):
+        if full_push_every < 1:
+            raise ValueError(f"rollout.full_push_every = {full_push_every} must be >= 1")
+        self.client = client
+        self.root = Path(root).resolve()
+        self.full_push_every = int(full_push_every)
+        self.rounds = 0
+        self._since_full: int | None = None  # None: no confirmed full push yet
+        self._last: dict[str, np.ndarray] | None = None
+        self._pending: tuple[dict[str, np.ndarray], bool, int] | None = None  # pushed, unconfirmed
+        self._base_round: int | None = None  # the round `_last` was pushed in
+        self._ready = False
+
+    def _post(self, path: str, payload: Any, what: str) -> Any:
+        # Never retried: a repeated update or finish would not be idempotent.
+        return self.client.request("POST", path, payload, what=what, retries=0)
+
+    def init(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._post(
+            "/init_weight_transfer_engine",
+            {"init_info": {"root": str(self.root)}},
+            "initialising the weight-transfer engine",
+        )
+        self._ready = True
+
+    def invalidate(self) -> None:
+        self._since_full, self._last = None, None
+
+    def next_is_full(self) -> bool:
+        return self._since_full is None or self._since_full + 1 >= self.full_push_every
+
+    def push(self, tensors: dict[str, np.ndarray], *, skip_finish: bool = False) -> dict:
+        """One round (start, update, finish, prefix-cache reset) of `tensors` (host arrays), diffed
+        here against the last confirmed push's; the new state counts as the base of the next sparse
+        push only once `confirm()` is called (after the probe check passed). `skip_finish` is for
+        fault tests only."""
+        full = self.next_is_full()
+        t0 = time.perf_counter()
+        entries, changed, total = encode(tensors, None if full else self._last)
+        encode_s = time.perf_counter() - t0
+        m = self.push_entries(entries, full, changed, total, skip_finish=skip_finish)
+        self._pending = (tensors, full, self.rounds)
+        m["write_s"] += encode_s
+        return m
+
+    def push_entries(
+        self, entries: list[tuple], full: bool, changed: int, total: int, *, skip_finish=False
+    ) -> dict:
+        """One round of entries already encoded (`encode`, or on the device: `device_patch`), full or
+        sparse against the last confirmed push (`next_is_full()` says which is due)."""
+        if not self._ready:
+            self.init()
+        t0 = time.perf_counter()
+        self.rounds += 1
+        name = f"round{self.rounds % 2}.bin"
+        info, nbytes = self._write(name, entries, not full)
+        t1 = time.perf_counter()
+        self._start()
+        self._post("/update_weights", {"update_info": info}, f"sending weight round {self.rounds}")
+        if not skip_finish:
+            self._post(
+                "/finish_weight_update",
+                {"weight_version": str(self.rounds)},
+                f"finishing weight round {self.rounds}",
+            )
+        self.client.request("POST", "/reset_prefix_cache", None, what="resetting the prefix cache")
+        t2 = time.perf_counter()
+        self._pending = (None, full, self.rounds)
+        return {
+            "bytes": float(nbytes),
+            "changed_frac": changed / max(total, 1),
+            "full": float(full),
+            "write_s": t1 - t0,
+            "pause_s": t2 - t1,
+        }
+
+    def confirm(self) -> None:
+        """The last push was checked: it becomes the base of the next sparse push."""
+        if self._pending is None:
+            raise RuntimeError("confirm() without a push to confirm")
+        (tensors, full, self._base_round), self._pending = self._pending, None
+        # fresh host arrays per push: kept, not copied (None: the base is on the device)
+        self._last = None if tensors is None else dict(tensors)
+        self._since_full = 0 if full else self._since_full + 1
+
+    def _start(self) -> None:
+        what = f"starting weight round {self.rounds}"
+        try:
+            self._post("/start_weight_update", None, what)
+        except RolloutServerError as e:
+            if "already active" not in str(e):
+                raise
+            # A round left open (a finish that never came or failed): close it, then start afresh.
+            # The dangling round is overwritten by this one, which is full after any failure.
+            with contextlib.suppress(RolloutServerError):
+                self._post("/finish_weight_update", {}, "closing a dangling weight round")
+            self._post("/start_weight_update", None, what)
+
+    def _write(self, name: str, entries: list[tuple], sparse: bool):
+        """Write one payload file of `entries` (to a temporary name, then renamed); returns
+        (update_info, bytes)."""
+        parts: list[np.ndarray] = []
+        offsets, counts, index_offsets, step_offsets, step_counts = [], [], [], [], []
+        pos = 0
+
+        def place(arr: np.ndarray) -> int:
+            nonlocal pos
+            start = -(-pos // _ALIGN) * _ALIGN
+            if start > pos:
+                parts.append(np.zeros(start - pos, np.uint8))
+            raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            parts.append(raw)
+            pos = start + raw.size
+            return start
+
+        names, dtypes, shapes = [], [], []
+        for key, dtype, shape, values, *patch in entries:
+            names.append(key)
+            dtypes.append(np.dtype(dtype).name)
+            shapes.append(list(shape))
+            offsets.append(place(values))
+            counts.append(int(np.size(values)))
+            if not patch:  # whole
+                index_offsets.append(-1)
+                step_offsets.append(-1)
+                step_counts.append(0)
+                continue
+            rest, gaps_S, steps_S = patch
+            index_offsets.append(place(np.asarray(rest, np.int32)))
+            step_offsets.append(place(np.concatenate([gaps_S, np.asarray(steps_S).view(np.uint8)])))
+            step_counts.append(int(gaps_S.size))
+        self.root.mkdir(parents=True, exist_ok=True)
+        # The server applied this round's file two rounds ago: removed first, so that the folder never
+        # holds more than two payloads (the push folder's space check, `vllm_push.check_space`)
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / name).unlink()
+        tmp = self.root / f".{name}.tmp"
+        crc = 0
+        with open(tmp, "wb") as fh:
+            for p in parts:
+                fh.write(memoryview(p))
+                crc = zlib.crc32(memoryview(p), crc)
+        os.replace(tmp, self.root / name)
+        info = {
+            "file": name,
+            "names": names,
+            "dtype_names": dtypes,
+            "shapes": shapes,
+            "offsets": offsets,
+            "counts": counts,
+            "index_offsets": index_offsets if sparse else None,
+            "step_offsets": step_offsets if sparse else None,
+            "step_counts": step_counts if sparse else None,
+            "base_round": self._base_round if sparse else None,
+            "crc32": crc,
+            "round": self.rounds,
+            "round_tensors": len(names),
+        }
+        return info, pos
+
+
+def encode(tensors: dict[str, np.ndarray], base: dict | None) -> tuple[list[tuple], int, int]:
+    """The wire entries of `tensors` on the host: whole (`base` None: a full push), or each diffed
+    against `base` (a patch, or whole where over a quarter changed or a patch would be no smaller).
+    Returns (entries, changed elements, all elements); entries as `ProtocolPusher.push_entries`."""
+    entries: list[tuple] = []
+    changed = total = 0
+    for key in tensors:
+        arr = np.asarray(tensors[key])
+        total += arr.size
+        if base is not None and key not in base:
+            raise ValueError(f"tensor {key} was not in the last push: a full push is needed")
+        patch = None
+        if base is None:
+            changed += arr.size
+        else:
+            mask = changed_mask(base[key], arr)
+            n = int(np.count_nonzero(mask))
+            changed += n
+            # Over a quarter changed (a large update): whole, a patch would save little
+            if 4 * n <= arr.size:
+                idx = np.flatnonzero(mask).astype(np.int32)
+                gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
+                if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
+                    patch = None
+        if patch is None:  # a full push, or a patch no smaller: whole
+            entries.append((key, arr.dtype, arr.shape, arr))
+            continue
+        gaps_S, steps_S, rest = patch
+        entries.append((key, arr.dtype, arr.shape, arr.reshape(-1)[rest], rest, gaps_S, steps_S))
+    return entries, changed, total
