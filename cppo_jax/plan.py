@@ -4,8 +4,9 @@
 out), tokenizes every prompt through the real pipeline when the tokenizer folder exists (else says it did
 not), derives the shapes of one step (Q, G, k, M, P, C) and the number of steps, reads the model's size
 from `config.json` in its folder (or, without one, from `models.known.KNOWN_MODELS` by name) and plans the memory
-per device on the config's mesh (`memory_plan`): params, AdamW moments, gradients, reference params,
-activations with and without remat, the logits chunk and the rollout KV cache, ending in `fits: yes/no`.
+per device on the config's mesh (`compiled_memory.run_plan`): params, AdamW moments, gradients,
+reference params, activations with and without remat, the logits chunk and the rollout KV cache, each
+compiled program's bytes and the run peak, ending in `fits: yes/no` (judged on the run peak).
 
 Problems a run would hit later (a micro-batch that does not divide the kept sequences, a question batch
 that does not split over the processes or the mesh's data axes, prompts longer than `data.max_prompt_len` with
@@ -27,8 +28,10 @@ from cppo_jax.models.known import ModelSize, config_model_size
 from cppo_jax.models.known import transformer_config as base_config
 from cppo_jax.models.tokenizer import Tokenizer, has_tokenizer
 from cppo_jax.packing import plan as pack_plan
+from cppo_jax.planning import compiled_memory
 from cppo_jax.planning import memory as layout
-from cppo_jax.planning.memory import MemoryPlan, _gib, memory_lines, memory_plan
+from cppo_jax.planning.compiled_memory import run_plan, target_of
+from cppo_jax.planning.memory import MemoryPlan, _gib, memory_lines
 
 __all__ = [
     "MeshChoice",
@@ -172,8 +175,9 @@ def _memory_section(
         device_bytes = layout.device_memory(devices[0])
     m = cfg.mesh
     mesh, note = None, ""
+    platform = "gpu" if num_devices else devices[0].platform
+    target = target_of(platform, "" if num_devices else devices[0].device_kind)
     if m.auto and size is not None:
-        platform = "gpu" if num_devices else devices[0].platform
         try:
             choice = choose_mesh(
                 cfg,
@@ -188,8 +192,8 @@ def _memory_section(
                     cfg, model=dataclasses.replace(cfg.model, attention="splash")
                 )
         except ConfigError:  # nothing fits: the plan of the smallest peak, and what fits instead
-            kw = layout.plan_kwargs(cfg, shapes, device_bytes)
-            tried = layout.pick_mesh(transformer_config(cfg, size), planned, shapes.Q, **kw)
+            tcfg = transformer_config(cfg, size)
+            tried = compiled_memory.pick_mesh(cfg, tcfg, shapes, planned, device_bytes, target)
             mesh = min(tried, key=lambda p: p.peak).mesh if tried else None
             note = "mesh=auto: no layout fits; the one of the smallest peak below"
     mesh = mesh or m.sizes(planned)
@@ -224,11 +228,11 @@ def _memory_section(
         f"{tied} embeddings) from {size.source}"
     )
     tcfg = transformer_config(cfg, size)
-    plan = memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, device_bytes))
+    plan = run_plan(cfg, tcfg, shapes, mesh, device_bytes, target)
     lines.extend(memory_lines(plan, cfg.model.param_dtype))
     advice = ""
     if plan.fits is False:
-        advice = layout.fit_advice(cfg, tcfg, shapes, planned, device_bytes)
+        advice = compiled_memory.fit_advice(cfg, tcfg, shapes, planned, device_bytes, target)
         lines.append(f"  instead: {advice}")
     max_pos = hf.get("max_position_embeddings")
     if max_pos and max_pos < shapes.P + shapes.C:
@@ -338,7 +342,7 @@ def choose_mesh(
     one function behind `mesh=auto` in `cppo_jax.launch` and `launch/gpu_node.sh` (`--pick-mesh`).
 
     A mesh set in the config or by overrides is kept (and checked against the questions per step).
-    `mesh=auto` (the default) takes `layout.pick_mesh`'s order: of the layouts whose data x fsdp
+    `mesh=auto` (the default) takes `compiled_memory.pick_mesh`'s order: of the layouts whose data x fsdp
     divides Q (tensor takes the rest of the devices, so a Q that 8 does not divide still runs on 8
     devices with fewer data-parallel ones), the most data parallel that fits `layout.USABLE_FRACTION`
     of the memory, then the fewest tensor shards. With `devices` given, only layouts that
@@ -358,17 +362,22 @@ def choose_mesh(
             f"memory of a layout cannot be planned"
         )
     tcfg = transformer_config(cfg, size)
-    kw = layout.plan_kwargs(cfg, sh, device_bytes)
-    advice = functools.partial(layout.fit_advice, cfg, tcfg, sh, num_devices, device_bytes or 0)
+    target = target_of(platform, getattr(devices[0], "device_kind", "") if devices else "")
+    advice = functools.partial(
+        compiled_memory.fit_advice, cfg, tcfg, sh, num_devices, device_bytes or 0, target
+    )
+
+    def candidates(tcfg) -> list[MemoryPlan]:
+        return compiled_memory.pick_mesh(cfg, tcfg, sh, num_devices, device_bytes, target)
 
     def ordered(tcfg) -> list[MemoryPlan]:  # mesh=auto's candidates, the one to use first
-        plans = layout.pick_mesh(tcfg, num_devices, sh.Q, **kw)
+        plans = candidates(tcfg)
         return plans if devices is None else _on_devices(plans, devices)
 
     extra: tuple[str, ...] = ()
     if not cfg.mesh.auto:
         mesh = cfg.mesh.sizes(num_devices)
-        plans = [p for p in layout.pick_mesh(tcfg, num_devices, sh.Q, **kw) if p.mesh == mesh]
+        plans = [p for p in candidates(tcfg) if p.mesh == mesh]
         if not plans:
             dp = mesh["data"] * mesh["fsdp"]
             raise ConfigError(
@@ -382,7 +391,7 @@ def choose_mesh(
         why = "mesh=auto: the most data-parallel layout that fits, then the fewest tensor shards"
         if platform == "tpu" and cfg.model.attention == "einsum" and plans:
             alt = ordered(dataclasses.replace(tcfg, attention="splash"))
-            better = layout._preference  # a better layout fits with splash, or the same one lower
+            better = layout.preference  # a better layout fits with splash, or the same one lower
             if better(alt[0]) < better(plans[0]) or (
                 alt[0].mesh == plans[0].mesh and alt[0].peak < plans[0].peak
             ):

@@ -205,16 +205,23 @@ def test_a_mesh_the_torus_cannot_hold_is_placed_split_or_refused_by_name(monkeyp
 
 
 def test_auto_takes_the_best_layout_the_slice_can_hold(math7b_run, monkeypatch):
-    """On 8 TPU chips of 32 GB (v5e) the 7B run's preferred layouts are kept only where the slice
-    places them: with the first refused the next is taken, splash attention where it saves memory."""
+    """On 8 TPU chips of 32 GB (v5e) the 7B run fits only with splash attention (no einsum layout
+    does); on chips of 40 GB the preferred layout is kept only where the slice places it: with the
+    first refused the next is taken."""
     cfg = load_config(MATH7B, math7b_run)
     free = plan.choose_mesh(cfg, 8, int(32e9), platform="tpu", devices=None)
     assert "model.attention=splash" in free.overrides and free.plan.fits
-    with pytest.raises(ConfigError, match="the memory plan does not fit"):  # no splash on a GPU
-        plan.choose_mesh(cfg, 8, int(32e9))
-    refused = free.plan.mesh
+    # No splash on a GPU: its plan is XLA:GPU's (h100's terms), einsum attention throughout, and
+    # refuses a memory that holds less than its run peak.
+    gpu = plan.choose_mesh(cfg, 8, int(40e9))
+    assert gpu.plan.target == "h100" and not any("splash" in o for o in gpu.overrides)
+    with pytest.raises(ConfigError, match="the memory plan does not fit"):
+        plan.choose_mesh(cfg, 8, int(gpu.plan.peak / layout.USABLE_FRACTION * 0.95))
+    # Chips of 40 GB hold several layouts: with the preferred one refused by the slice, the next.
+    roomy = plan.choose_mesh(cfg, 8, int(40e9), platform="tpu", devices=None)
+    refused = roomy.plan.mesh
     monkeypatch.setattr(
         plan, "_placeable", lambda mesh, devices, allow_split: mesh != refused or allow_split
     )
-    placed = plan.choose_mesh(cfg, 8, int(32e9), platform="tpu", devices=["d"] * 8)
+    placed = plan.choose_mesh(cfg, 8, int(40e9), platform="tpu", devices=["d"] * 8)
     assert placed.plan.mesh != refused and placed.plan.fits

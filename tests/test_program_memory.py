@@ -1,6 +1,8 @@
-"""`program_memory`: the plan's terms that depend on how the mesh splits attention's heads and on
-the TPU generation compiled for (read from libtpu's buffer assignments; benchmarks/results/aot_tpu.md
-sets the plan beside every compile)."""
+"""`planning.compiled_memory`: the plan's one model. Its terms depend on how the mesh splits
+attention's heads and on the generation compiled for (read from libtpu's and XLA:GPU's buffer
+assignments; benchmarks/results/aot_tpu.md and aot_gpu.md set the plan beside every compile), its
+constants are tied to the compiler versions they were read from, and every verdict of the launch and
+`plan` is made on its run peak."""
 
 from __future__ import annotations
 
@@ -115,3 +117,41 @@ def test_the_plan_is_within_tolerance_of_every_stored_compile(store, chips):
     assert worst[0] <= aot.PLAN_TOLERANCE, (
         f"{store}: the plan is off by {worst[0]:.2f} at {worst[1]}"
     )
+
+
+def test_the_constants_are_tied_to_the_compilers_they_were_read_from():
+    """The compilers the constants were read from are named; another version is told the plan is
+    unchecked for it, and the `--compile-for` report carries the line for the compiler at hand."""
+    from cppo_jax.planning import aot
+
+    for platform, (name, version) in program_memory.CALIBRATED_WITH.items():
+        same = program_memory.calibration_note(platform, version)
+        assert f"read from this compiler ({name} {version})" in same and "UNCHECKED" not in same
+        newer = program_memory.calibration_note(platform, version + ".1")
+        assert f"UNCHECKED for {name} {version}.1" in newer and f"{name} {version}'s" in newer
+        assert "(version unknown)" in program_memory.calibration_note(platform, None)
+    assert "not this one" in program_memory.calibration_note("cpu", None)
+    assert aot.compiler_version("cpu") is None
+
+
+def test_the_launch_judges_a_layout_by_the_run_peak_of_the_compiled_programs():
+    """`plan.choose_mesh` (mesh=auto, `plan`, `--pick-mesh`, gpu_node.sh) takes the compiled-memory
+    model's run peak for the target's compiler, lists each program's bytes, and prints them."""
+    from cppo_jax import plan
+    from cppo_jax.planning import memory as layout
+
+    cfg, tcfg, sh = _qwen_1p5b("0.5")
+    chosen = plan.choose_mesh(cfg, 8, int(80e9))  # a GPU by default: h100's terms
+    mesh, p = chosen.plan.mesh, chosen.plan
+    assert p.target == "h100" and p.fits
+    assert p.peak == program_memory.run_peak(cfg, tcfg, sh, mesh, "h100") == p.run_peak
+    assert dict(p.programs) == program_memory.program_bytes(cfg, tcfg, sh, mesh, "h100")
+    # The run peak is not the terms' larger phase: each program's own buffers decide it.
+    assert p.peak != max(p.train_peak, p.rollout_peak)
+    text = "\n".join(layout.memory_lines(p, cfg.model.param_dtype))
+    assert "programs as h100's compiler lays them out" in text
+    assert all(name in text for name in dict(p.programs))
+    # The same device count on TPU takes that generation's terms from the device kind.
+    assert program_memory.target_of("tpu", "TPU v5 lite") == "v5e"
+    assert program_memory.target_of("gpu", "NVIDIA H200") == "h200"
+    assert program_memory.target_of("cpu") == "cpu"

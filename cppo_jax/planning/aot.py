@@ -84,6 +84,25 @@ def install_libtpu() -> Path:
     return folder
 
 
+def compiler_version(platform: str) -> str | None:
+    """The version of the compiler installed for `platform` (`tpu`: libtpu, from the `libtpu`
+    package or `make libtpu`'s folder; `cuda`/`gpu`: the CUDA plugin `make cuda-compiler` installs),
+    or None where none is found."""
+    from importlib import metadata
+
+    if platform == "tpu":
+        name, folders = "libtpu", [None, libtpu_cache_folder()]
+    elif platform in ("cuda", "gpu"):
+        name, folders = "jax-cuda12-plugin", [None, aot_gpu.cuda_compiler_folder()]
+    else:
+        return None
+    for folder in folders:
+        where = {} if folder is None else {"path": [str(folder)]}
+        for dist in metadata.distributions(name=name, **where):
+            return dist.version
+    return None
+
+
 def libtpu_path() -> str:
     """libtpu.so: $TPU_LIBRARY_PATH, the `libtpu` package (`pip install 'cppo_jax[tpu]'`), or the
     folder `make libtpu` fills. Raises AotError saying how to install it when none is there."""

@@ -32,14 +32,31 @@ Where generations' compilers differ (`REF_SCORE_BUFFERS`, `GATHERS_APART`), `tar
 `--compile-for` names) picks the terms; without one the plan counts as for v5p and v4.
 
 `run_peak` adds the run's state alive beside each program (the AdamW state while sampling, the
-reference during the update) and takes the largest: what `aot_fit` picks a mesh by.
+reference during the update) and takes the largest. `run_plan` is `layout.memory_plan`'s terms with
+these programs and that peak: the one plan that the launch's `mesh=auto`, `plan`, `plan --pick-mesh`,
+`gpu_node.sh` and `aot.fit` judge a layout by (`pick_mesh`, `fit_advice`); where a compiler is
+installed, `plan --compile-for` sets the compiler's own figure beside it and judges by that.
+
+The constants above were read from the compilers named in `CALIBRATED_WITH`; `calibration_note` says
+whether the compiler at hand is that one, or that the plan is unchecked for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from cppo_jax.config.choices import BF16_MIN_LR
 from cppo_jax.planning import memory as layout
 from cppo_jax.planning.gpu_targets import GPUS
-from cppo_jax.planning.memory import _BYTES, _param_shapes, _shard_bytes, _split
+from cppo_jax.planning.memory import (
+    _BYTES,
+    MemoryPlan,
+    _gib,
+    _param_shapes,
+    _shard_bytes,
+    _split,
+    mesh_overrides,
+)
 from cppo_jax.rollout.embedded.segments import SEGMENT_LEN, compact_buckets, segment_ends
 
 VOCAB = ("embed_VD", "lm_head_DV")  # the vocabulary matrices' parameter paths
@@ -60,6 +77,11 @@ GATHERS_APART = ("v6e",)
 # against 6 and 8, 10% over the bf16 choice and 17.5% under the float32 one on that term.
 GPU_SOFTMAX_BYTES = 2.6
 TPU_LANES = 128  # a TPU vector register's minor dimension: narrower minor dimensions are padded
+# The compilers (distribution, version) whose buffer assignments the terms and constants of this
+# module were read from, and checked against in benchmarks/results/aot_tpu.md and aot_gpu.md.
+CALIBRATED_WITH = {"tpu": ("libtpu", "0.0.42.1"), "gpu": ("jax-cuda12-plugin", "0.10.2")}
+# Device kinds (as JAX reports them, lower case) to the generation whose terms they take.
+_TPU_KINDS = (("v5 lite", "v5e"), ("v5e", "v5e"), ("v6", "v6e"), ("v5", "v5p"), ("v4", "v4"))
 
 
 def planned_model(cfg):
@@ -283,13 +305,113 @@ def resident_bytes(cfg, tcfg, shapes, mesh: dict[str, int]) -> dict[str, int]:
 
 def run_peak(cfg, tcfg, shapes, mesh: dict[str, int], target: str = "") -> int:
     """The largest of the programs' totals plus the state beside each (see the module docstring)."""
-    from cppo_jax.train.programs import (
-        ARGS_OF,  # the programs' own argument lists (JAX: imported late)
+    return _peak(
+        program_bytes(cfg, tcfg, shapes, mesh, target), resident_bytes(cfg, tcfg, shapes, mesh)
     )
 
-    programs = program_bytes(cfg, tcfg, shapes, mesh, target)
-    resident = resident_bytes(cfg, tcfg, shapes, mesh)
+
+def _peak(programs: dict[str, int], resident: dict[str, int]) -> int:
+    from cppo_jax.train.programs import ARGS_OF  # the programs' own argument lists (imports JAX)
+
     return max(
         total + sum(b for k, b in resident.items() if k not in ARGS_OF[name])
         for name, total in programs.items()
     )
+
+
+def target_of(platform: str, device_kind: str = "") -> str:
+    """The generation whose compiler's terms plan a run on `platform` devices of `device_kind`: a
+    GPU its own where known (else h100's, XLA:GPU's), a TPU its generation (else v5p's and v4's),
+    `cpu` on the CPU."""
+    kind = device_kind.lower()
+    if platform in ("gpu", "cuda"):
+        return next((g for g in GPUS if g in kind), "h100")
+    if platform == "tpu":
+        return next((gen for key, gen in _TPU_KINDS if key in kind), "")
+    return "cpu"
+
+
+def calibration_note(platform: str, version: str | None) -> str:
+    """Whether the plan's constants were read from this compiler (`version` of the one compiling
+    for `platform`), or the plan is unchecked for it."""
+    family = "gpu" if platform in ("gpu", "cuda") else platform
+    if family not in CALIBRATED_WITH:
+        return "the plan's terms are calibrated on TPU and GPU compilers, not this one"
+    name, read = CALIBRATED_WITH[family]
+    if version == read:
+        return f"the plan's constants were read from this compiler ({name} {read})"
+    return (
+        f"the plan is UNCHECKED for {name} {version or '(version unknown)'}: its constants were "
+        f"read from {name} {read}'s buffer assignments (rerun benchmarks/aot.py to check them)"
+    )
+
+
+def run_plan(
+    cfg, tcfg, shapes, mesh: dict[str, int], device_bytes: int | None = None, target: str = ""
+) -> MemoryPlan:
+    """The plan of a run of `cfg` on `mesh`: `layout.memory_plan`'s terms with each program's bytes
+    and the run peak for `target`'s compiler (`peak` and `fits` are the run peak's)."""
+    plan = layout.memory_plan(tcfg, mesh, **layout.plan_kwargs(cfg, shapes, device_bytes))
+    programs = program_bytes(cfg, tcfg, shapes, mesh, target)
+    return dataclasses.replace(
+        plan,
+        programs=tuple(programs.items()),
+        run_peak=_peak(programs, resident_bytes(cfg, tcfg, shapes, mesh)),
+        target=target,
+    )
+
+
+def pick_mesh(
+    cfg, tcfg, shapes, num_devices: int, device_bytes: int | None, target: str = ""
+) -> list[MemoryPlan]:
+    """The plans of every candidate layout of `num_devices`, the one to use first (`layout.preference`:
+    fitting, then the most data parallel, the fewest tensor shards); empty when no layout's data
+    axes divide the questions. `device_bytes` None: nothing is judged to fit."""
+    meshes = layout.candidate_meshes(num_devices, shapes.Q)
+    plans = [run_plan(cfg, tcfg, shapes, m, device_bytes, target) for m in meshes]
+    return sorted(plans, key=layout.preference)
+
+
+def fitting_layouts(
+    cfg, tcfg, shapes, device_bytes: int, target: str = "", counts: range = range(1, 17)
+) -> list[tuple[int, MemoryPlan]]:
+    """(device count, its preferred plan) for every count in `counts` with a layout that fits."""
+    out = []
+    for n in counts:
+        plans = pick_mesh(cfg, tcfg, shapes, n, device_bytes, target)
+        if plans and plans[0].fits:
+            out.append((n, plans[0]))
+    return out
+
+
+def fit_advice(cfg, tcfg, shapes, num_devices: int, device_bytes: int, target: str = "") -> str:
+    """What fits instead: the preferred layout of these devices, else device counts that have one."""
+    plans = pick_mesh(cfg, tcfg, shapes, num_devices, device_bytes, target)
+    if plans and plans[0].fits:
+        best = plans[0]
+        return (
+            f"on these {num_devices} devices {mesh_overrides(best.mesh)} fits "
+            f"(peak {_gib(best.peak)} per device)"
+        )
+    if plans:
+        close = min(plans, key=lambda p: p.peak)
+        head = (
+            f"no layout of {num_devices} devices fits (the smallest peak: "
+            f"{mesh_overrides(close.mesh)}, {_gib(close.peak)} per device)"
+        )
+    else:
+        head = (
+            f"no layout of {num_devices} devices has data x fsdp dividing the {shapes.Q} questions "
+            f"per step"
+        )
+    found = fitting_layouts(cfg, tcfg, shapes, device_bytes, target)
+    if not found:
+        return (
+            f"{head}; no layout of 1 to 16 such devices fits either: lower rollout.max_new_tokens "
+            f"or set trainer.micro_batch, cppo.beta=0 or model.param_dtype=bfloat16 (with "
+            f"optim.lr >= {BF16_MIN_LR:.2g} or optim.allow_bf16_underflow=true)"
+        )
+    options = "; ".join(
+        f"{n} devices with {mesh_overrides(p.mesh)} (peak {_gib(p.peak)})" for n, p in found[:4]
+    )
+    return f"{head}; layouts that fit devices of this size: {options}"

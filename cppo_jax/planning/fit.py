@@ -1,7 +1,8 @@
 """What fits on a target, found by its compiler: a mesh, the largest micro-batch and question batch.
 
 `fit(cfg, target)` compiles `cfg`'s programs for `target` (`aot.compile_run`) on the config's mesh, or,
-when the config keeps the default mesh, on the layout `layout.pick_mesh` prefers for that many devices.
+when the config keeps the default mesh, on the layout `compiled_memory.pick_mesh` prefers for that
+many devices.
 Then, where the run does not fit or fits with room, it compiles the train step and the fused step at
 other micro-batches (`largest_fitting`: a bisection, log2 of the candidates) and the embedded sampler
 at more questions per step, and returns a `Report` with the plan's figures beside the compiler's and
@@ -62,43 +63,27 @@ def _usable(hbm: int | None, fraction: float) -> int | None:
     return None if hbm is None else int(fraction * hbm)
 
 
-def _with_mesh(
-    cfg: Config, n: int, hbm: int | None, target: str = "", fraction: float = 0.9
-) -> Config:
+def _with_mesh(cfg: Config, n: int, hbm: int | None, target: str = "") -> Config:
     """`cfg` with its mesh for `n` devices: the config's own (checked), or, when it keeps the default,
-    the most data parallel layout (then the fewest tensor shards, then the most replicas) whose peak by
-    `program_memory.run_peak` (the plan calibrated on the TPU compiler) fits; when none does, or
-    without a memory size, the layout of the smallest peak."""
+    the layout `compiled_memory.pick_mesh` prefers (the launch's `mesh=auto` choice, judged on the
+    run peak for `target`'s compiler); when none fits, or without a memory size, the layout of the
+    smallest peak (the micro-batch search starts there)."""
     from cppo_jax.algo.cppo import shapes_of
     from cppo_jax.config.run import MeshConfig
-    from cppo_jax.planning import memory as layout
-    from cppo_jax.planning.compiled_memory import planned_model as model_config
-    from cppo_jax.planning.compiled_memory import run_peak
+    from cppo_jax.planning import compiled_memory
 
     if cfg.mesh != MeshConfig():
         cfg.mesh.sizes(n)  # raises naming the keys
         return cfg
-    sh, tcfg = shapes_of(cfg), model_config(cfg)
-    meshes = layout.candidate_meshes(n, sh.Q)
-    if not meshes:
+    sh = shapes_of(cfg)
+    plans = compiled_memory.pick_mesh(cfg, compiled_memory.planned_model(cfg), sh, n, hbm, target)
+    if not plans:
         raise ConfigError(
             f"no layout of the {n} devices has data x fsdp dividing the {sh.Q} questions per step: "
             f"set mesh.data / mesh.fsdp / mesh.tensor (product {n}) or cppo.questions_per_step"
         )
-    peaks = [(run_peak(cfg, tcfg, sh, m, target), m) for m in meshes]
-    usable = _usable(hbm, fraction)
-    fitting = [(p, m) for p, m in peaks if usable is not None and p <= usable]
-    if fitting:
-        best = min(fitting, key=lambda pm: _preference(pm[1]))[1]
-    else:  # nothing fits by the plan: the smallest peak (the micro-batch search starts there)
-        best = min(peaks, key=lambda pm: pm[0])[1]
-    return dataclasses.replace(cfg, mesh=MeshConfig(**best))
-
-
-def _preference(mesh: dict[str, int]) -> tuple:
-    """Among layouts that fit: the most data parallel, then the fewest tensor shards, then the most
-    `data` (replicas need no gathers), as `layout.pick_mesh` orders them."""
-    return (-(mesh["data"] * mesh["fsdp"]), mesh["tensor"], -mesh["data"])
+    best = plans[0] if plans[0].fits else min(plans, key=lambda p: p.peak)
+    return dataclasses.replace(cfg, mesh=MeshConfig(**best.mesh))
 
 
 def _divisors_for(M: int, dp: int) -> list[int]:
@@ -149,7 +134,7 @@ def fit(
     device = roofline.device_of(devices)
     hbm = hbm_bytes or (device.hbm_bytes if device else None)
     fraction = usable_fraction(devices[0].platform)
-    cfg = _with_mesh(cfg, len(devices), hbm, target, fraction)
+    cfg = _with_mesh(cfg, len(devices), hbm, target)
     compiled = compile_run(cfg, target, devices)
     sh, tcfg = shapes_of(cfg), model_config(cfg)
     mesh = cfg.mesh.sizes(len(devices))

@@ -1,11 +1,14 @@
 """The memory plan of a training step on a (data, fsdp, tensor) mesh, and the choice of a mesh that fits.
 
-`memory_plan(tcfg, mesh, ...)` gives the per-device bytes of a step's dominant buffers (what
-`trainer.dry_run=true` and `python -m cppo_jax.plan` print) and names every mesh axis that cannot shard a
-dimension it is meant to shard (`Unsharded`: the dimension's size is not a multiple of the axis, so those
-weights are held whole on each device of that axis). `candidate_meshes` lists the layouts of N devices
-whose data axes divide the questions per step; `pick_mesh` plans each and returns the one to use: the
-most data parallel layout that fits, then the fewest tensor shards (what `launch/gpu_node.sh` runs).
+`memory_plan(tcfg, mesh, ...)` gives the per-device bytes of a step's dominant buffers, the terms
+of the one memory model (what `trainer.dry_run=true` and `python -m cppo_jax.plan` print line by
+line), and names every mesh axis that cannot shard a dimension it is meant to shard (`Unsharded`: the
+dimension's size is not a multiple of the axis, so those weights are held whole on each device of that
+axis). `compiled_memory` assembles the terms into each compiled program's bytes, as the compilers lay
+them out, and its `run_plan` is the plan every verdict is made on. `candidate_meshes` lists the
+layouts of N devices whose data axes divide the questions per step, in `preference`'s order once
+planned: the most data parallel layout that fits, then the fewest tensor shards (what
+`launch/gpu_node.sh` runs).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import dataclasses
 import functools
 import math
 
-from cppo_jax.config.choices import BF16_MIN_LR
 from cppo_jax.config.run import MESH_AXES
 from cppo_jax.config.schema import Config
 from cppo_jax.packing import plan as pack_plan
@@ -108,6 +110,11 @@ class MemoryPlan:
     snapshot: int = 0  # rollout.overlap: the params that sample the next step, in the compute dtype
     frozen: int = 0  # model.lora: the frozen base, in the compute dtype (params: the adapters)
     merged: int = 0  # model.lora with a server: the merged weights a push makes (compute dtype)
+    # The programs' model (`compiled_memory.run_plan`): each compiled program's bytes, and the run
+    # peak (the largest with the state alive beside it), for the compiler of `target`.
+    programs: tuple[tuple[str, int], ...] = ()
+    run_peak: int = 0
+    target: str = ""
 
     @property
     def activations(self) -> int:
@@ -127,7 +134,10 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        return max(self.train_peak, self.rollout_peak)
+        """The run peak of the programs' model where the plan has it (every verdict of the launch,
+        `plan` and `--pick-mesh` is made on it); the dominant buffers' larger phase for the terms
+        alone (`memory_plan` called by itself)."""
+        return self.run_peak or max(self.train_peak, self.rollout_peak)
 
     @property
     def fits(self) -> bool | None:
@@ -330,6 +340,13 @@ def memory_lines(plan: MemoryPlan, param_dtype: str) -> list[str]:
     lora = f"frozen base (compute dtype) {_gib(plan.frozen)}; merged weights per push {_gib(plan.merged)}"
     lines[3:3] = [f"  LoRA: the params above are the adapters; {lora}"] if plan.frozen else []
     lines += [f"  not sharded: {u.line()}" for u in plan.unsharded]
+    if plan.programs:
+        compiler = plan.target or "v5p/v4"
+        each = ", ".join(f"{name} {_gib(b)}" for name, b in plan.programs)
+        lines.append(
+            f"  programs as {compiler}'s compiler lays them out: {each}; run peak (the largest "
+            f"with the state alive beside it) {_gib(plan.run_peak)}"
+        )
     if plan.fits is None:
         lines.append(
             f"fits: unknown (device memory unknown; peak {_gib(plan.peak)} per device; give "
@@ -360,32 +377,10 @@ def candidate_meshes(num_devices: int, questions: int) -> list[dict[str, int]]:
     return out
 
 
-def _preference(plan: MemoryPlan) -> tuple:
+def preference(plan: MemoryPlan) -> tuple:
     """Fitting first; then the most data parallel, the fewest tensor shards, the most `data`."""
     m = plan.mesh
     return (not plan.fits, -(m["data"] * m["fsdp"]), m["tensor"], -m["data"])
-
-
-def pick_mesh(tcfg, num_devices: int, questions: int, **plan_kwargs) -> list[MemoryPlan]:
-    """The plans of every candidate layout of `num_devices`, the one to use first (see the module
-    docstring); empty when no layout's data axes divide `questions`. `plan_kwargs` go to `memory_plan`
-    (`device_bytes` is required to judge fitting)."""
-    plans = [
-        memory_plan(tcfg, mesh, **plan_kwargs) for mesh in candidate_meshes(num_devices, questions)
-    ]
-    return sorted(plans, key=_preference)
-
-
-def fitting_layouts(
-    tcfg, questions: int, counts: range = range(1, 17), **plan_kwargs
-) -> list[tuple[int, MemoryPlan]]:
-    """(device count, its preferred plan) for every count in `counts` with a layout that fits."""
-    out = []
-    for n in counts:
-        plans = pick_mesh(tcfg, n, questions, **plan_kwargs)
-        if plans and plans[0].fits:
-            out.append((n, plans[0]))
-    return out
 
 
 def plan_kwargs(cfg: Config, shapes, device_bytes: int | None) -> dict:
@@ -402,37 +397,3 @@ def plan_kwargs(cfg: Config, shapes, device_bytes: int | None) -> dict:
         overlap=bool(cfg.rollout.overlap),
         pack=pack_plan.config_choice(cfg, shapes).pack if cfg.trainer.pack else (0, 0),
     )
-
-
-def fit_advice(cfg: Config, tcfg, shapes, num_devices: int, device_bytes: int) -> str:
-    """What fits instead: the preferred layout of these devices, else device counts that have one."""
-    kw = plan_kwargs(cfg, shapes, device_bytes)
-    plans = pick_mesh(tcfg, num_devices, shapes.Q, **kw)
-    if plans and plans[0].fits:
-        best = plans[0]
-        return (
-            f"on these {num_devices} devices {mesh_overrides(best.mesh)} fits "
-            f"(peak {_gib(best.peak)} per device)"
-        )
-    if plans:
-        close = min(plans, key=lambda p: p.peak)
-        head = (
-            f"no layout of {num_devices} devices fits (the smallest peak: "
-            f"{mesh_overrides(close.mesh)}, {_gib(close.peak)} per device)"
-        )
-    else:
-        head = (
-            f"no layout of {num_devices} devices has data x fsdp dividing the {shapes.Q} questions "
-            f"per step"
-        )
-    found = fitting_layouts(tcfg, shapes.Q, **kw)
-    if not found:
-        return (
-            f"{head}; no layout of 1 to 16 such devices fits either: lower rollout.max_new_tokens "
-            f"or set trainer.micro_batch, cppo.beta=0 or model.param_dtype=bfloat16 (with "
-            f"optim.lr >= {BF16_MIN_LR:.2g} or optim.allow_bf16_underflow=true)"
-        )
-    options = "; ".join(
-        f"{n} devices with {mesh_overrides(p.mesh)} (peak {_gib(p.peak)})" for n, p in found[:4]
-    )
-    return f"{head}; layouts that fit devices of this size: {options}"

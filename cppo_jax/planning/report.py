@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from cppo_jax.config.model import LORA_RECIPE
 from cppo_jax.planning import roofline
+from cppo_jax.planning.aot import compiler_version
+from cppo_jax.planning.compiled_memory import calibration_note
 from cppo_jax.planning.fit import UPDATE_PROGRAMS, Report
 from cppo_jax.planning.memory import mesh_overrides
 
@@ -73,6 +75,7 @@ def lines(report: Report) -> list[str]:
     M = report.cfg.trainer.micro_batch
     out = [
         f"compiled for {c.target}: {where}",
+        f"  {calibration_note(c.platform, compiler_version(c.platform))}",
         f"  mesh {mesh_overrides(c.mesh)}; trainer.micro_batch={M} "
         f"({'the whole batch' if not M else f'{M} rows per micro-batch'})",
         "  per device         arguments  outputs  donated  temporaries    total   +state     peak"
