@@ -14,7 +14,7 @@ PATH is either
   "model.path is required: ..." when the run names neither). `--config` may then be left out: the
   run's own config is used (overrides still apply).
 
-Benchmarks (`eval_benchmarks.BENCHMARKS`), by default those of `data.task` (arith: arith; gsm8k: gsm8k; math: math500,
+Benchmarks (`eval.benchmarks.BENCHMARKS`), by default those of `data.task` (arith: arith; gsm8k: gsm8k; math: math500,
 amc23, aime24):
 
 | name | data | decoding | new tokens |
@@ -39,8 +39,8 @@ JAX sampler, or vLLM with `rollout.backend=vllm rollout.vllm_url=...`); the last
 repeating questions and the extra outputs dropped, so every question is scored exactly once per sample.
 Rewards run in a time-bounded `RewardPool` (`reward.timeout_s`, `reward.num_workers`).
 
-The layout: `eval_checkpoint` loads the policy, `eval_benchmarks` generates and scores,
-`eval_report` writes; this module is the command and `evaluate()`.
+The layout: `eval.policy` loads the policy, `eval.benchmarks` generates and scores,
+`eval.report` writes; this module is the command and `evaluate()`.
 
 Written to `--out` (default `<run>/eval` for a run folder, `<trainer.out_dir>/eval/<folder name>` for a
 Hugging Face folder, which is never written into): `<benchmark>.jsonl`, one row per completion (question

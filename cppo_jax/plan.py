@@ -603,25 +603,25 @@ def _compile_for(args) -> int:
     """`--compile-for`: exit 0 when the run fits (as configured, or with the overrides printed),
     1 when nothing searched fits, 2 on a config error (an unknown target, a mesh that does not
     divide the target's devices, no libtpu). Full fine-tuning that fits at no micro-batch is
-    compiled again with LoRA's recipe (`config_model.LORA_RECIPE`), and when that fits its
+    compiled again with LoRA's recipe (`config.model.LORA_RECIPE`), and when that fits its
     overrides are the ones printed (exit 0), named as LoRA's: the verdict a one-chip user needs."""
     import sys
 
     from cppo_jax.config.files import load_config
     from cppo_jax.config.model import LORA_RECIPE
-    from cppo_jax.planning import fit as aot_fit
-    from cppo_jax.planning import report as aot_report
+    from cppo_jax.planning import fit as compile_fit
+    from cppo_jax.planning import report as compile_report
 
     hbm = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
     try:
         cfg = load_config(args.config, args.overrides)
-        report = aot_fit.fit(cfg, args.compile_for, hbm_bytes=hbm, search=not args.no_search)
+        report = compile_fit.fit(cfg, args.compile_for, hbm_bytes=hbm, search=not args.no_search)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(aot_report.lines(report)))
-    as_json = aot_report.as_json(report)
-    fixes = aot_report.fit_overrides(report)
+    print("\n".join(compile_report.lines(report)))
+    as_json = compile_report.as_json(report)
+    fixes = compile_report.fit_overrides(report)
     lora = None
     if report.fits is False and not fixes and not args.no_search and not cfg.model.lora.enabled:
         try:  # (a config LoRA cannot take, packed rows for one, keeps the full run's verdict)
@@ -632,12 +632,12 @@ def _compile_for(args) -> int:
             recipe = " ".join(LORA_RECIPE)
             print(f"\nfull fine-tuning does not fit: compiling LoRA's recipe ({recipe})")
             try:
-                lora = aot_fit.fit(lora_cfg, args.compile_for, hbm_bytes=hbm)
+                lora = compile_fit.fit(lora_cfg, args.compile_for, hbm_bytes=hbm)
             except (ConfigError, ValueError) as e:
                 print(f"  LoRA's recipe cannot be compiled here: {e}")
         if lora is not None:
-            print("\n".join(aot_report.lines(lora)))
-            as_json["lora"] = aot_report.as_json(lora)
+            print("\n".join(compile_report.lines(lora)))
+            as_json["lora"] = compile_report.as_json(lora)
     if args.json:
         Path(args.json).write_text(json.dumps(as_json, indent=1))
     if fixes:
@@ -645,13 +645,13 @@ def _compile_for(args) -> int:
     if report.fits is not False or fixes:
         return 0
     if lora is not None:
-        lora_fixes = aot_report.fit_overrides(lora)
+        lora_fixes = compile_report.fit_overrides(lora)
         if lora.fits or lora_fixes:
             tail = f" {lora_fixes}" if lora_fixes and not lora.fits else ""
-            print(f"verdict: {aot_report.lora_verdict(lora)}")
+            print(f"verdict: {compile_report.lora_verdict(lora)}")
             print(f"run with: {' '.join(LORA_RECIPE)}{tail}")
             return 0
-    print(f"error: {aot_report.no_fit_message(report, lora)}", file=sys.stderr)
+    print(f"error: {compile_report.no_fit_message(report, lora)}", file=sys.stderr)
     return 1
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from cppo_jax.algo.cppo import shapes_of
 from cppo_jax.config.files import load_config
-from cppo_jax.planning import compiled_memory as program_memory
+from cppo_jax.planning import compiled_memory
 from cppo_jax.train.programs import model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _qwen_1p5b(rate: str):
 def test_the_samplers_cache_splits_its_kv_heads_with_the_query_heads():
     _, tcfg, _ = _qwen_1p5b("0")
     assert (tcfg.num_heads, tcfg.num_kv_heads) == (12, 2)
-    heads = {tp: program_memory._sampler_kv_heads(tcfg, tp) for tp in (1, 2, 3, 4, 8)}
+    heads = {tp: compiled_memory._sampler_kv_heads(tcfg, tp) for tp in (1, 2, 3, 4, 8)}
     # tensor 4 splits the 12 query heads 3 per device: each reads one kv head (not the rules'
     # whole 2); tensor 8 does not divide 12, so attention and its cache stay whole.
     assert heads == {1: 2, 2: 1, 3: 2, 4: 1, 8: 2}
@@ -37,13 +37,13 @@ def test_the_samplers_cache_splits_its_kv_heads_with_the_query_heads():
 def test_v5e_plans_a_second_score_buffer_in_the_reference_only():
     cfg, tcfg, sh = _qwen_1p5b("0")
     mesh = {"data": 1, "fsdp": 1, "tensor": 8}
-    plain = program_memory.program_bytes(cfg, tcfg, sh, mesh)
-    v5e = program_memory.program_bytes(cfg, tcfg, sh, mesh, "v5e:2x4")
+    plain = compiled_memory.program_bytes(cfg, tcfg, sh, mesh)
+    v5e = compiled_memory.program_bytes(cfg, tcfg, sh, mesh, "v5e:2x4")
     T = sh.P + sh.C - 1
     # all 12 heads on each device: tensor = 8 does not divide them
     assert v5e["ref_logps"] - plain["ref_logps"] == sh.M * 12 * T * T * 4
     assert v5e["train_step"] == plain["train_step"] and v5e["sampler"] == plain["sampler"]
-    assert program_memory.program_bytes(cfg, tcfg, sh, mesh, "v5p:2x2x1") == plain
+    assert compiled_memory.program_bytes(cfg, tcfg, sh, mesh, "v5p:2x2x1") == plain
 
 
 def test_v6e_does_not_hold_the_gathered_vocabulary_through_the_layers():
@@ -52,14 +52,14 @@ def test_v6e_does_not_hold_the_gathered_vocabulary_through_the_layers():
     tcfg, sh = model_config(cfg), shapes_of(cfg)
     fsdp = {"data": 1, "fsdp": 8, "tensor": 1}
     ref = {
-        t: program_memory.program_bytes(cfg, tcfg, sh, fsdp, t)["ref_logps"] for t in ("v6e", "v4")
+        t: compiled_memory.program_bytes(cfg, tcfg, sh, fsdp, t)["ref_logps"] for t in ("v6e", "v4")
     }
     # v4 holds both gathered bf16 vocabulary matrices (untied) beside the layers' working set,
     # which on v6e is larger than the gathered matrix and its relaid copy, so counts alone
     assert ref["v4"] - ref["v6e"] == 2 * tcfg.vocab_size * tcfg.hidden_size * 2
     replicas = {"data": 8, "fsdp": 1, "tensor": 1}  # nothing gathered: the same figure
     same = {
-        t: program_memory.program_bytes(cfg, tcfg, sh, replicas, t)["ref_logps"]
+        t: compiled_memory.program_bytes(cfg, tcfg, sh, replicas, t)["ref_logps"]
         for t in ("v6e", "v4")
     }
     assert same["v6e"] == same["v4"]
@@ -124,13 +124,13 @@ def test_the_constants_are_tied_to_the_compilers_they_were_read_from():
     unchecked for it, and the `--compile-for` report carries the line for the compiler at hand."""
     from cppo_jax.planning import aot
 
-    for platform, (name, version) in program_memory.CALIBRATED_WITH.items():
-        same = program_memory.calibration_note(platform, version)
+    for platform, (name, version) in compiled_memory.CALIBRATED_WITH.items():
+        same = compiled_memory.calibration_note(platform, version)
         assert f"read from this compiler ({name} {version})" in same and "UNCHECKED" not in same
-        newer = program_memory.calibration_note(platform, version + ".1")
+        newer = compiled_memory.calibration_note(platform, version + ".1")
         assert f"UNCHECKED for {name} {version}.1" in newer and f"{name} {version}'s" in newer
-        assert "(version unknown)" in program_memory.calibration_note(platform, None)
-    assert "not this one" in program_memory.calibration_note("cpu", None)
+        assert "(version unknown)" in compiled_memory.calibration_note(platform, None)
+    assert "not this one" in compiled_memory.calibration_note("cpu", None)
     assert aot.compiler_version("cpu") is None
 
 
@@ -144,14 +144,14 @@ def test_the_launch_judges_a_layout_by_the_run_peak_of_the_compiled_programs():
     chosen = plan.choose_mesh(cfg, 8, int(80e9))  # a GPU by default: h100's terms
     mesh, p = chosen.plan.mesh, chosen.plan
     assert p.target == "h100" and p.fits
-    assert p.peak == program_memory.run_peak(cfg, tcfg, sh, mesh, "h100") == p.run_peak
-    assert dict(p.programs) == program_memory.program_bytes(cfg, tcfg, sh, mesh, "h100")
+    assert p.peak == compiled_memory.run_peak(cfg, tcfg, sh, mesh, "h100") == p.run_peak
+    assert dict(p.programs) == compiled_memory.program_bytes(cfg, tcfg, sh, mesh, "h100")
     # The run peak is not the terms' larger phase: each program's own buffers decide it.
     assert p.peak != max(p.train_peak, p.rollout_peak)
     text = "\n".join(layout.memory_lines(p, cfg.model.param_dtype))
     assert "programs as h100's compiler lays them out" in text
     assert all(name in text for name in dict(p.programs))
     # The same device count on TPU takes that generation's terms from the device kind.
-    assert program_memory.target_of("tpu", "TPU v5 lite") == "v5e"
-    assert program_memory.target_of("gpu", "NVIDIA H200") == "h200"
-    assert program_memory.target_of("cpu") == "cpu"
+    assert compiled_memory.target_of("tpu", "TPU v5 lite") == "v5e"
+    assert compiled_memory.target_of("gpu", "NVIDIA H200") == "h200"
+    assert compiled_memory.target_of("cpu") == "cpu"

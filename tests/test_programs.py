@@ -99,8 +99,8 @@ def test_built_programs_are_the_trainers(tmp_path, arith_model_dir, overrides, m
 
 
 def test_compiling_ahead_leaves_the_first_step_nothing_to_compile(tmp_path, arith_model_dir):
-    """What a run with a vLLM server does while the server loads (`trainer_update.compile_ahead`,
-    from `trainer_run`): the first step's program compiled from the config alone into the trainer's
+    """What a run with a vLLM server does while the server loads (`train.update.compile_ahead`,
+    from `train.loop`): the first step's program compiled from the config alone into the trainer's
     own function. The first step then compiles every program but that one; the packed run's pruning
     program is its own."""
     from cppo_jax.train.update import compile_ahead

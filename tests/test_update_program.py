@@ -1,4 +1,4 @@
-"""Steps 4-7 after the rewards as one program (`update_program`, run by `trainer_update`).
+"""Steps 4-7 after the rewards as one program (`train.after_rewards`, run by `train.update`).
 
 The fused step trains to the same params as the phases apart (`Trainer.phase_split`: pruning, the
 reference's and the snapshot's log-probs, the mu updates, each its own program), for mu = 1 and 2,

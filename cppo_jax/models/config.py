@@ -72,7 +72,7 @@ class TransformerConfig:
     # "splash", TPUs' Pallas flash kernel (no [T, T] scores in memory; interpreted on CPU).
     attention: str = "einsum"
     # Low-rank adapters (`models.lora`): rank 0 none; else A [in, r], B [r, out] on each projection
-    # `lora_targets` names (config_choices.LORA_TARGETS), scaled by lora_alpha / lora_rank.
+    # `lora_targets` names (config.choices.LORA_TARGETS), scaled by lora_alpha / lora_rank.
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()

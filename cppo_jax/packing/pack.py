@@ -10,7 +10,7 @@ Steps of `pack`, in order:
 2. First-fit decreasing: sequences by length, longest first (ties in row order), each into the
    first row with room for it. A sequence longer than L, or a step whose sequences do not fit in R
    rows, is a `DoesNotFitError` (a `ValueError`) naming `trainer.pack_len` / `trainer.pack_rows` and the
-   sizes needed; the trainer then trains that step padded (`packed_rows.Packer.batch`).
+   sizes needed; the trainer then trains that step padded (`packing.rows.Packer.batch`).
 3. Each sequence's tokens lie contiguous and in order in its row; `segment_RL` numbers the
    sequences of a row from 1 (0: padding), `positions_RL` restart at 0 per sequence (the RoPE
    positions the padded forward gives it: `positions_from_valid`).

@@ -23,7 +23,7 @@ The choice (`choose_rows`), in order:
    the mesh as the M sequences do (`round_rows`), and never more than M (then packing saves
    nothing, and the run's `pack_rows` event says so).
 A step that needs more than R rows anyway trains on the padded batch, exactly
-(`packed_rows.Packer.batch`, metric `pack/overflow`).
+(`packing.rows.Packer.batch`, metric `pack/overflow`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ For every program, per device: arguments, outputs, aliased (donated) bytes, temp
 and the memory plan's figure for it (`layout.MemoryPlan.programs`). A run also holds state that is not
 an argument of every program (the optimizer state while sampling, the reference during the update):
 `Compiled.peak` adds it, and `fits` compares that peak with the usable part of the chip's HBM (`roofline.CHIPS`,
-`aot_fit.usable_fraction`: 90% of a TPU, `layout.GPU_MEM_FRACTION` of a GPU).
+`fit.usable_fraction`: 90% of a TPU, `layout.GPU_MEM_FRACTION` of a GPU).
 """
 
 from __future__ import annotations

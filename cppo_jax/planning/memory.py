@@ -26,7 +26,7 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 # fragmentation). On GPUs `cppo_jax.launch` sets XLA_PYTHON_CLIENT_MEM_FRACTION to it before JAX starts
 # (JAX's own default preallocates 0.75), so the plan assumes what the run gets.
 USABLE_FRACTION = 0.9
-USABLE = USABLE_FRACTION  # the name the compile reports (aot_report, aot_fit) import
+USABLE = USABLE_FRACTION  # the name the compile reports (planning.report, planning.fit) import
 MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 # A GPU program fits in this share of the HBM: the pool JAX's allocator holds once the launch has set
 # XLA_PYTHON_CLIENT_MEM_FRACTION to it (the same fact: `plan --compile-for` judges by it).

@@ -172,7 +172,7 @@ def compiled(prog: Program, mesh=None, params=None, frozen=None, packed: bool = 
         prune = jax.jit(prune_fn) if packed else None
         return Compiled(jax.jit(update_fn, donate_argnums=(0, 1)), prune, None)
     if params is None:
-        raise ValueError("update_program.compiled(mesh=...) needs params (or their shapes)")
+        raise ValueError("after_rewards.compiled(mesh=...) needs params (or their shapes)")
     p_sh = sharding_lib.param_shardings(params, mesh)
     o_sh = sharding_lib.opt_state_shardings(prog.tx, params, mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -5,7 +5,7 @@ while the server may still be loading), push the weights, evaluate (a sample of 
 `trainer.eval_subset`, greedy and sampled) and validate, then the steps, each logged, with an evaluation
 every `trainer.eval_every` steps (validation when a validation split is held out) and a checkpoint every
 `trainer.checkpoint_every`; then the last checkpoint, validation, the final policy as a Hugging Face
-folder `export/`, evaluation of the whole test split and the run's files (`trainer_eval.write_summary`).
+folder `export/`, evaluation of the whole test split and the run's files (`evaluation.write_summary`).
 `save` and `maybe_resume` write and read the checkpoints:
 the trained state (`Trainer.state`) and the counters, the skipper's state and what the params are (LoRA
 adapters or a full model's weights).
@@ -22,7 +22,7 @@ from cppo_jax.config.choices import ConfigError
 from cppo_jax.data import skipping as skip_lib
 from cppo_jax.models.peft_io import save_adapter
 from cppo_jax.rollout.vllm.client import RolloutServerError
-from cppo_jax.train import evaluation as trainer_eval
+from cppo_jax.train import evaluation
 from cppo_jax.train.checkpoint import CheckpointError
 from cppo_jax.train.export import ADAPTER_DIR, EXPORT_DIR, export_policy
 from cppo_jax.train.stopping import SignalStopError, StopSignals
@@ -56,7 +56,7 @@ def _run(trainer, progress) -> dict:
     guarded(trainer, trainer.start_step, lambda s: trainer.rollout.push(trainer.policy_params(), s))
     with StopSignals() as stop:  # SIGTERM/SIGINT: checkpoint and stop (cppo_jax.train.stopping)
         before = trainer.evaluate(trainer.start_step, sampled=True)
-        trainer_eval.validate(trainer, trainer.start_step)
+        evaluation.validate(trainer, trainer.start_step)
         for step in range(trainer.start_step, trainer.num_steps):
             stop_if_asked(trainer, stop, step)
             with trainer.host.tracer.step(step + 1):
@@ -67,7 +67,7 @@ def _run(trainer, progress) -> dict:
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < trainer.num_steps:
                 if trainer.data.val_set is not None:
-                    trainer_eval.validate(trainer, done)
+                    evaluation.validate(trainer, done)
                 else:
                     trainer.evaluate(done)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
@@ -75,7 +75,7 @@ def _run(trainer, progress) -> dict:
         if trainer.host.ckpt.latest_step() != trainer.num_steps:
             trainer.save(trainer.num_steps)
         stop_if_asked(trainer, stop, trainer.num_steps)
-    trainer_eval.validate(trainer, trainer.num_steps)
+    evaluation.validate(trainer, trainer.num_steps)
     actor, out_dir = trainer.actor, trainer.host.out_dir
     export_policy(
         actor.graphdef,
@@ -88,7 +88,7 @@ def _run(trainer, progress) -> dict:
     if actor.frozen is not None:  # LoRA: the adapters alone too, as PEFT saves them
         save_adapter(trainer.params, actor.model_cfg, out_dir / ADAPTER_DIR, actor.model_path)
     after = trainer.evaluate(trainer.num_steps, sampled=True, whole=True)  # as the paper scores
-    table = trainer_eval.write_summary(trainer, before, after)
+    table = evaluation.write_summary(trainer, before, after)
     return {"before": before, "after": after, "steps": trainer.num_steps, "phases": table}
 
 

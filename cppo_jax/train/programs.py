@@ -38,7 +38,7 @@ from cppo_jax.packing.rows import PackedBatch, Packer
 from cppo_jax.parallel import sharding as sharding_lib
 from cppo_jax.rollout.embedded.sampler import make_sampler, sampler_shardings
 from cppo_jax.rollout.embedded.sampling import SamplingParams
-from cppo_jax.train import after_rewards as update_program
+from cppo_jax.train import after_rewards
 from cppo_jax.train import device_fns as step_lib
 from cppo_jax.train import optimizer as optimizer_lib
 from cppo_jax.train.after_rewards import Rolled
@@ -157,7 +157,7 @@ class UpdatePrograms(NamedTuple):
     sources: LogpSources
     train_step: Callable  # (params, opt_state, batch, *frozen) -> (params, opt_state, metrics)
     logps: Callable  # (params, tokens_MT, valid_MT, *frozen) -> logp_MC
-    fused: update_program.Compiled  # steps 4-7 after the rewards (packed rows: 6-7 and pruning)
+    fused: after_rewards.Compiled  # steps 4-7 after the rewards (packed rows: 6-7 and pruning)
 
 
 def schedule_updates(cfg: Config, num_steps: int | None = None) -> int:
@@ -186,7 +186,7 @@ def update_programs(
         graphdefs[0], tx, spec, mesh=mesh, params=params, rows=shapes.M, frozen=frozen
     )
     sources = logp_sources(cfg)
-    prog = update_program.Program(
+    prog = after_rewards.Program(
         *graphdefs,
         tx,
         lr_fn,
@@ -197,7 +197,7 @@ def update_programs(
         sources,
         lora=frozen is not None,
     )
-    fused = update_program.compiled(prog, mesh, params, frozen, packed=packer is not None)
+    fused = after_rewards.compiled(prog, mesh, params, frozen, packed=packer is not None)
     return UpdatePrograms(tx, lr_fn, spec, sources, train_step, logps, fused)
 
 
@@ -290,7 +290,7 @@ def build(cfg: Config, devices, num_steps: int | None = None) -> Built:
     if logp_sources(cfg).needs_snapshot:  # the overlap snapshot's (old or behaviour) log-probs
         programs["old_logps"] = (logps, (copy, *ref_args, *frozen))
         resident["snapshot"] = _bytes_per_device(copy)
-    # The program a step runs after its rewards (`update_program`): the parts above fused, with the
+    # The program a step runs after its rewards (`after_rewards`): the parts above fused, with the
     # reference's and the snapshot's copies as arguments beside the params and optimizer state.
     fused = up.fused
     ref_copy = copy if cfg.cppo.beta > 0 and not lora else None

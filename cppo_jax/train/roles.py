@@ -44,10 +44,9 @@ from cppo_jax.rewards.pool import RewardPool
 from cppo_jax.rewards.registry import TASK_EVAL, display_name
 from cppo_jax.rollout.backend import make_backend
 from cppo_jax.rollout.draw import StepRollout, draw_rollout
-from cppo_jax.train import after_rewards as update_program
+from cppo_jax.train import after_rewards, programs
 from cppo_jax.train import device_fns as step_lib
 from cppo_jax.train import optimizer as optimizer_lib
-from cppo_jax.train import programs
 from cppo_jax.train.checkpoint import Checkpointer, holds_a_run, set_aside_earlier_run
 
 
@@ -120,7 +119,7 @@ class Actor:
     packer: Packer | None  # trainer.pack: the kept sequences trained in packed rows
     frozen: object | None  # LoRA: the base, frozen in the compute dtype (`lora_lib.split`)
     merge: Callable | None  # LoRA: (adapters, base, model_cfg) -> merged weights, jitted
-    fused: update_program.Compiled | None = None  # steps 4-7 after rewards (`update_program`)
+    fused: after_rewards.Compiled | None = None  # steps 4-7 after rewards (`after_rewards`)
 
     @property
     def frozen_args(self) -> tuple:

@@ -10,8 +10,8 @@ One step (`Trainer.step`):
   7. mu policy updates on the kept completions; with mu > 1 the first one's forward gives the old
      policy's log-probs for the others (a stale rollout's come from its own pass in 6; where each
      comes from: `logp_sources`).
-Steps 4-7 are one compiled program whose metrics are fetched once (`update_program`, run by
-`trainer_update`). Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO
+Steps 4-7 are one compiled program whose metrics are fetched once (`after_rewards`, run by
+`update`). Nothing is computed for a pruned completion after its reward. p = 0 is plain GRPO
 on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
@@ -19,7 +19,7 @@ stale, with exact old-policy log-probs (`rollout.overlap`). Steps 1-2 are the `r
 the host `scoring`'s, steps 4-7 the actor's fused program (the reference's params an argument of it).
 The roles are built by `roles.build`; the trainer holds what changes in a run: the params, their
 optimizer state and the counters. The run around the steps (resume, evaluations,
-checkpoints, stops) is `trainer_run`'s; evaluation and validation `trainer_eval`'s.
+checkpoints, stops) is `loop`'s; evaluation and validation `evaluation`'s.
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ from cppo_jax.parallel import distributed
 from cppo_jax.rollout.draw import StepRollout
 from cppo_jax.rollout.embedded.segments import running_rows
 from cppo_jax.rollout.overlap import Overlap
-from cppo_jax.train import evaluation as trainer_eval
-from cppo_jax.train import loop as trainer_run
-from cppo_jax.train import roles, scoring
-from cppo_jax.train import update as trainer_update
+from cppo_jax.train import evaluation, loop, roles, scoring, update
 
 
 class NonFiniteError(RuntimeError):
@@ -89,12 +86,12 @@ class Trainer:
         return self.rollout.weights(self.actor, self.params if params is None else params)
 
     def save(self, step: int) -> None:
-        """Checkpoint `step` (`trainer_run.save`)."""
-        trainer_run.save(self, step)
+        """Checkpoint `step` (`loop.save`)."""
+        loop.save(self, step)
 
     def maybe_resume(self) -> None:
-        """Restore the latest checkpoint when `trainer.resume` (`trainer_run.maybe_resume`)."""
-        trainer_run.maybe_resume(self)
+        """Restore the latest checkpoint when `trainer.resume` (`loop.maybe_resume`)."""
+        loop.maybe_resume(self)
 
     # ------------------------------------------------------------------------------------------
 
@@ -157,8 +154,8 @@ class Trainer:
             metrics.update(data.skipper.record(step, rewards_QG, easy))
 
         # 4-7. Advantages, pruning, reference (and snapshot) log-probs, the mu updates: one program
-        # and one fetch of its metrics (`trainer_update`; the phases apart in profiled steps).
-        m = trainer_update.after_rewards(self, rollout, rewards_QG, sample_params, step, times)
+        # and one fetch of its metrics (`update`; the phases apart in profiled steps).
+        m = update.after_rewards(self, rollout, rewards_QG, sample_params, step, times)
         sample_params = None  # the snapshot that sampled: not kept through the update
         self.params_step = step + 1
         if self.overlap is not None:  # the server must be idle before new weights go in
@@ -231,13 +228,13 @@ class Trainer:
         sampled: bool = False,
         whole: bool = False,
     ) -> dict:
-        """Held-out accuracy of the current params (`trainer_eval.evaluate`: the test split's
+        """Held-out accuracy of the current params (`evaluation.evaluate`: the test split's
         `trainer.eval_subset` sample unless `whole`), logged and kept in `evals`."""
-        return trainer_eval.evaluate(self, step, batch_size, split, sampled, whole)
+        return evaluation.evaluate(self, step, batch_size, split, sampled, whole)
 
     def train(self, progress=None) -> dict:
-        """The whole run (`trainer_run.train`); returns a summary."""
-        return trainer_run.train(self, progress)
+        """The whole run (`loop.train`); returns a summary."""
+        return loop.train(self, progress)
 
     def close(self) -> None:
         host = self.host

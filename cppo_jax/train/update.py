@@ -37,7 +37,7 @@ def compile_ahead(trainer) -> dict:
     """Compile the program the first step runs after its rewards before any rollout exists, from the
     config's abstract arguments (`programs.build`: the shapes, dtypes and shardings the step's
     arguments will have, tests/test_programs.py), into the trainer's own jitted function, whose first
-    call then compiles nothing. For a run whose rollout server is still loading (`trainer_run`).
+    call then compiles nothing. For a run whose rollout server is still loading (`train.loop`).
     Returns the `compiled_ahead` event's fields: the seconds spent (0 where the steps run the
     phases apart), and the error where it failed: it only saves time, so the run goes on without."""
     import time

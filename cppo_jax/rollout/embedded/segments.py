@@ -1,7 +1,7 @@
 """The embedded sampler's completion cache in segments: the slot counts its decode loops run over.
 
 Host arithmetic (no JAX), shared by the sampler, which builds one while loop per segment, and the
-memory plan (`program_memory`), which counts the caches the compiled sampler holds.
+memory plan (`planning.compiled_memory`), which counts the caches the compiled sampler holds.
 """
 
 from __future__ import annotations
