@@ -311,8 +311,9 @@ def test_plan_counts_lora_as_the_trainer_holds_it(tmp_path):
 
 
 def test_plan_command_with_lora_finds_fewer_gpus_for_math7b(capsys):
-    """configs/math7b.py on 80 GB GPUs: with LoRA (rank 32) two GPUs fit (as data = 2, or fsdp = 2), and one with
-    micro-batches of 8 rows; full fine-tuning needs four (fsdp = 4) even with them."""
+    """configs/math7b.py on 80 GB GPUs: with LoRA (rank 32) two GPUs fit (as data = 2, or
+    fsdp = 2), and one with micro-batches of 8 rows; full fine-tuning needs four (fsdp = 4) even
+    with them."""
     args = ["--config", MATH7B, "--device-memory-gb", "80"]
     lora = ["model.lora.enabled=true", "model.lora.rank=32"]
     assert plan.main([*args, "--devices", "1", *lora]) == 1

@@ -1,4 +1,4 @@
-"""The memory plan of a training step on a (data, fsdp, tensor) mesh, and the choice of a mesh that fits.
+"""The memory plan's terms for a training step on a (data, fsdp, tensor) mesh, and the candidate meshes.
 
 `memory_plan(tcfg, mesh, ...)` gives the per-device bytes of a step's dominant buffers, the terms
 of the one memory model (what `trainer.dry_run=true` and `python -m cppo_jax.plan` print line by
