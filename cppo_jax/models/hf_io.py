@@ -139,10 +139,13 @@ def _ignored(name: str, cfg: TransformerConfig) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray] | None:
+def state_to_hf_tensors(
+    model: Transformer, *, tied_head: bool = True
+) -> dict[str, np.ndarray] | None:
     """All parameters as HF-named numpy arrays (torch layouts) in the param dtype.
 
-    Tied models also get `lm_head.weight`, a copy of the embedding (vLLM needs it on reload). With
+    Tied models also get `lm_head.weight`, a copy of the embedding (vLLM's CPU backend needs it on a
+    reload from files), unless `tied_head` is False. With
     several processes every process must call this (parameters are gathered across them, one at a
     time) and only process 0 gets the tensors (None elsewhere: no other host holds a model copy).
     """
@@ -156,7 +159,7 @@ def state_to_hf_tensors(model: Transformer) -> dict[str, np.ndarray] | None:
         e.hf_name: e.to_hf(host[e.path] if e.layer is None else host[e.path][e.layer])
         for e in name_table(model.cfg)
     }
-    if model.cfg.tie_word_embeddings:
+    if model.cfg.tie_word_embeddings and tied_head:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     return tensors
 

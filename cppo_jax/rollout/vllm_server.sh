@@ -28,7 +28,8 @@
 # GPU), VLLM_CPU_KVCACHE_SPACE (1, GiB), VLLM_API_KEY (passed as --api-key when set), VLLM_PYTHON (use this
 # interpreter and skip the GPU/CPU choice and the install), VLLM_MAX_NUM_SEQS (128, CPU: running sequences;
 # the per-step token budget is this times the context length), VLLM_WEIGHT_TRANSFER (0; 1: the weight-transfer
-# routes with the shared-memory engine `cppo_shm`, docs/vllm.md), VLLM_LORA_RANK (0; R > 0: serve LoRA adapters
+# routes with the shared-memory engine `cppo_shm`, docs/vllm.md; on a CPU server the engine keeps plain weights
+# and writes each push into them in place, CPPO_VLLM_PLAIN_WEIGHTS=0 lets vLLM pack them), VLLM_LORA_RANK (0; R > 0: serve LoRA adapters
 # loaded at runtime, rollout.lora_push: --enable-lora --max-lora-rank with the smallest rank vLLM accepts >= R,
 # and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, docs/lora.md).
 set -euo pipefail

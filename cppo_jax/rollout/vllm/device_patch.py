@@ -179,7 +179,6 @@ class DevicePatcher:
         self.compact = compact or ("host" if jax.default_backend() == "cpu" else "device")
         self.dtype = np.dtype(DTYPES[dtype])
         self.udt, self.sdt, self.np_udt = _BITS[self.dtype.itemsize]
-        self.tied = bool(model_cfg.tie_word_embeddings)
         self.params = _params(model_cfg)
         self.base = None  # {path: [L, n] bits} of the last confirmed push
         self._pending = None
@@ -289,17 +288,6 @@ class DevicePatcher:
             for i in whole:
                 bits = get(_row(new[p.path], i)) if L > 1 else get(new[p.path][0])
                 entries.append((p.names[i], self.dtype, p.hf_shape, bits.view(self.dtype)))
-        if (
-            self.tied
-        ):  # vLLM's CPU backend needs lm_head.weight (VLLM.md): the embedding's entry again
-            emb = next(e for e in entries if e[0] == "model.embed_tokens.weight")
-            entries.append(("lm_head.weight", *emb[1:]))
-            total += math.prod(emb[2])
-            changed += (
-                changed_of(counts, self.params, "model.embed_tokens.weight", emb)
-                if sparse
-                else math.prod(emb[2])
-            )
         self._pending = new
         return entries, {
             "device_s": t1 - t0,
@@ -337,11 +325,3 @@ class DevicePatcher:
 
     def invalidate(self) -> None:
         self.base, self._pending = None, None
-
-
-def changed_of(counts, params, name: str, entry) -> int:
-    """Changed elements of the tensor `name` from the counts (a whole-sent tensor counts whole)."""
-    for p in params:
-        if name in p.names:
-            return int(counts[p.path][p.names.index(name), 0])
-    return math.prod(entry[2])

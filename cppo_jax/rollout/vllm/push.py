@@ -6,7 +6,7 @@
   routes with the `cppo_shm` engine, `cppo_jax/rollout/vllm/weight_transfer.py`); `auto` asks the server which
   engine it was started with.
 - `hf_tensors`: the policy as the HF-named numpy arrays a protocol push sends (the same names and layouts
-  as the file route's checkpoint).
+  as the file route's checkpoint, without a tied model's copy of the embedding as `lm_head.weight`).
 - `check_space` / `PushSpaceError`: before every push, the push folder's file system must hold the two
   copies a push may leave there (the slot or round the server read last, and the new one); a Docker
   container's /dev/shm is 64 MB unless started with `--shm-size`, where a 7B push needs 2 x 15.2 GB.
@@ -58,9 +58,10 @@ def resolve_route(choice: str, client: JSONClient) -> str:
 
 
 def hf_tensors(graphdef, params) -> dict[str, np.ndarray] | None:
-    """The model `graphdef` with `params` as HF-named host arrays in their dtype (None off the main
-    process, as `state_to_hf_tensors`)."""
-    return state_to_hf_tensors(nnx.merge(graphdef, params))
+    """The model `graphdef` with `params` as the HF-named host arrays a protocol push sends, in their
+    dtype (None off the main process, as `state_to_hf_tensors`). A tied model's `lm_head.weight` is left
+    out: it would be the embedding again, and the `cppo_shm` engine serves the embedding as the head."""
+    return state_to_hf_tensors(nnx.merge(graphdef, params), tied_head=False)
 
 
 PUSH_MARKER = ".cppo_weight_pushes"  # written into a push folder this package created

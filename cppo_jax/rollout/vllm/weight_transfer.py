@@ -9,7 +9,7 @@ described there. One push is one round: start, one update call naming every tens
 - Full push: every tensor's bytes, in the serving dtype.
 - Sparse push: for each tensor, the elements whose serving-dtype bit pattern changed since the last
   confirmed push, in two groups. Most move by a few units of their bit pattern (an RL update is a few ulps
-  at most: `ulp_steps`); those go as steps: per element one uint8 gap from the previous stepped index and
+  at most: `ulp_steps`, the difference taken modulo 2^bits as the server adds it); those go as steps: per element one uint8 gap from the previous stepped index and
   one int8 step of the bit pattern, 2 bytes where an index and a value take 4 + 2. The rest (a weight that
   crosses zero, or moves more than 127 ulps) go as flat int32 indices and new values (vLLM's
   `SparseWeightPatch` coordinates). A tensor with nothing changed is sent with 0 elements (so a dropped
@@ -29,6 +29,7 @@ import contextlib
 import os
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,36 +70,74 @@ def server_backend(client: JSONClient) -> str | None:
     return str(cfg.get("backend")) if isinstance(cfg, dict) and cfg.get("backend") else None
 
 
-def changed_mask(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Flat bool mask of the elements whose bit pattern differs between `old` and `new` (same shape
-    and dtype)."""
+_CHUNK = 1 << 22  # elements per slice compared in one thread
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads for the comparison of large tensors (numpy releases the GIL while comparing)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), "cppo-diff"))
+    return _POOL[0]
+
+
+def _bits(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
     if new.size >= 2**31:
         raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
     u = _UINT[new.dtype.itemsize]
-    return np.ascontiguousarray(old).view(u).ravel() != np.ascontiguousarray(new).view(u).ravel()
+    return (
+        np.ascontiguousarray(old).view(u).reshape(-1),
+        np.ascontiguousarray(new).view(u).reshape(-1),
+    )
+
+
+def changed_steps(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The changed elements of `old` -> `new` (same shape and dtype): their ascending flat indices
+    (int64) and the difference of their bit patterns modulo 2^bits, read signed (the server adds it
+    modulo 2^bits). A large tensor is compared in slices on several threads (numpy releases the GIL)."""
+    a, b = _bits(old, new)
+    signed = np.dtype(f"i{a.itemsize}")
+
+    def part(start: int) -> tuple[np.ndarray, np.ndarray]:
+        x, y = a[start : start + _CHUNK], b[start : start + _CHUNK]
+        i = np.flatnonzero(x != y)
+        d = y[i]
+        d -= x[i]  # unsigned subtraction wraps: the difference modulo 2^bits
+        return i + start, d.view(signed)
+
+    if a.size <= _CHUNK:
+        return part(0)
+    parts = list(_pool().map(part, range(0, a.size, _CHUNK)))
+    return np.concatenate([i for i, _ in parts]), np.concatenate([d for _, d in parts])
 
 
 def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """Flat int32 indices where `new`'s bit pattern differs from `old`'s (same shape and dtype)."""
-    return np.flatnonzero(changed_mask(old, new)).astype(np.int32)
+    a, b = _bits(old, new)
+    return np.flatnonzero(a != b).astype(np.int32)
 
 
 def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, ...]:
     """Encode the changed elements `idx` (ascending) of `old` -> `new` (same shape and dtype) as steps.
 
     Returns (gaps_S uint8, steps_S int8, rest_idx int32): entry s patches flat index
-    cumsum(gaps)[s] - 1 by adding steps[s] to its unsigned bit pattern. Elements whose pattern moves by
-    more than 127 are left in `rest_idx` (sent as index and value). A gap over 255 is bridged by entries of
-    gap 255 and step 0 (no-ops), so every gap fits a byte."""
-    if new.dtype.itemsize not in (2, 4):  # the server steps 16- and 32-bit patterns only
+    cumsum(gaps)[s] - 1 by adding steps[s] to its unsigned bit pattern, modulo 2^bits (as the server
+    adds it). Elements whose pattern moves by more than 127 either way are left in `rest_idx` (sent as
+    index and value). A gap over 255 is bridged by entries of gap 255 and step 0 (no-ops), so every gap
+    fits a byte."""
+    a, b = _bits(old, new)
+    d = b[idx]
+    d -= a[idx]
+    return split_steps(idx, d.view(np.dtype(f"i{a.itemsize}")))
+
+
+def split_steps(idx: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`ulp_steps` of changed elements `idx` whose bit patterns moved by `d` (signed, modulo 2^bits)."""
+    if d.dtype.itemsize not in (2, 4):  # the server steps 16- and 32-bit patterns only
         return np.zeros(0, np.uint8), np.zeros(0, np.int8), idx.astype(np.int32)
-    u = _UINT[new.dtype.itemsize]
-    wide = np.int32 if new.dtype.itemsize == 2 else np.int64  # holds any difference of two patterns
-    d = np.ascontiguousarray(new).view(u).reshape(-1)[idx].astype(wide)
-    d -= np.ascontiguousarray(old).view(u).reshape(-1)[idx]  # in place: one array of idx's size
-    small = np.abs(d) <= 127
+    small = (d + 127).view(_UINT[d.dtype.itemsize]) <= 254  # -127 <= d <= 127 in one comparison
     return (*gap_steps(idx[small], d[small]), idx[~small].astype(np.int32))
 
 
@@ -106,14 +145,17 @@ def gap_steps(at: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Steps `d` (|d| <= 127) of the ascending flat indices `at` as (gaps_S uint8, steps_S int8):
     entry s patches flat index cumsum(gaps)[s] - 1; a gap over 255 is bridged by entries of gap 255
     and step 0."""
-    gap = np.diff(at, prepend=-1)
-    fill = (gap - 1) // 255  # bridging entries before each element
-    pos = np.arange(at.size) + np.cumsum(fill)
-    gaps_S = np.full(at.size + int(fill.sum()), 255, np.uint8)
-    steps_S = np.zeros(gaps_S.size, np.int8)
-    gaps_S[pos] = gap - 255 * fill
-    steps_S[pos] = d
-    return gaps_S, steps_S
+    gap = np.diff(at.astype(np.int64, copy=False), prepend=-1)
+    far = np.flatnonzero(gap > 255)  # few: at a few percent changed, one gap in thousands
+    if not far.size:
+        return gap.astype(np.uint8), d.astype(np.int8)
+    fill = (gap[far] - 1) // 255  # bridging entries before each far element
+    gap[far] -= 255 * fill
+    before = np.repeat(far, fill)
+    return (
+        np.insert(gap.astype(np.uint8), before, np.uint8(255)),
+        np.insert(d.astype(np.int8), before, np.int8(0)),
+    )
 
 
 class ProtocolPusher:
@@ -301,13 +343,11 @@ def encode(tensors: dict[str, np.ndarray], base: dict | None) -> tuple[list[tupl
         if base is None:
             changed += arr.size
         else:
-            mask = changed_mask(base[key], arr)
-            n = int(np.count_nonzero(mask))
-            changed += n
+            idx, d = changed_steps(base[key], arr)
+            changed += idx.size
             # Over a quarter changed (a large update): whole, a patch would save little
-            if 4 * n <= arr.size:
-                idx = np.flatnonzero(mask).astype(np.int32)
-                gaps_S, steps_S, rest = patch = ulp_steps(base[key], arr, idx)
+            if 4 * idx.size <= arr.size:
+                gaps_S, steps_S, rest = patch = split_steps(idx, d)
                 if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
                     patch = None
         if patch is None:  # a full push, or a patch no smaller: whole

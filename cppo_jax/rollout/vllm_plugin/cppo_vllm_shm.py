@@ -28,18 +28,35 @@ What the engine guarantees: nothing is applied before `finish_weight_update`, an
 or not at all (a checksum mismatch, a tensor missing from the round, a sparse patch before any full push, an
 unknown name or an index out of range all raise, and the served weights stay as they were).
 
-Why a shadow copy: on CPU, vLLM packs each linear layer's weight for oneDNN / the sgl kernels after loading
-and drops the plain `weight` (`model_executor/layers/linear.py`: `dispatch_cpu_unquantized_gemm(layer,
-remove_weight=True)`), so vLLM's in-place sparse loader (`load_checkpoint_weight_patches`, used by
-`sparse_nccl`) has no tensor to patch there. The engine therefore keeps the checkpoint-format weights of the
-last push, patches that copy, and reloads the model from it through vLLM's layerwise reload (the path the
-`ipc` engine and `reload_weights` use). The wire carries only the changed elements; the reload is in memory.
+Where the weights are patched: in place, wherever the served model keeps plain weights. On CPU, vLLM
+packs each linear layer's weight for oneDNN / the sgl kernels after loading and drops the plain `weight`
+(`model_executor/layers/utils.py`: `dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`; the
+embedding keeps it but the logits use a packed copy), so a patch of the plain tensors would not reach what
+the server computes with. This plugin therefore keeps plain weights on a CPU server (`PLAIN_ENV`, on by
+default): the dispatch is replaced by `torch.nn.functional.linear` on the plain weight, the path vLLM itself
+takes for MLA's `kv_b_proj` (`_cpu_skip_gemm_dispatch`), at the cost of slower GEMMs (measured in
+benchmarks/results/weight_sync.md). A GPU server keeps plain weights anyway.
+
+After the first full push the engine finds where each checkpoint tensor lives (`locate`): it runs the
+model's own `load_weights` once per tensor with its loaders recorded instead of run, then runs each recorded
+loader on an int32 stand-in of its parameter filled with -1, fed the tensor's flat indices; what the loader
+wrote is the map from checkpoint element to served element (q/k/v into `qkv_proj`, gate/up into
+`gate_up_proj`, a tensor-parallel rank's share, a tied `lm_head` nowhere). Every later round, full or
+sparse, is then written into the served parameters in place: a sparse round costs what changed. Where a
+tensor cannot be located, a parameter was packed, or a payload's dtype is not the served one, the engine
+keeps the checkpoint-format copy of the last push instead, patches it and reloads the whole model from it
+through vLLM's layerwise reload (the path the `ipc` engine and `reload_weights` use); the server log says
+which path each round took (`cppo_shm: round R applied in place` or `... reloaded`, with the engine's
+seconds reading and applying it). A tied model's embedding arrives once (the trainer sends no
+`lm_head.weight`): in place the head is the embedding's own tensor; a reload loads it as the head too, which
+the CPU backend needs to rebuild its packed head (shared/docs/VLLM.md's trap).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -51,14 +68,145 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 BACKEND = "cppo_shm"
+PLAIN_ENV = (
+    "CPPO_VLLM_PLAIN_WEIGHTS"  # "0": let a CPU server pack its weights (then every round reloads)
+)
 
 
 def register() -> None:
-    """vLLM general-plugin hook: register the engine once per process (plugins may load twice)."""
+    """vLLM general-plugin hook: register the engine once per process (plugins may load twice), and on a
+    CPU server keep plain weights unless `PLAIN_ENV` is "0"."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, ShmWeightTransferEngine)
+    if os.environ.get(PLAIN_ENV, "1") != "0":
+        keep_plain_weights()
+
+
+def keep_plain_weights() -> None:
+    """On a CPU platform, compute every unquantized linear layer (and the logits) with
+    `torch.nn.functional.linear` on its plain `weight` instead of a packed copy, so that a patch written
+    into the weight is what the server computes with."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    if getattr(layer_utils.dispatch_cpu_unquantized_gemm, "keeps_plain_weights", False):
+        return
+
+    def plain(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    plain.keeps_plain_weights = True
+    layer_utils.dispatch_cpu_unquantized_gemm = plain
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.cppo_shm")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one checkpoint tensor's elements live in the served model: parameter `param`, flat elements
+    `base` + i (a contiguous run), or `where[i]` (-1: not held here) when the run is not contiguous."""
+
+    param: str
+    base: int | None
+    where: torch.Tensor | None = None
+
+    def positions(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Served flat positions of checkpoint flat indices `idx`, and the mask of the held ones (None:
+        all held)."""
+        if self.base is not None:
+            return idx + self.base, None
+        pos = self.where[idx]
+        keep = pos >= 0
+        return pos[keep], keep
+
+
+_MISSING = object()
+
+
+def locate(
+    model: torch.nn.Module, layout: dict[str, tuple[tuple, torch.dtype]]
+) -> dict[str, Place]:
+    """Where each checkpoint tensor of `layout` (name -> shape, dtype) lives in `model`, found by running
+    the model's own loaders on int32 stand-ins (module docstring). One `load_weights` call is fed the
+    tensors one at a time (as a checkpoint is), so a tied alias is skipped as in a real load; a tensor
+    passed to no loader (a tied `lm_head`) is left out. Raises when a loader fails on a stand-in (a packed
+    parameter has no plain weight to write into) or is handed something not derived from the tensor fed.
+    The model's weights are not changed."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = {id(p): p for p in model.parameters()}
+    found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    current: list = [None, None]  # the name and the int32 tensor last fed
+
+    def record(param, loaded, *args, **kwargs):
+        name, fed = current
+        if loaded.untyped_storage().data_ptr() != fed.untyped_storage().data_ptr():
+            raise ValueError(f"the loader of {names[id(param)]} got a copy of {name}, not a view")
+        if param.numel() == 0:
+            raise ValueError(f"{names[id(param)]} holds no plain weight (packed for the CPU GEMMs)")
+        real, grad = param.data, param.requires_grad
+        stand_in = torch.full_like(real, -1, dtype=torch.int32)
+        param.requires_grad_(False)  # an int32 stand-in cannot require gradients
+        param.data = stand_in
+        try:
+            saved[id(param)][0](param, loaded, *args, **kwargs)
+        finally:
+            param.data = real
+            param.requires_grad_(grad)
+        flat = stand_in.view(-1)
+        pos = torch.nonzero(flat >= 0).squeeze(1)
+        found.setdefault(name, []).append((names[id(param)], pos, flat[pos].to(torch.long)))
+
+    def feed():
+        for name, (shape, _) in layout.items():
+            current[:] = [name, torch.arange(math.prod(shape), dtype=torch.int32).view(shape)]
+            yield name, current[1]
+
+    saved = {}
+    for key, p in params.items():
+        saved[key] = (
+            getattr(p, "weight_loader", default_weight_loader),
+            p.__dict__.get("weight_loader", _MISSING),
+            p.__dict__.get("_weight_loader", _MISSING),
+        )
+        p.weight_loader = record
+    try:
+        model.load_weights(feed())
+    finally:
+        for key, p in params.items():
+            _, attr, private = saved[key]
+            for field, value in (("weight_loader", attr), ("_weight_loader", private)):
+                if value is _MISSING:
+                    p.__dict__.pop(field, None)
+                else:
+                    p.__dict__[field] = value
+    places: dict[str, Place] = {}
+    for name, hits in found.items():
+        if len({pname for pname, _, _ in hits}) != 1:
+            raise ValueError(f"{name} lands in several parameters")
+        numel = math.prod(layout[name][0])
+        pos = torch.cat([hit[1] for hit in hits])
+        src = torch.cat([hit[2] for hit in hits])
+        contiguous = src.numel() == numel and bool(
+            torch.equal(src, torch.arange(numel)) and torch.equal(pos, pos[0] + torch.arange(numel))
+        )
+        if contiguous:
+            places[name] = Place(hits[0][0], int(pos[0]))
+        else:
+            where = torch.full((numel,), -1, dtype=torch.long)
+            where[src] = pos
+            places[name] = Place(hits[0][0], None, where)
+    return places
 
 
 @dataclass
@@ -104,13 +252,18 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.root: str | None = None
-        self.shadow: dict[str, torch.Tensor] = {}
-        self.shadow_round: int | None = None  # the round whose weights `shadow` holds
+        self.held: dict[
+            str, tuple[tuple, torch.dtype]
+        ] = {}  # the last full push's names, shapes, dtypes
+        self.held_round: int | None = None  # the round the served weights hold
+        self.places: dict[str, Place] | None = None  # set: rounds are written in place
+        self.shadow: dict[str, torch.Tensor] = {}  # the reload path's checkpoint-format copy
         self._pending: list[
             tuple
         ] = []  # (name, values, indices | None, (step indices, steps) | None)
         self._round: int | None = None
         self._round_tensors = 0
+        self._receive_s = 0.0
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         root = os.path.realpath(init_info.root)
@@ -120,28 +273,37 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def start_weight_update(self) -> None:
         self._pending, self._round, self._round_tensors = [], None, 0
+        self._receive_s = 0.0
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, u: ShmUpdateInfo) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._receive(u)
+        finally:
+            self._receive_s += time.perf_counter() - t0
+
+    def _receive(self, u: ShmUpdateInfo) -> None:
         if self.root is None:
             raise RuntimeError("cppo_shm: init_weight_transfer_engine was not called")
         if self._round is None:
             self._round, self._round_tensors = u.round, u.round_tensors
         elif (u.round, u.round_tensors) != (self._round, self._round_tensors):
             raise ValueError(f"cppo_shm: update of round {u.round} inside round {self._round}")
-        if u.index_offsets is not None and u.base_round != self.shadow_round:
+        if u.index_offsets is not None and u.base_round != self.held_round:
             raise ValueError(
                 f"cppo_shm: sparse patch of round {u.base_round}, the server holds round "
-                f"{self.shadow_round}: nothing applied (a full push is needed)"
+                f"{self.held_round}: nothing applied (a full push is needed)"
             )
         path = os.path.realpath(os.path.join(self.root, u.file))
         if os.path.dirname(path) != self.root:
             raise ValueError(f"cppo_shm: payload {u.file!r} is not a file directly under the root")
         with open(path, "rb") as fh:  # a private copy: the trainer may rewrite the file next round
-            data = bytearray(fh.read())
+            data = bytearray(os.fstat(fh.fileno()).st_size)
+            fh.readinto(data)
         crc = zlib.crc32(data)
         if crc != u.crc32:
             raise ValueError(
@@ -163,27 +325,33 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                     raise ValueError(f"cppo_shm: dense {name} has {count} values for shape {shape}")
                 self._pending.append((name, values.view(shape), None, None))  # views: no copy
                 continue
-            old = self.shadow.get(name)
+            old = self.held.get(name)
             if old is None:
                 raise ValueError(f"cppo_shm: sparse patch of {name} before any full push of it")
-            if tuple(old.shape) != shape or old.dtype != dtype:
+            if old != (shape, dtype):
                 raise ValueError(
                     f"cppo_shm: sparse patch of {name} is {u.dtype_names[i]}{list(shape)}, "
-                    f"the last full push was {old.dtype}{list(old.shape)}"
+                    f"the last full push was {old[1]}{list(old[0])}"
                 )
-            idx = _view(buf, u.index_offsets[i], count * 4, torch.int32, name).to(torch.long)
+            idx = _view(buf, u.index_offsets[i], count * 4, torch.int32, name)
             n = int(u.step_counts[i])
             raw = _view(buf, u.step_offsets[i], 2 * n, torch.uint8, name) if n else buf[:0]
-            at = torch.cumsum(raw[:n].to(torch.long), 0) - 1
-            for where in (idx, at):
-                if where.numel() and (int(where.min()) < 0 or int(where.max()) >= numel):
-                    raise ValueError(
-                        f"cppo_shm: sparse patch of {name} indexes outside {numel} elements"
-                    )
-            steps = (at, raw[n:].view(torch.int8).to(torch.long))
+            # int32 positions (a tensor has < 2^31 elements); gaps >= 1 make them strictly ascending
+            at = torch.cumsum(raw[:n], 0, dtype=torch.int32) - 1
+            bad = idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel)
+            if bad or (n and (int(at[0]) < 0 or int(at[-1]) >= numel)):
+                raise ValueError(
+                    f"cppo_shm: sparse patch of {name} indexes outside {numel} elements"
+                )
+            if n and not bool(raw[:n].all()):
+                raise ValueError(
+                    f"cppo_shm: sparse patch of {name} has a gap of 0 (a repeated element)"
+                )
+            steps = (at, raw[n:].view(torch.int8))
             self._pending.append((name, values, idx, steps))
 
     def finish_weight_update(self) -> None:
+        t0 = time.perf_counter()
         pending, self._pending = self._pending, []
         want, round_, self._round = self._round_tensors, self._round, None
         if not pending:
@@ -196,20 +364,85 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             )
         dense = all(entry[2] is None for entry in pending)
         if dense:
-            missing = sorted(set(self.shadow) - names)
-            if self.shadow and missing:
+            missing = sorted(set(self.held) - names)
+            if self.held and missing:
                 raise ValueError(f"cppo_shm: full push lacks {missing[:3]}: nothing applied")
-            new = {name: values for name, values, _, _ in pending}
-        else:  # validated on receipt (names, shapes, dtypes, index range): patch the copy in place
-            new = self.shadow
+            layout = {name: (tuple(values.shape), values.dtype) for name, values, _, _ in pending}
+            if self.places is None or layout != self.held:
+                self.places = self._locate(layout)
+            self.held = layout
+        params = dict(self.model.named_parameters())
+        if self.places is not None and all(
+            name not in self.places or params[self.places[name].param].dtype == values.dtype
+            for name, values, _, _ in pending
+        ):
+            elements = self._write_in_place(pending, params)
+            self.shadow = {}
+            how = f"applied in place ({elements} elements written)"
+        else:
+            if not dense and not self.shadow:
+                raise ValueError(
+                    "cppo_shm: sparse patch of a payload dtype other than the served one, and no "
+                    "checkpoint-format copy to patch: nothing applied (a full push is needed)"
+                )
+            if dense:
+                new = {name: values for name, values, _, _ in pending}
+            else:  # validated on receipt (names, shapes, dtypes, index range): patch the copy
+                new = self.shadow
+                for name, values, idx, steps in pending:
+                    if idx is None:
+                        new[name] = values
+                        continue
+                    new[name].view(-1)[idx] = values
+                    _step(new[name].view(-1), *steps)
+            self._reload(new)
+            self.shadow = new
+            if self.places is not None:  # served dtype differs: the copy is patched from now on
+                self.places = None
+            how = "reloaded (the whole model, in memory)"
+        self.held_round = round_
+        _logger().info(
+            "cppo_shm: round %s %s; read and checked in %.3f s, applied in %.3f s",
+            round_,
+            how,
+            self._receive_s,
+            time.perf_counter() - t0,
+        )
+
+    def _locate(self, layout: dict[str, tuple[tuple, torch.dtype]]) -> dict[str, Place] | None:
+        try:
+            return locate(self.model, layout)
+        except Exception as err:  # a packed or otherwise unlocatable parameter: the reload path
+            _logger().info(
+                "cppo_shm: rounds reload the model (weights not patchable in place: %s)", err
+            )
+            return None
+
+    def _write_in_place(self, pending: list[tuple], params: dict[str, torch.Tensor]) -> int:
+        """Write a validated round into the served parameters; returns the elements written."""
+        written = 0
+        with torch.no_grad():
             for name, values, idx, steps in pending:
-                if idx is None:
-                    new[name] = values
+                place = self.places.get(name)
+                if place is None:  # a tensor the model does not hold (a tied lm_head)
                     continue
-                new[name].view(-1)[idx] = values
-                _step(new[name], *steps)
-        self._reload(new)
-        self.shadow, self.shadow_round = new, round_
+                flat = params[place.param].data.view(-1)
+                values = values.reshape(-1)
+                if idx is None:
+                    if place.base is not None:
+                        flat[place.base : place.base + values.numel()].copy_(values)
+                    else:
+                        held = place.where >= 0
+                        flat[place.where[held]] = values[held]
+                    written += values.numel()
+                    continue
+                pos, keep = place.positions(idx)
+                flat[pos] = values if keep is None else values[keep]
+                at, step = steps
+                pos, keep = place.positions(at)
+                _step(flat, pos, step if keep is None else step[keep])
+                written += idx.numel() + at.numel()
+        return written
 
     def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -217,8 +450,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             initialize_layerwise_reload,
         )
 
+        items = list(tensors.items())
+        served = dict(self.model.named_parameters(remove_duplicate=False))
+        tied = served.get("lm_head.weight") is served.get("model.embed_tokens.weight") is not None
+        if tied and "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors:
+            # the trainer sends a tied embedding once; the CPU backend's head (a packed copy) is only
+            # rebuilt when `lm_head.weight` is loaded too (shared/docs/VLLM.md's trap)
+            items.append(("lm_head.weight", tensors["model.embed_tokens.weight"]))
         initialize_layerwise_reload(self.model)
-        self.model.load_weights(list(tensors.items()))
+        self.model.load_weights(items)
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
@@ -228,12 +468,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 _SIGNED = {2: torch.int16, 4: torch.int32}
 
 
-def _step(tensor: torch.Tensor, at: torch.Tensor, steps: torch.Tensor) -> None:
-    """Add `steps` to the unsigned bit patterns of `tensor`'s flat elements `at`, in place."""
-    bits = 8 * tensor.element_size()
-    flat = tensor.view(-1).view(_SIGNED[tensor.element_size()])
-    u = (flat[at].to(torch.long) & ((1 << bits) - 1)) + steps
-    flat[at] = torch.where(u >= 1 << (bits - 1), u - (1 << bits), u).to(flat.dtype)
+def _step(flat: torch.Tensor, at: torch.Tensor, steps: torch.Tensor) -> None:
+    """Add the int8 `steps` to the bit patterns of the 1-D tensor `flat`'s elements `at` (distinct), in
+    place, modulo 2^bits: one `index_add_` on the same-width signed view, whose addition wraps."""
+    signed = _SIGNED[flat.element_size()]
+    flat.view(signed).index_add_(0, at, steps.to(signed))
 
 
 def _view(
