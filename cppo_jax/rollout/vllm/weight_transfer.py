@@ -70,7 +70,7 @@ def server_backend(client: JSONClient) -> str | None:
     return str(cfg.get("backend")) if isinstance(cfg, dict) and cfg.get("backend") else None
 
 
-_CHUNK = 1 << 22  # elements per slice compared in one thread
+_CHUNK = 1 << 20  # elements per slice compared in one thread
 _POOL: list[ThreadPoolExecutor] = []
 
 

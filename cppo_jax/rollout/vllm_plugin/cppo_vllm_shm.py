@@ -163,9 +163,7 @@ def locate(
         finally:
             param.data = real
             param.requires_grad_(grad)
-        flat = stand_in.view(-1)
-        pos = torch.nonzero(flat >= 0).squeeze(1)
-        found.setdefault(name, []).append((names[id(param)], pos, flat[pos].to(torch.long)))
+        found.setdefault(name, []).append((names[id(param)], *_written(stand_in.view(-1))))
 
     def feed():
         for name, (shape, _) in layout.items():
@@ -195,18 +193,42 @@ def locate(
         if len({pname for pname, _, _ in hits}) != 1:
             raise ValueError(f"{name} lands in several parameters")
         numel = math.prod(layout[name][0])
-        pos = torch.cat([hit[1] for hit in hits])
-        src = torch.cat([hit[2] for hit in hits])
-        contiguous = src.numel() == numel and bool(
-            torch.equal(src, torch.arange(numel)) and torch.equal(pos, pos[0] + torch.arange(numel))
-        )
-        if contiguous:
-            places[name] = Place(hits[0][0], int(pos[0]))
-        else:
-            where = torch.full((numel,), -1, dtype=torch.long)
+        run = hits[0][1] if len(hits) == 1 else None
+        if (
+            run is not None and run[1] == numel
+        ):  # the whole tensor as one run: element i at base + i
+            places[name] = Place(hits[0][0], run[0])
+            continue
+        where = torch.full((numel,), -1, dtype=torch.long)
+        for _, run, pairs in hits:
+            pos, src = pairs if pairs is not None else _run_pairs(run)
             where[src] = pos
-            places[name] = Place(hits[0][0], None, where)
+        places[name] = Place(hits[0][0], None, where)
     return places
+
+
+def _written(flat: torch.Tensor) -> tuple[tuple[int, int, int] | None, tuple | None]:
+    """What a loader wrote into an int32 stand-in filled with -1 (values: checkpoint flat indices):
+    ((base, count, first index), None) when it wrote one run of consecutive indices at consecutive
+    positions (the usual case, found without listing the positions), else (None, (positions, indices))."""
+    written = flat >= 0
+    count = int(written.sum())
+    if count == 0:
+        return None, (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    base = int(torch.argmax(written.to(torch.uint8)))
+    run = flat[base : base + count]
+    first = int(run[0])
+    if run.numel() == count and torch.equal(
+        run, torch.arange(first, first + count, dtype=torch.int32)
+    ):
+        return (base, count, first), None
+    pos = torch.nonzero(written).squeeze(1)
+    return None, (pos, flat[pos].to(torch.long))
+
+
+def _run_pairs(run: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    base, count, first = run
+    return torch.arange(base, base + count), torch.arange(first, first + count)
 
 
 @dataclass
@@ -410,8 +432,16 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         )
 
     def _locate(self, layout: dict[str, tuple[tuple, torch.dtype]]) -> dict[str, Place] | None:
+        t0 = time.perf_counter()
         try:
-            return locate(self.model, layout)
+            places = locate(self.model, layout)
+            _logger().info(
+                "cppo_shm: %d of %d tensors located in the served parameters in %.2f s",
+                len(places),
+                len(layout),
+                time.perf_counter() - t0,
+            )
+            return places
         except Exception as err:  # a packed or otherwise unlocatable parameter: the reload path
             _logger().info(
                 "cppo_shm: rounds reload the model (weights not patchable in place: %s)", err
