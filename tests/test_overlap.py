@@ -9,6 +9,8 @@ flight, and that a failed generation stops the run with a checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 
@@ -21,6 +23,7 @@ from cppo_jax.config.choices import ConfigError
 from cppo_jax.rollout.backend import EmbeddedBackend
 from cppo_jax.rollout.vllm.client import RolloutServerError
 from cppo_jax.train import loop as trainer_run
+from cppo_jax.train.stopping import SignalStopError
 from cppo_jax.train.trainer import Trainer
 from tests.helpers import spread_reward
 from tests.reliability.runs import read_events
@@ -31,9 +34,16 @@ class RecordingBackend:
     """The embedded sampler, recording the weights each generation used; pushes check nothing is in
     flight (a real server would mix weights into a running generation)."""
 
-    def __init__(self, inner: EmbeddedBackend, delay_s: float = 0.3):
+    def __init__(self, inner: EmbeddedBackend, delay_s: float = 0.3, partial: bool = False):
         self.inner = inner
         self.delay_s = delay_s
+        # partial: a server that takes pushes while it generates (rollout.max_staleness >= 2): a
+        # generation asked with params None samples from the weights last pushed, as a server does
+        self.partial = partial
+        self.served = None  # the weights last pushed (partial)
+        self.synced_step: int | None = None  # the step they belong to, as VLLMBackend keeps it
+        self.versions: list = []  # synced_step at each generate call, in call order
+        self.pushed_mid_rollout: list[int] = []  # pushes that landed while a generation ran
         self.sampled_with: list = []  # host copies of the params, one per generate call, in call order
         self.pushed: list[int] = []
         self.in_flight = 0
@@ -50,6 +60,10 @@ class RecordingBackend:
         with self._lock:
             self.in_flight += 1
             call = len(self.sampled_with)
+            if params is None:  # the server's own weights
+                assert self.partial and self.served is not None, "nothing pushed to sample from"
+                params = self.served
+            self.versions.append(self.synced_step)
             self.sampled_with.append(jax.tree.map(np.asarray, params))
         try:
             time.sleep(self.delay_s)  # long enough for the trainer's step to run meanwhile
@@ -72,15 +86,21 @@ class RecordingBackend:
         self.inner.wait_ready()
 
     def sync_weights(self, params, step):
-        assert self.in_flight == 0, f"weights of step {step} pushed during a generation"
-        self.pushed.append(step)
+        with self._lock:
+            if self.in_flight:
+                assert self.partial, f"weights of step {step} pushed during a generation"
+                self.pushed_mid_rollout.append(step)
+            self.pushed.append(step)
+            if self.partial:  # a copy: the update donates the live params
+                self.served = jax.tree.map(jnp.copy, params)
+            self.synced_step = step
         return {}
 
     def close(self):
         self.events.append("closed")
 
 
-def overlap_trainer(tmp_path, arith_model_dir, *overrides):
+def overlap_trainer(tmp_path, arith_model_dir, *overrides, partial=False, delay_s=0.3):
     cfg = small_config(
         tmp_path,
         arith_model_dir,
@@ -92,7 +112,8 @@ def overlap_trainer(tmp_path, arith_model_dir, *overrides):
         *overrides,
     )
     trainer = Trainer(cfg)
-    backend = RecordingBackend(EmbeddedBackend(trainer.actor.graphdef, trainer.rollout.sp))
+    inner = EmbeddedBackend(trainer.actor.graphdef, trainer.rollout.sp)
+    backend = RecordingBackend(inner, delay_s=delay_s, partial=partial)
     trainer.rollout = dataclasses.replace(trainer.rollout, backend=backend)
     return trainer, backend
 
@@ -280,7 +301,7 @@ def test_the_snapshot_is_a_compute_dtype_copy(tmp_path, arith_model_dir):
         policy = jax.tree.map(np.asarray, trainer.params)
         assert trainer.overlap.take(trainer.params, 0)[1] is None  # step 0 sampled on the spot
         jax.tree.map(lambda x: x.delete(), trainer.params)  # the update donates the live params
-        rollout, sampled_by = trainer.overlap.take(None, 1)
+        rollout, sampled_by, _ = trainer.overlap.take(None, 1)
         assert rollout is sampled_by
         leaves = jax.tree.leaves(sampled_by)
         assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
@@ -289,3 +310,163 @@ def test_the_snapshot_is_a_compute_dtype_copy(tmp_path, arith_model_dir):
     finally:
         trainer.overlap.close()
         trainer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout.max_staleness = k >= 2: a queue of rollouts k steps ahead, pushes landing mid-rollout
+
+AHEAD = ("rollout.max_staleness=2", "cppo.tis_cap=2")
+
+
+def ahead_trainer(tmp_path, arith_model_dir, *overrides, delay_s=0.3):
+    """A k = 2 trainer on the recording backend as a server that takes pushes mid-rollout, its
+    weights pushed once before the first step (as `loop.train` does)."""
+    trainer, backend = overlap_trainer(
+        tmp_path, arith_model_dir, *AHEAD, *overrides, partial=True, delay_s=delay_s
+    )
+    trainer.rollout.push(trainer.sampler_params(), 0)
+    return trainer, backend
+
+
+def record_trained(monkeypatch) -> list[tuple[int, int, list[str]]]:
+    """(step, the rollout's step, its questions) for every step that reached the update."""
+    from cppo_jax.train import update
+
+    trained, inner = [], update.after_rewards
+
+    def spy(trainer, rollout, rewards_QG, sample_params, step, times):
+        questions = [e["question"] for e in rollout.batch.examples]
+        trained.append((step, rollout.step, questions))
+        return inner(trainer, rollout, rewards_QG, sample_params, step, times)
+
+    monkeypatch.setattr(update, "after_rewards", spy)
+    return trained
+
+
+def test_k2_queues_two_steps_ahead_with_pushes_landing_mid_rollout(
+    tmp_path, arith_model_dir, monkeypatch
+):
+    """k = 2: after step n's take, steps n + 1 and n + 2 are asked for; the trainer pushes without
+    waiting for the generation in flight (which goes on across the push, a partial rollout); every
+    step trains its own questions, no more than 2 updates stale, with TIS against the sampler's
+    log-probs and the current policy as the old one."""
+    trainer, backend = ahead_trainer(tmp_path, arith_model_dir, "trainer.steps=5", delay_s=1.0)
+    trained = record_trained(monkeypatch)
+    seen = []
+    inner = trainer.actor.train_step
+
+    def spy(params, opt_state, batch):
+        seen.append(batch)
+        return inner(params, opt_state, batch)
+
+    trainer.actor = dataclasses.replace(trainer.actor, train_step=spy)
+    trainer.phase_split = True  # the programs apart, so the updates' batch is seen
+    history, queued = [], []
+    try:
+        for s in range(5):
+            history.append(trainer.step(s))
+            queued.append(trainer.overlap.queued)
+    finally:
+        trainer.close()
+    assert queued == [[1, 2], [2, 3], [3, 4], [4], []]
+    assert [t[:2] for t in trained] == [(s, s) for s in range(5)]  # each step its own questions
+    for s, (_, _, questions) in enumerate(trained):
+        ids = trainer.data.ids(s)
+        assert questions == [trainer.data.train_set.examples[i]["question"] for i in ids]
+    staleness = [m["rollout/staleness"] for m in history]
+    assert staleness[0] == 0.0 and all(0 <= x <= 2 for x in staleness), staleness
+    assert max(staleness) >= 1.0  # some steps really trained on a rollout sampled before an update
+    assert all(m["rollout/dropped_stale"] == 0.0 for m in history)
+    assert backend.pushed == [0, 1, 2, 3, 4, 5]
+    # Generations (1 s each) are slower than the steps: pushes land while one runs.
+    assert backend.pushed_mid_rollout, backend.pushed
+    assert trainer.actor.sources.behav == "sampler" and trainer.actor.sources.old == "current"
+    assert all(b.old_logp_MC is None and b.behav_logp_MC is not None for b in seen)
+    assert all(np.isfinite(m["loss"]) for m in history)
+
+
+def test_a_rollout_older_than_k_is_dropped_counted_and_resampled(
+    tmp_path, arith_model_dir, monkeypatch
+):
+    """rollout.push_every = 3 with k = 2: the server holds step 0's weights until step 3 is pushed,
+    so step 3's rollout, asked for during step 1 and begun before that push, is 3 updates stale:
+    dropped, counted and logged, and step 3's questions sampled again from the current weights."""
+    trainer, backend = ahead_trainer(
+        tmp_path, arith_model_dir, "trainer.steps=4", "rollout.push_every=3", delay_s=0.0
+    )
+    trained = record_trained(monkeypatch)
+    try:
+        history = [trainer.step(s) for s in range(4)]
+    finally:
+        trainer.close()
+    assert backend.pushed == [0, 3]
+    assert [m["rollout/staleness"] for m in history] == [0.0, 1.0, 2.0, 0.0]
+    assert [m["rollout/dropped_stale"] for m in history] == [0.0, 0.0, 0.0, 1.0]
+    events = [e for e in read_events(trainer.host.out_dir) if e["event"] == "stale_rollout_dropped"]
+    assert [(e["step"], e["version"], e["staleness"], e["dropped"]) for e in events] == [
+        (3, 0, 3, 1)
+    ]
+    # Five generations: steps 0-3 and step 3 again, from the params after step 3's updates.
+    assert backend.versions == [0, 0, 0, 0, 3]
+    assert [t[:2] for t in trained] == [(s, s) for s in range(4)]  # nothing lost, nothing twice
+
+
+def test_a_resumed_k2_run_trains_nothing_twice(tmp_path, arith_model_dir, monkeypatch):
+    """A k = 2 run stopped by SIGTERM after 2 of 4 steps: the rollouts queued for steps 2 and 3 are
+    discarded with the run; the resumed run samples them again, so every step trains once, on its
+    own questions, and the stale-drop count carries over in the checkpoint."""
+    trained = record_trained(monkeypatch)
+    trainer, _ = ahead_trainer(tmp_path, arith_model_dir, "trainer.steps=4")
+
+    def stop_after_two(metrics):
+        if metrics["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        with pytest.raises(SignalStopError):
+            trainer.train(progress=stop_after_two)
+        queued_at_stop = trainer.overlap.queued
+    finally:
+        trainer.close()
+    assert trainer.host.ckpt.latest_step() == 2 and queued_at_stop == [2, 3]
+    assert [t[0] for t in trained] == [0, 1]
+
+    resumed, backend2 = overlap_trainer(
+        tmp_path, arith_model_dir, *AHEAD, "trainer.steps=4", "trainer.resume=true", partial=True
+    )
+    try:
+        resumed.train()
+    finally:
+        resumed.close()
+    assert resumed.start_step == 2
+    assert [t[:2] for t in trained] == [(s, s) for s in range(4)]  # each step once, in order
+    assert backend2.pushed[0] == 2  # the resumed run's first push: the checkpoint's weights
+    assert backend2.versions[0] == 2  # its first rollout sampled from them
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (("rollout.max_staleness=2",), "max_staleness' = 2 needs rollout.overlap=1"),
+        (("rollout.overlap=1", "rollout.max_staleness=2"), "needs cppo.tis_cap > 0"),
+        (
+            (*AHEAD, "rollout.overlap=1", "data.skip_zero_variance=true"),
+            "max_staleness' = 2 is not supported with data.skip_zero_variance",
+        ),
+        (
+            (*AHEAD, "rollout.overlap=1", "rollout.temperature=0.7"),
+            "tis_cap' = 2.0 needs rollout.temperature=1",
+        ),
+        (("rollout.overlap=1", "rollout.push_every=2"), "push_every' = 2 is invalid with"),
+        (("rollout.max_staleness=0",), "rollout.max_staleness"),
+    ],
+)
+def test_max_staleness_refuses_what_it_cannot_correct(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        small_config(
+            tmp_path,
+            tmp_path / "model",
+            "rollout.backend=vllm",
+            "rollout.vllm_url=http://127.0.0.1:9",
+            *overrides,
+        )

@@ -388,30 +388,122 @@ class TestTiedServer:
         assert np.sum(after > before) >= 5, (before, after)
 
     def test_overlap_through_the_server_and_its_benchmark(self, tied, tmp_path):
-        """benchmarks/overlap.py --quick against this server (synchronous CPPO, overlapped CPPO, GRPO).
+        """benchmarks/overlap.py --quick against this server: synchronous CPPO, 1 and 2 steps ahead,
+        GRPO.
 
-        Overlapped: each push waits for the in-flight rollout and passes its check, and the stale step
-        trains with the sampling weights' log-probs (ratio != 1). The table and plot come out."""
+        1 ahead: each push waits for the in-flight rollout and passes its check, and the stale step
+        trains with TIS against the sampling snapshot's log-probs. 2 ahead: two generations at once
+        and pushes that land while they run (the server preempts the running requests and goes on
+        with the new weights), every push still confirmed by the probe, nothing dropped. The table
+        and plot come out."""
         from tests.test_benchmarks_quick import load_script
 
         server, _, _ = tied
         runs = load_script("overlap").main(
             ["--quick", "--vllm-url", server.url, "--out", str(tmp_path)]
         )
-        assert [(r["method"], r["overlap"]) for r in runs] == [
+        assert [(r["method"], r["ahead"]) for r in runs] == [
             ("CPPO", 0),
             ("CPPO", 1),
+            ("CPPO", 2),
             ("GRPO", 0),
         ]
-        assert runs[1]["staleness"] == [0.0, 1.0] and runs[0]["staleness"] == [0.0, 0.0]
+        assert runs[0]["staleness"] == [0.0, 0.0] and runs[1]["staleness"] == [0.0, 1.0]
+        assert runs[2]["staleness"][0] == 0.0 and 0.0 <= runs[2]["staleness"][1] <= 2.0
+        assert runs[2]["dropped"] == 0.0
         assert all(d <= 1e-3 for r in runs for d in r["probe_diff"])  # every push confirmed
-        assert runs[1]["ratio_dev"][0] < 1e-5 < runs[1]["ratio_dev"][1]  # off-policy when stale
+        assert runs[1]["ratio_dev"][0] < 1e-5  # step 0 sampled on the spot: on-policy
         assert all(d < 1e-5 for d in runs[0]["ratio_dev"])  # synchronous, mu = 1: on-policy
         assert all(r["step_s"] > 0 and r["gen_s"] > 0 and 0 <= r["acc_after"] <= 1 for r in runs)
-        assert runs[0]["k"] == 2 and runs[2]["k"] == 16 and runs[2]["Q"] == 1
+        assert runs[0]["k"] == 2 and runs[3]["k"] == 16 and runs[3]["Q"] == 1
         report = (tmp_path / "overlap.md").read_text()
-        assert "| CPPO | 1 | 0 | 8 | 2 |" in report and "Against synchronous GRPO" in report
+        assert "| CPPO | 2 | 0 | 8 | 2 |" in report and "Against synchronous GRPO" in report
+        assert "## Projection" in report and "(skewed lengths)" in report
         assert (tmp_path / "overlap.png").read_bytes()[:4] == b"\x89PNG"
+
+    def test_a_push_mid_generation_goes_on_with_the_new_weights(self, tied, tmp_path):
+        """Partial rollouts (rollout.max_staleness >= 2): a push that lands while a seeded
+        generation runs is applied between its decode steps, the running requests preempted and
+        their KV recomputed by the new weights (`RESET_PREFIX_CACHE`). The generation finishes; in
+        every completion the server's log-probs are the old weights' for a first part of its tokens
+        and the new weights' for the rest, and some completions have both."""
+        import threading
+
+        import jax.numpy as jnp
+
+        from cppo_jax.rollout.vllm.probe import probe_fn
+
+        server, model_dir, _ = tied
+        backend, graphdef, old, _, tok = _setup(server, model_dir, tmp_path)
+        new = _perturb(old, seed=400, scale=0.3)
+        for step, params in enumerate((old, new, old)):  # the push's programs compiled before
+            backend.sync_weights(params, step)
+        prompt = tok.encode("What is 12 + 30?")
+        n, C = 32, 240  # every completion C tokens long (ignore_eos): one compiled probe length
+        client = backend.client
+        payload = client._completion_payload(
+            [prompt],
+            n=n,
+            max_tokens=C,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            seed=7,
+            stop_token_ids=(),
+            extra={"ignore_eos": True},
+        )
+        got = {}
+
+        def generate():
+            out = client.request("POST", "/v1/completions", payload, what="a long generation")
+            got["groups"] = client._parse_choices(out, [prompt], n, C, "a long generation")
+
+        def tokens_generated() -> float:  # the server's own count (Prometheus /metrics)
+            text = client.request("GET", "/metrics", raw=True, what="reading /metrics")
+            lines = [x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total")]
+            return sum(float(x.split()[-1]) for x in lines)
+
+        before = tokens_generated()
+        thread = threading.Thread(target=generate)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while tokens_generated() < before + n * 20 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until about 20 tokens of each completion are drawn
+        m = backend.sync_weights(new, 3)  # lands mid-generation, confirmed by the probe
+        thread.join(timeout=300)
+        assert not thread.is_alive() and m["weight_sync/probe_max_abs_diff"] <= TOL
+        (group,) = got["groups"]
+        logps = probe_fn(graphdef)
+        mixed = between = 0
+        for c in group:
+            assert len(c.token_ids) == C
+            ids = jnp.asarray([*prompt, *c.token_ids], jnp.int32)
+            at = np.arange(len(prompt) - 1, len(prompt) - 1 + C)
+            want_old = np.asarray(logps(old, ids))[at, list(c.token_ids)]
+            want_new = np.asarray(logps(new, ids))[at, list(c.token_ids)]
+            server_lp = np.asarray(c.logprobs)
+            is_old = np.abs(server_lp - want_old) <= 10 * TOL
+            is_new = np.abs(server_lp - want_new) <= 10 * TOL
+            only_old, only_new = np.flatnonzero(is_old & ~is_new), np.flatnonzero(is_new & ~is_old)
+            # Tokens drawn between the weights' load and the preemption: new weights over the old
+            # KV, neither model's log-probs alone (the server's own are the behaviour policy's, so
+            # TIS stays exact); they lie between the two parts.
+            neither = np.flatnonzero(~is_old & ~is_new)
+            if len(only_old):
+                assert np.all(neither > only_old.max()), (neither, only_old.max())
+            if len(only_new):
+                assert np.all(neither < only_new.min()), (neither, only_new.min())
+            between += len(neither)
+            if len(only_new) and len(only_old):
+                assert only_old.max() < only_new.min()  # the old weights' tokens come first
+                mixed += 1
+        print(
+            f"\npartial rollouts: {mixed} of {n} completions sampled across the push, "
+            f"{between / n:.1f} tokens each between the load and the preemption"
+        )
+        assert mixed > 0, "the push did not land mid-generation: make the generation longer"
+        assert between <= n * C // 10
+        backend.close()
 
     def test_tis_weights_from_the_server_logprobs(self, tied, tmp_path):
         """cppo.tis_cap without overlap: the behaviour log-probs are the server's own (fp32 here, at

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cppo_jax.rollout.vllm.client import (
+    RESET_PREFIX_CACHE,
     Completion,
     ResponseError,
     RolloutServerError,
@@ -98,7 +99,7 @@ class FakeVLLM:
             return 200, b""
         if path == "/v1/models":
             return 200, {"data": [{"id": "/models/tiny"}]}
-        if path in ("/collective_rpc", "/reset_prefix_cache"):
+        if path in ("/collective_rpc", RESET_PREFIX_CACHE):
             if mode == "no_dev":
                 return 404, {"detail": "Not Found"}
             return 200, {"results": [None]} if path == "/collective_rpc" else b""
@@ -258,7 +259,7 @@ def test_api_key_sent_as_bearer(fake):
     _client(fake.url, api_key="s3cret").complete([[5]], n=1, max_tokens=2)
     _client(fake.url).reset_prefix_cache()
     headers = [{k.lower(): v for k, v in r[2].items()} for r in fake.requests]
-    keyed = [h for h, r in zip(headers, fake.requests) if r[1] != "/reset_prefix_cache"]
+    keyed = [h for h, r in zip(headers, fake.requests) if r[1] != RESET_PREFIX_CACHE]
     assert keyed and all(h.get("authorization") == "Bearer s3cret" for h in keyed)
     assert "authorization" not in headers[-1]
 
@@ -481,6 +482,6 @@ def test_probe_mismatch_names_the_check(fake, tmp_path):
             "kwargs": {"weights_path": str(tmp_path / "weights" / "slot0")},
         }
     ]
-    assert fake.counts["/reset_prefix_cache"] == 1
+    assert fake.counts[RESET_PREFIX_CACHE] == 1
     assert (tmp_path / "weights" / "slot0" / "model.safetensors").is_file()
     assert backend.synced_step is None  # not confirmed

@@ -23,6 +23,7 @@ import pytest
 
 from cppo_jax.config.choices import ConfigError
 from cppo_jax.config.schema import RolloutConfig
+from cppo_jax.rollout.vllm.client import RESET_PREFIX_CACHE
 from cppo_jax.rollout.vllm.transport import RolloutServerError
 from cppo_jax.rollout.vllm.weight_transfer import SHM_BACKEND, ProtocolPusher, changed_indices
 
@@ -196,7 +197,7 @@ def test_full_push_schedule_and_refusal(tmp_path):
         "/start_weight_update",
         "/update_weights",
         "/finish_weight_update",
-        "/reset_prefix_cache",
+        RESET_PREFIX_CACHE,
     ]
     with pytest.raises(ValueError, match="full_push_every"):
         ProtocolPusher(server, tmp_path, full_push_every=0)

@@ -139,6 +139,12 @@ MEANINGS: dict[str, str] = {
     "rollout.overlap": "1: generate the next step's completions (with the current weights) while the "
     "current step trains; they are trained on one update later, with the sampling weights' log-probs "
     "as the old policy. vLLM backend only.",
+    "rollout.max_staleness": "With `rollout.overlap=1`: how many updates a rollout may run ahead of the "
+    "update that trains on it. 1: the next step's, from a snapshot (above). k >= 2: up to k steps' "
+    "generations at once on the server, pushes landing mid-rollout (partial rollouts: the running "
+    "requests go on with the new weights), TIS against the server's log-probs (needs `cppo.tis_cap` "
+    "and `rollout.temperature=1`); a batch older than k updates (e.g. with `rollout.push_every` > 1) "
+    "is dropped, counted (`rollout/dropped_stale`) and its questions sampled again.",
     # cppo
     "cppo.num_generations": "G: completions sampled per question.",
     "cppo.questions_per_step": "b: questions per step of plain GRPO; with allocation CPPO draws "
@@ -198,8 +204,9 @@ MEANINGS: dict[str, str] = {
     "cppo.tis_cap": "Truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
     "is weighted by min(pi_old / pi_sampler, tis_cap), pi_sampler being the policy that really sampled it "
     "(the vLLM server's or the embedded sampler's returned log-probs; with `rollout.overlap=1` the stale "
-    "snapshot's, the old policy then being the current one). 0: off; else >= 1. With the vLLM backend "
-    "and no overlap it needs `rollout.temperature=1` (the server's log-probs are before temperature).",
+    "snapshot's, the old policy then being the current one; with `rollout.max_staleness` >= 2 the "
+    "server's own). 0: off; else >= 1. With the vLLM backend and no overlap, or max_staleness >= 2, it "
+    "needs `rollout.temperature=1` (the server's log-probs are before temperature).",
     # reward
     "reward.funcs": "Reward functions by registered name (`arith_accuracy`, `gsm8k_format`, "
     "`math_accuracy`, ...), `module:function` or `path/to/file.py:function`; the reward is their "

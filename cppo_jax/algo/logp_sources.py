@@ -9,7 +9,9 @@ The sources, by name:
                   kept for updates 2..mu: no separate old-policy pass
   "snapshot"      the `logps` program on the overlap's snapshot, the params that sampled the batch
                   (one update behind after step 1 with `rollout.overlap = 1`)
-  "sampler"       the sampler's own log-probs of the tokens it drew (TIS without overlap)
+  "sampler"       the sampler's own log-probs of the tokens it drew (TIS without overlap, and
+                  rollouts up to k >= 2 updates ahead: `rollout.max_staleness`, where a rollout
+                  may span weight updates and no one snapshot sampled it)
   None            not used (no TIS: no behaviour log-probs; mu = 1: no later updates)
 
 Host code: no JAX. The trainer computes what this names, `step.train_step` reads the choice from
@@ -37,17 +39,27 @@ class LogpSources(NamedTuple):
         return "snapshot" in (self.old, self.behav)
 
 
-def logp_sources(overlap: bool, tis_cap: float, mu: int) -> LogpSources:
+def logp_sources(ahead: int, tis_cap: float, mu: int) -> LogpSources:
     """The sources of a step's old-policy and behaviour log-probs (see the module docstring).
+    `ahead`: how many updates the rollout may run ahead of the update (0 synchronous, 1 the
+    overlap's one-step snapshot, k >= 2 `rollout.max_staleness`, which needs TIS).
 
-    With overlap and no TIS the stale batch's old policy is the snapshot that sampled it (the
-    ratio corrects the staleness). With TIS the old policy is the current one and the snapshot (with
-    overlap) or the sampler (without) is the behaviour policy the weights correct for. Otherwise the
-    old policy is the current one, its log-probs the first update's forward for the updates after it.
+    With k >= 2 the old policy is the current one (the update's own forward, the proximal policy
+    of decoupled PPO) and the behaviour policy the sampler's per-token log-probs, which hold even
+    for a rollout whose tokens were drawn across a weight update. With overlap (k = 1) and no TIS
+    the stale batch's old policy is the snapshot that sampled it (the ratio corrects the
+    staleness). With TIS the old policy is the current one and the snapshot (k = 1) or the sampler
+    (otherwise) is the behaviour policy the weights correct for. Otherwise the old policy is the
+    current one, its log-probs the first update's forward for the updates after it.
     """
     if mu < 1:
         raise ValueError(f"mu = {mu}: a step makes at least one update")
     tis = tis_cap > 0
+    if ahead > 1 and not tis:
+        raise ValueError(
+            f"rollouts {ahead} updates ahead need TIS (tis_cap > 0): no one snapshot sampled them"
+        )
+    overlap = ahead == 1
     old = "snapshot" if overlap and not tis else "current"
     after_first = None
     if mu > 1:

@@ -111,6 +111,10 @@ class RolloutConfig:
         0.0  # max |log-prob difference| server vs trainer after a push; 0: derived from the dtype
     )
     overlap: int = 0
+    # With overlap: how many updates a rollout may run ahead of the update that trains on it. 1: the
+    # next step's, sampled from a snapshot; k >= 2: up to k steps queued, pushes land mid-rollout
+    # (partial rollouts), TIS against the sampler's log-probs; older batches dropped and resampled.
+    max_staleness: int = 1
     weight_sync: str = "auto"
     full_push_every: int = 10
     lora_push: str = "auto"  # model.lora with vLLM: push the adapter only, or merged weights
@@ -134,6 +138,7 @@ class RolloutConfig:
             "<= 2 with the vLLM backend",
         )
         _check(self.overlap in (0, 1), "rollout.overlap", self.overlap, "0 or 1")
+        _check(self.max_staleness >= 1, "rollout.max_staleness", self.max_staleness, ">= 1")
         if self.backend == "vllm":
             _check(
                 bool(self.vllm_url), "rollout.vllm_url", self.vllm_url, "a URL when backend='vllm'"
@@ -309,10 +314,48 @@ class Config:
                 "model.lora.enabled=false"
             )
         r = self.rollout
-        if self.cppo.tis_cap and r.backend == "vllm" and not r.overlap and r.temperature != 1:
+        if r.max_staleness > 1:
+            self._check_ahead()
+        if (
+            self.cppo.tis_cap
+            and r.backend == "vllm"
+            and (not r.overlap or r.max_staleness > 1)
+            and r.temperature != 1
+        ):
             raise ConfigError(
                 f"config key 'cppo.tis_cap' = {self.cppo.tis_cap!r} needs rollout.temperature=1 with "
                 f"rollout.backend='vllm' (got {r.temperature!r}): the server returns log-probs before "
-                "temperature, so they are not the sampling policy's; or use rollout.overlap=1, where "
-                "the trainer computes them itself"
+                "temperature, so they are not the sampling policy's; or use rollout.overlap=1 with "
+                "rollout.max_staleness=1, where the trainer computes them itself"
+            )
+        if r.overlap and r.max_staleness == 1 and r.push_every > 1:
+            raise ConfigError(
+                f"config key 'rollout.push_every' = {r.push_every} is invalid with "
+                "rollout.overlap=1 and rollout.max_staleness=1: the next step is sampled by the "
+                "server while its old-policy log-probs come from a snapshot of the params at the "
+                "step's start, which the server holds only when every update is pushed; use "
+                "rollout.push_every=1, or rollout.max_staleness >= 2 with cppo.tis_cap (the "
+                "sampler's own log-probs)"
+            )
+
+    def _check_ahead(self) -> None:
+        """`rollout.max_staleness` = k >= 2: rollouts queued up to k updates ahead of the update,
+        corrected by TIS against the sampler's own log-probs (`logp_sources`)."""
+        r, k = self.rollout, self.rollout.max_staleness
+        if not r.overlap:
+            raise ConfigError(
+                f"config key 'rollout.max_staleness' = {k} needs rollout.overlap=1: without it "
+                "every step samples from its own weights (staleness 0)"
+            )
+        if not self.cppo.tis_cap:
+            raise ConfigError(
+                f"config key 'rollout.max_staleness' = {k} needs cppo.tis_cap > 0 (e.g. 2): a "
+                "rollout queued ahead may span weight updates, so no one snapshot sampled it and "
+                "only TIS against the sampler's own log-probs corrects it"
+            )
+        if self.data.skip_zero_variance:
+            raise ConfigError(
+                f"config key 'rollout.max_staleness' = {k} is not supported with "
+                "data.skip_zero_variance=true yet: GRESO decides a step's questions from the "
+                "rewards of the step before it, which a rollout queued k steps ahead has not seen"
             )

@@ -136,6 +136,7 @@ def save(trainer, step: int) -> None:
         "seed": trainer.cfg.trainer.seed,
         "nan_streak": trainer.nan_streak,
         "num_tokens": trainer.num_tokens,
+        "dropped_stale": trainer.dropped_stale,
         "lora": lora_meta(trainer.cfg),
     }
     if trainer.data.skipper is not None:
@@ -175,5 +176,6 @@ def maybe_resume(trainer) -> None:
     trainer.start_step = trainer.params_step = int(meta["step"])
     trainer.nan_streak = int(meta.get("nan_streak", 0))
     trainer.num_tokens = int(meta.get("num_tokens", 0))
+    trainer.dropped_stale = int(meta.get("dropped_stale", 0))
     skip_lib.resume(trainer.data.skipper, meta.get("skipper"), trainer.start_step)
     trainer.host.log.event("resumed", step=trainer.start_step)

@@ -74,7 +74,13 @@ def sampling_params(cfg: Config, shapes: Shapes, stop_ids, pad_id: int) -> Sampl
 
 def logp_sources(cfg: Config) -> LogpSources:
     """Where `cfg`'s steps take their old-policy and behaviour log-probs from (`logp_sources`)."""
-    return sources_of(bool(cfg.rollout.overlap), cfg.cppo.tis_cap, cfg.cppo.mu)
+    return sources_of(rollout_ahead(cfg), cfg.cppo.tis_cap, cfg.cppo.mu)
+
+
+def rollout_ahead(cfg: Config) -> int:
+    """How many updates a rollout may run ahead of the update that trains on it: 0 synchronous,
+    else `rollout.max_staleness` (1: the overlap's one-step snapshot)."""
+    return cfg.rollout.max_staleness if cfg.rollout.overlap else 0
 
 
 def batch_fields(cfg: Config) -> dict[str, bool]:

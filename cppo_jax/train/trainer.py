@@ -15,7 +15,9 @@ Steps 4-7 are one compiled program whose metrics are fetched once (`after_reward
 on the same path.
 
 With `rollout.overlap = 1` (vLLM backend) step n+1's rollout is produced while step n trains, one update
-stale, with exact old-policy log-probs (`rollout.overlap`). Steps 1-2 are the `rollout` role's, step 3 on
+stale, with exact old-policy log-probs; with `rollout.max_staleness = k >= 2` up to k steps ahead,
+pushes landing mid-rollout, TIS against the sampler's log-probs, and a rollout older than k updates
+dropped and sampled again (`rollout.overlap`). Steps 1-2 are the `rollout` role's, step 3 on
 the host `scoring`'s, steps 4-7 the actor's fused program (the reference's params an argument of it).
 The roles are built by `roles.build`; the trainer holds what changes in a run: the params, their
 optimizer state and the counters. The run around the steps (resume, evaluations,
@@ -35,7 +37,7 @@ from cppo_jax.parallel import distributed
 from cppo_jax.rollout.draw import StepRollout
 from cppo_jax.rollout.embedded.segments import running_rows
 from cppo_jax.rollout.overlap import Overlap
-from cppo_jax.train import evaluation, loop, roles, scoring, update
+from cppo_jax.train import evaluation, loop, programs, roles, scoring, update
 
 
 class NonFiniteError(RuntimeError):
@@ -66,10 +68,14 @@ class Trainer:
         self.evals: list[dict] = []
         # True: steps 4-7 as separate programs, each timed (tests and benchmarks: the phases apart)
         self.phase_split = False
+        self.dropped_stale = 0  # rollouts older than rollout.max_staleness, dropped (k >= 2)
         self.overlap = None
+        self.ahead = programs.rollout_ahead(cfg)  # 0: synchronous; 1: overlap; k >= 2: a queue
         if cfg.rollout.overlap:
             dtype = self.actor.model_cfg.compute_dtype
-            self.overlap = Overlap(self._rollout, self.num_steps, dtype)
+            self.overlap = Overlap(
+                self._rollout, self.num_steps, dtype, ahead=self.ahead, served=self._served
+            )
 
     def state(self) -> dict:
         """What a checkpoint holds: the trained params (with LoRA the adapters only) and their
@@ -101,7 +107,7 @@ class Trainer:
         try:
             return self._step(step)
         finally:
-            if self.overlap is not None:
+            if self.ahead == 1:  # k >= 2: generations run on across steps and pushes (partial)
                 self.overlap.settle()
 
     def _step(self, step: int) -> dict:
@@ -116,7 +122,9 @@ class Trainer:
             data.skipper.ids(step + 1)  # the one-step lag (skipping.py), at a fixed point
         with prof.phase("rollout", times):
             if self.overlap is not None:
-                rollout, sample_params = self.overlap.take(self.params, step)
+                rollout, sample_params, version = self.overlap.take(self.params, step)
+                if self.ahead > 1 and version is not None and step - version > self.ahead:
+                    rollout, version = self._resample(step, version)
             else:
                 rollout, sample_params = self._rollout(self.params, step), None
         batch, samples = rollout.batch, rollout.samples
@@ -141,8 +149,12 @@ class Trainer:
             running = sum(running_rows(valid_NC.sum(axis=1), sh.C))
             metrics["rollout/row_steps"] = float(row_steps)
             metrics["rollout/useful_fraction"] = running / row_steps if row_steps else 1.0
-        if cfg.rollout.overlap:
+        if self.ahead == 1:
             metrics["rollout/staleness"] = float(sample_params is not None)  # updates behind
+        elif self.ahead > 1 and version is not None:  # updates since the rollout's oldest token
+            metrics["rollout/staleness"] = float(step - version)
+            metrics["rollout/dropped_stale"] = float(self.dropped_stale)  # in the run so far
+        if self.overlap is not None:
             metrics["rollout/generate_s"] = rollout.seconds
         try:
             cppo.check_rewards(rewards_QG)
@@ -158,7 +170,7 @@ class Trainer:
         m = update.after_rewards(self, rollout, rewards_QG, sample_params, step, times)
         sample_params = None  # the snapshot that sampled: not kept through the update
         self.params_step = step + 1
-        if self.overlap is not None:  # the server must be idle before new weights go in
+        if self.ahead == 1:  # the server must be idle before new weights go in (k >= 2: partial)
             times["rollout"] += self.overlap.wait()
         if (step + 1) % cfg.rollout.push_every == 0:
             with prof.phase("weight_sync", times):
@@ -178,8 +190,30 @@ class Trainer:
         return self._finish(step, metrics, times, t0, texts, batch)
 
     def _rollout(self, params, step: int) -> StepRollout:
-        """Draw `step`'s questions and sample G completions each from `params`."""
-        return self.rollout.draw(self.sampler_params(params), self.data, step)
+        """Draw `step`'s questions and sample G completions each from `params` (None: from the
+        weights the backend serves, pushed before: the producer's rollouts k >= 2 ahead)."""
+        weights = None if params is None else self.sampler_params(params)
+        return self.rollout.draw(weights, self.data, step)
+
+    def _served(self) -> int | None:
+        """The updates in the weights the rollout backend serves (its last confirmed push)."""
+        return getattr(self.rollout.backend, "synced_step", None)
+
+    def _resample(self, step: int, version: int) -> tuple[StepRollout, int]:
+        """A rollout older than `rollout.max_staleness` updates: dropped, counted and logged; the step's questions are sampled again from the current
+        weights (pushed first when the server is behind them: `rollout.push_every`)."""
+        self.dropped_stale += 1
+        self.host.log.event(
+            "stale_rollout_dropped",
+            step=step,
+            version=version,
+            staleness=step - version,
+            max_staleness=self.ahead,
+            dropped=self.dropped_stale,
+        )
+        if self._served() != self.params_step:
+            self.rollout.push(self.sampler_params(), self.params_step)
+        return self._rollout(self.params, step), self.params_step
 
     def _finish(self, step, metrics, times, t0, texts, batch) -> dict:
         times["step"] = time.perf_counter() - t0

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -128,6 +129,8 @@ class VLLMBackend(PushRoutes):
         self.synced_step: int | None = None
         self.last_slot: Path | None = None
         self.unconfirmed: str | None = None  # why the last push failed its check, until one passes
+        self._push_done = threading.Event()  # cleared while a push runs (`_ensure_synced` waits)
+        self._push_done.set()
         self.last_margin = 0.0  # max |diff| / tolerance of the last check (< 1: passed)
         self._pushed_ref = None  # weak reference to the params object last confirmed on the server
         self.route: str | None = None  # "file" or "protocol", resolved at the first push
@@ -181,6 +184,9 @@ class VLLMBackend(PushRoutes):
         return graphdef, jax.tree.map(lambda x: x.astype(dt), params)
 
     def _ensure_synced(self, params) -> None:
+        # A push in progress on another thread (rollouts queued ahead: rollout.max_staleness >= 2)
+        # is waited for; a generation already running goes on across it (a partial rollout).
+        self._push_done.wait()
         if self.unconfirmed is not None:
             raise WeightSyncError(
                 f"refusing to roll out from {self.url}: the last weight push was not confirmed "
@@ -304,6 +310,7 @@ class VLLMBackend(PushRoutes):
         """Push `params` to the server and confirm them with the probe check (see the module
         docstring). Until a push is confirmed, `generate` and `greedy` refuse to run."""
         self.unconfirmed = "push in progress"
+        self._push_done.clear()
         t0 = time.perf_counter()
         try:
             # cast once; push and verify cast no further (an adapter push casts only the adapters)
@@ -326,6 +333,8 @@ class VLLMBackend(PushRoutes):
             if self.patcher is not None:
                 self.patcher.invalidate()
             raise
+        finally:
+            self._push_done.set()
         if self.route == "protocol":
             self.pusher.confirm()  # the base of the next sparse push
             if self.patcher is not None:

@@ -6,7 +6,9 @@ Routes used (vLLM's OpenAI-compatible server, started by `launch/vllm_server.sh`
   - `POST /v1/completions` with token-id prompts, `return_token_ids`, `logprobs: 0` (the sampled tokens'
     log-probabilities) and, for the weight probe, `prompt_logprobs: 0`;
   - `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": ...}}` and
-    `POST /reset_prefix_cache` (dev routes, on only with `VLLM_SERVER_DEV_MODE=1`);
+    `POST /reset_prefix_cache?reset_running_requests=true` (dev routes, on only with
+    `VLLM_SERVER_DEV_MODE=1`): requests running across a push are preempted and go on with their KV
+    recomputed under the new weights (a partial rollout), so no block of the old weights survives;
   - `GET /health`, `GET /v1/models`, and `GET /server_info?config_format=json` (dev route) for the dtype the
     server computes in, so that the trainer checks a push against the same dtype.
 
@@ -51,6 +53,24 @@ class Completion:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+
+
+# After a push: every cached block was computed by the old weights. Running requests (rollouts
+# queued ahead, `rollout.max_staleness >= 2`) hold blocks, and without `reset_running_requests` vLLM
+# would refuse the reset ({"success": false}) and keep serving old blocks to later requests.
+RESET_PREFIX_CACHE = "/reset_prefix_cache?reset_running_requests=true"
+
+
+def reset_prefix_cache(client) -> None:
+    """Reset the server's prefix cache (`RESET_PREFIX_CACHE`) through `client.request`; a reset the
+    server answers as failed raises `ResponseError`."""
+    out = client.request("POST", RESET_PREFIX_CACHE, None, what="resetting the prefix cache")
+    if isinstance(out, dict) and out.get("success") is False:
+        raise ResponseError(
+            f"POST {client.url}{RESET_PREFIX_CACHE} answered {out}: the server kept its prefix "
+            "cache, so blocks computed by the old weights could be served after the push",
+            url=client.url,
+        )
 
 
 def _is_int(x: Any) -> bool:
@@ -142,7 +162,7 @@ class VLLMClient(JSONClient):
             )
 
     def reset_prefix_cache(self) -> None:
-        self.request("POST", "/reset_prefix_cache", None, what="resetting the prefix cache")
+        reset_prefix_cache(self)
 
     # ------------------------------------------------------------------------------------------
     # Completions

@@ -170,7 +170,10 @@ class JSONClient:
                 hint = ""
                 if status == 401:
                     hint = " (wrong or missing rollout.vllm_api_key)"
-                elif status == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+                elif status == 404 and path.split("?")[0] in (
+                    "/collective_rpc",
+                    "/reset_prefix_cache",
+                ):
                     hint = " (start the server with VLLM_SERVER_DEV_MODE=1: launch/vllm_server.sh does)"
                 raise RolloutServerError(
                     f"{what}: {where} answered HTTP {status}{hint}: "

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from cppo_jax.rollout.vllm.client import reset_prefix_cache
 from cppo_jax.rollout.vllm.transport import JSONClient, RolloutServerError
 
 __all__ = [
@@ -231,7 +232,7 @@ class ProtocolPusher:
                 {"weight_version": str(self.rounds)},
                 f"finishing weight round {self.rounds}",
             )
-        self.client.request("POST", "/reset_prefix_cache", None, what="resetting the prefix cache")
+        reset_prefix_cache(self.client)
         t2 = time.perf_counter()
         self._pending = (None, full, self.rounds)
         return {
