@@ -131,16 +131,17 @@ _LOOPS = textwrap.dedent(
     cfg = dataclasses.replace(load_config(sys.argv[1], []), mesh=MeshConfig(data=1, fsdp=4, tensor=1))
     built = programs.build(cfg, devices)
 
-    def loop_gathers(text):
+    def loop_gathers(text, op="all-gather"):
         calls, gathers, cur = {}, {}, None
         for line in text.splitlines():
             if line and not line.startswith(" ") and line.rstrip().endswith("{"):
                 cur = line.split("(")[0].split()[-1].lstrip("%")
                 continue
             calls.setdefault(cur, set()).update(re.findall(r"(?:body|condition|to_apply|calls)=%?([\\w.-]+)", line))
-            m = re.search(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather(?:-start)?\\(", line)
-            if m:
-                gathers.setdefault(cur, []).append([int(d) for d in m.group(1).split(",") if d])
+            m = re.search(r"= (.*?) " + op + r"(?:-start)?\\(", line)
+            if m:  # every array of the result (a combined collective returns a tuple)
+                for dims in re.findall(r"\\w+\\[([\\d,]*)\\]", m.group(1)):
+                    gathers.setdefault(cur, []).append([int(d) for d in dims.split(",") if d])
         inside, todo = set(), [b for b in re.findall(r"body=%?([\\w.-]+)", text)]
         while todo:
             c = todo.pop()
@@ -156,6 +157,12 @@ _LOOPS = textwrap.dedent(
         out[name] = loop_gathers(compiled.as_text())
         if name == "sampler":
             out["rows"] = [str(s.spec) for s in jax.tree.leaves(compiled.output_shardings)]
+            out["sampler_sums"] = loop_gathers(compiled.as_text(), "all-reduce")
+    # top-p: the logits gathered by vocabulary (sampler.vocab_split), summed per token
+    cut = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, top_p=0.9))
+    fn, args = programs.build(cut, devices).programs["sampler"]
+    out["top_p_sums"] = loop_gathers(fn.lower(*args).compile().as_text(), "all-reduce")
+    out["V"] = programs.model_config(cfg).vocab_size
     print("LOOPS " + json.dumps(out))
     """
 )
@@ -166,7 +173,8 @@ def test_sampler_keeps_weights_in_place_while_the_train_step_gathers_them():
     weights where they lie: its loops all-gather activations ([Q, G, D] rows), never a parameter,
     so no device reads the whole model per token (what gathering the weights once per rollout would
     cost). The train step's layer loop does gather parameters (FSDP), which shows the check can see
-    one. The samples come back split by rows over the mesh."""
+    one. The samples come back split by rows over the mesh. Nor do the loops sum [rows, V] logits
+    per token: they are computed and sampled split by vocabulary."""
     res = subprocess.run(
         [sys.executable, "-c", _LOOPS, TINY],
         capture_output=True,
@@ -185,6 +193,12 @@ def test_sampler_keeps_weights_in_place_while_the_train_step_gathers_them():
     assert shapes & {tuple(g) for g in out["train_step"]}, out["train_step"]
     # tokens, logps, valid, finished by rows; the decode count and the row-steps replicated
     assert out["rows"] == ["P('fsdp',)"] * 4 + ["P()"] * 2
+    # The logits split by vocabulary (sampler.vocab_split): no per-token sum of [rows, V] partial
+    # logits, only per-row figures; with top-p (the gathered path) the sum is there, so the check
+    # sees one.
+    V = out["V"]
+    assert not [s for s in out["sampler_sums"] if V in s], out["sampler_sums"]
+    assert [s for s in out["top_p_sums"] if V in s], out["top_p_sums"]
 
 
 def _raw_cpu(*overrides: str, only: tuple[str, ...] = ()) -> dict:

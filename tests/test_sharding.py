@@ -7,9 +7,11 @@ the assertions are made here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -208,6 +210,7 @@ def _worker() -> dict:
     out["sampler"] = _sampler_on_a_mesh(
         graphdef, host_params, states[(2, 2, 2)][0], prompt_QP, pvalid_QP, G, C, max_err
     )
+    out["choose_split"] = _choose_split_on_a_mesh(states[(2, 2, 2)][0])
     try:
         sharding_lib.check_questions(12, states[(2, 4, 1)][0])
     except ValueError as e:
@@ -278,6 +281,7 @@ def _sampler_on_a_mesh(graphdef, host_params, mesh, prompt_QP, pvalid_QP, G, C, 
 
     from cppo_jax.parallel import distributed
     from cppo_jax.rollout.backend import EmbeddedBackend
+    from cppo_jax.rollout.embedded import sampler as sampler_lib
     from cppo_jax.rollout.embedded.sampler import make_sampler, place, sampler_shardings
     from cppo_jax.rollout.embedded.sampling import SamplingParams
 
@@ -299,11 +303,24 @@ def _sampler_on_a_mesh(graphdef, host_params, mesh, prompt_QP, pvalid_QP, G, C, 
         jax.tree.map(jnp.asarray, host_params), prompt_QP, pvalid_QP
     )
     greedy = backend.greedy(replicated, *prompts[:2])
+    compact = EmbeddedBackend(graphdef, dataclasses.replace(sp, compact=True), mesh).generate(
+        sharding_lib.shard_params(host_params, mesh), *prompts, G
+    )
     placed = sampler_shardings(mesh, replicated, Q, P, G, sp)
     compiled = make_sampler(graphdef, G, sp, placed).lower(*place((replicated, *prompts), placed))
     compiled = compiled.compile()
     rules = sharding_lib.param_shardings(replicated, mesh)
+    V = jax.tree.leaves(host_params["embed_VD"])[0].shape[0]
+    sums = [  # every array an all-reduce returns (a combined one returns a tuple)
+        [int(d) for d in dims.split(",") if d]
+        for m in re.finditer(r"= (.*?) all-reduce(?:-start)?\(", compiled.as_text())
+        for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))
+    ]
     return {
+        "compact_equal": bool(np.array_equal(*jax.device_get((compact.tokens_NC, one.tokens_NC)))),
+        "err_logp_compact": max_err(compact.logp_NC, one.logp_NC),
+        "logit_sums": [d for d in sums if V in d],
+        "split": str(sampler_lib.vocab_split(mesh, sp)[2]),
         "tokens_equal": bool(np.array_equal(*jax.device_get((sharded.tokens_NC, one.tokens_NC)))),
         "moved_equal": bool(np.array_equal(*jax.device_get((moved.tokens_NC, one.tokens_NC)))),
         "greedy_equal": bool(
@@ -320,6 +337,49 @@ def _sampler_on_a_mesh(graphdef, host_params, mesh, prompt_QP, pvalid_QP, G, C, 
             )
         ),
     }
+
+
+def _choose_split_on_a_mesh(mesh) -> dict:
+    """`sampling.choose_split` (logits split by vocabulary over fsdp x tensor, rows over data)
+    against `choose` on whole rows: random logits of a vocabulary of 1,001 (padded to 1,004), at
+    temperatures 1, 0.7 and 0 (greedy, with the largest logit tied across two shards in every
+    row): the tokens drawn and their log-probs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cppo_jax.rollout.embedded import sampler as sampler_lib
+    from cppo_jax.rollout.embedded.sampling import SamplingParams, choose, choose_split
+
+    rng = np.random.default_rng(0)
+    N, V = 64, 1001
+    sampled_NV = (3.0 * rng.standard_normal((N, V))).astype(np.float32)
+    tied_NV = sampled_NV.copy()
+    tied_NV[:, [5, 900]] = sampled_NV.max() + 1.0  # a tie across shards: the first one wins
+    u_N = rng.random(N, dtype=np.float32)
+    out = {}
+    for temperature in (1.0, 0.7, 0.0):
+        logits_NV = tied_NV if temperature == 0.0 else sampled_NV
+        sp = SamplingParams(max_new_tokens=4, temperature=temperature)
+        split = sampler_lib.vocab_split(mesh, sp)
+        Vp = split.padded(V)
+        padded_NV = np.pad(logits_NV, ((0, 0), (0, Vp - V)), constant_values=7.0)  # never drawn
+        x = jax.device_put(
+            padded_NV,
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(split.rows, split.axes)),
+        )
+        fn = jax.jit(lambda x, u, sp=sp, split=split: choose_split(x, u, sp, split._replace(V=V)))
+        got = jax.device_get(fn(x, jnp.asarray(u_N)))
+        want = jax.device_get(jax.jit(lambda x, u, sp=sp: choose(x, u, sp))(logits_NV, u_N))
+        out[str(temperature)] = {
+            "same_tokens": int((got[0] == want[0]).sum()),
+            "logp_rel": float(np.max(np.abs(got[1] - want[1]) / np.abs(want[1]).clip(1e-3))),
+            "greedy_first": bool((got[0] == 5).all()) if temperature == 0.0 else None,
+            "max_token": int(got[0].max()),
+            "distinct": len(set(got[0].tolist())),
+        }
+    out["N"] = N
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -361,8 +421,28 @@ def test_sampler_declares_its_shardings_and_samples_like_one_device(mesh_results
     print(r)
     assert r["tokens_equal"] and r["moved_equal"] and r["greedy_equal"], r
     assert r["err_logp"] < TOL, r
+    # the logits split by vocabulary over fsdp x tensor (sampler.vocab_split), never summed whole;
+    # row compaction on the mesh draws the same tokens
+    assert r["split"] == "('fsdp', 'tensor')" and r["logit_sums"] == [], r
+    assert r["compact_equal"] and r["err_logp_compact"] < TOL, r
     assert r["params_in_place"], r
     assert r["out_specs"] == ["P(('data', 'fsdp'),)"] * 4, r  # tokens, logps, valid, finished
+
+
+def test_vocabulary_split_draw_is_the_whole_rows_draw(mesh_results):
+    """`choose_split` draws, from the same uniform numbers, the token `choose` draws on the whole
+    row, sampled and greedy (ties to the first column), never a padding column; the log-probs equal
+    to float32 rounding of a V-term sum (relative eps x V)."""
+    import numpy as np
+
+    r = mesh_results["choose_split"]
+    print(r)
+    tol = float(np.finfo(np.float32).eps) * 1001
+    for t in ("1.0", "0.7", "0.0"):
+        assert r[t]["same_tokens"] == r["N"], r
+        assert r[t]["logp_rel"] < tol and r[t]["max_token"] < 1001, r
+    assert r["1.0"]["distinct"] > r["N"] // 4, r  # draws spread over the vocabulary
+    assert r["0.0"]["greedy_first"], r
 
 
 def test_rules_place_params_with_fallback(mesh_results):

@@ -28,7 +28,9 @@ On a mesh the program declares its shardings (`make_sampler(..., mesh=)`): the p
 decode count replicated). It is traced without the training step's activation rules
 (`sharding.use_mesh`), which would split the decode's rows over fsdp and so gather weights per token:
 left to itself the compiler keeps the weights in place and moves the (small) activations (docs/aot.md,
-"The embedded sampler on a sharded mesh"; checked in tests/test_aot.py).
+"The embedded sampler on a sharded mesh"; checked in tests/test_aot.py). The logits are computed and
+drawn split by vocabulary over fsdp x tensor (`vocab_split`, `sampling.choose_split`): one copy of the
+unembedding laid out by vocabulary per rollout, no [N, V] sum per token.
 
 Returns the sampled tokens, their log-probabilities under the sampling distribution (log-softmax of
 logits / temperature, before top-k/top-p truncation: the old-policy log-probs when mu = 1), which
@@ -61,7 +63,9 @@ from cppo_jax.rollout.embedded.sampling import (
     TRUNCATION,
     Samples,
     SamplingParams,
+    VocabSplit,
     choose,
+    choose_split,
     completion_ends,
     is_end_id,
     sequence_uniforms,
@@ -86,8 +90,12 @@ def _decode_layers(model):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dt), state))
 
 
-def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, rope_QE, local_rope_QE):
+def _decode_step(
+    model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, rope_QE, local_rope_QE, w_DV=None
+):
     """One token per sequence through the model at completion slot t: logits [N, V] and the cache.
+
+    w_DV: the unembedding to use (`vocab_split`'s copy laid out by vocabulary), None: the model's.
 
     rope_QE: the (cos, sin) [Q, E] of this token's position; local_rope_QE the local layers' (Gemma
     3's sliding-window layers, which also see only the last `sliding_window` slots: a mask over the
@@ -171,7 +179,8 @@ def _decode_step(model, layers, prompt_kv, prompt_valid_QP, kv, token_N, t, rope
 
     x_QGD, kc_LQJGEC, vc_LQJGCE = run_layers(cfg, layers, layer_fn, (x_QGD, kc_LQJGEC, vc_LQJGCE))
     h_ND = model.final_norm(x_QGD).reshape(Q * G, -1)
-    return unembed(h_ND, model.unembed_weight()), (kc_LQJGEC, vc_LQJGCE)
+    w_DV = model.unembed_weight() if w_DV is None else w_DV
+    return unembed(h_ND, w_DV), (kc_LQJGEC, vc_LQJGCE)
 
 
 def _empty_kv(Q, J, G, C, E, dtype, num_layers):
@@ -249,10 +258,12 @@ def sample_with_uniforms(
     *,
     num_samples: int,
     sp: SamplingParams,
+    split: VocabSplit | None = None,
 ) -> Samples:
     """`sample` driven by explicit random numbers u [Q * G, C] (see `sequence_uniforms`).
 
-    Row q * G + j is sample j of question q. `u_NC` may be None for greedy decoding.
+    Row q * G + j is sample j of question q. `u_NC` may be None for greedy decoding. With `split`
+    (`vocab_split`), the logits are computed and sampled split by vocabulary.
     """
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
@@ -272,7 +283,17 @@ def sample_with_uniforms(
     prompt_valid_QP = prompt_valid_QP.astype(jnp.bool_)
     pos_QP = positions_from_valid(prompt_valid_QP)
     h_QPD, cache = model.hidden(prompt_QP, pos_QP, prompt_valid_QP, cache=init_cache(cfg, Q, P, cd))
-    logits_QV = unembed(h_QPD[:, -1], model.unembed_weight())
+    w_DV, pick = None, functools.partial(choose, sp=sp)
+    if split is not None:  # one copy of the unembedding by vocabulary, padded, for the rollout
+        w_DV = model.unembed_weight().astype(cfg.compute_dtype)
+        V = w_DV.shape[1]
+        w_DV = jnp.pad(w_DV, ((0, 0), (0, split.padded(V) - V)))
+        w_DV = jax.lax.with_sharding_constraint(
+            w_DV,
+            jax.sharding.NamedSharding(split.mesh, jax.sharding.PartitionSpec(None, split.axes)),
+        )
+        pick = functools.partial(choose_split, sp=sp, split=split._replace(V=V))
+    logits_QV = unembed(h_QPD[:, -1], model.unembed_weight() if w_DV is None else w_DV)
     prompt_kv = (cache.k_LBSJE.transpose(0, 1, 3, 2, 4), cache.v_LBSJE.transpose(0, 1, 3, 2, 4))
     # Completion t sits at position (prompt length) + t; cos/sin for every position, once (and
     # the local layers' own, Gemma 3's).
@@ -284,7 +305,7 @@ def sample_with_uniforms(
     layers = _decode_layers(model)
 
     def emit(t, u_BC, logits_BV, tokens_BC, logp_BC, done_B):
-        token_B, logp_B = choose(logits_BV, jax.lax.dynamic_index_in_dim(u_BC, t, 1, False), sp)
+        token_B, logp_B = pick(logits_BV, jax.lax.dynamic_index_in_dim(u_BC, t, 1, False))
         token_B = jnp.where(done_B, sp.pad_id, token_B)
         tokens_BC = jax.lax.dynamic_update_index_in_dim(tokens_BC, token_B, t, 1)
         logp_BC = jax.lax.dynamic_update_index_in_dim(logp_BC, jnp.where(done_B, 0.0, logp_B), t, 1)
@@ -312,6 +333,7 @@ def sample_with_uniforms(
                 None
                 if local_rope_TE is None
                 else tuple(jnp.take(x, pos, axis=0) for x in local_rope_TE),
+                w_DV,
             )
             return t + 1, kv, logits_BV, tokens_BC, logp_BC, done_B, row_steps + token_B.shape[0]
 
@@ -366,13 +388,21 @@ def sample(
     *,
     num_samples: int,
     sp: SamplingParams,
+    split: VocabSplit | None = None,
 ) -> Samples:
     """Draw `num_samples` completions for each of Q left-padded prompts (see the module docstring)."""
     u_NC = None
     if sp.temperature != 0.0:
         u_NC = sequence_uniforms(seeds_Q, num_samples, sp.max_new_tokens)
     return sample_with_uniforms(
-        graphdef, state, prompt_QP, prompt_valid_QP, u_NC, num_samples=num_samples, sp=sp
+        graphdef,
+        state,
+        prompt_QP,
+        prompt_valid_QP,
+        u_NC,
+        num_samples=num_samples,
+        sp=sp,
+        split=split,
     )
 
 
@@ -401,11 +431,26 @@ def sampler_shardings(
     return SamplerShardings(in_, out)
 
 
+def vocab_split(mesh, sp: SamplingParams) -> VocabSplit | None:
+    """How the sampler on `mesh` splits its logits: by vocabulary over the fsdp and tensor axes,
+    where they have more than one device, unless top-k / top-p cuts are asked for (those take the
+    gathered path). The rules keep the unembedding split by its model dimension over fsdp, so each
+    device's logits would be partial sums, all-reduced per token (float32 [N, V]: 39 MB for
+    Qwen2.5's vocabulary at N = 64); laid out by vocabulary once per rollout, each device computes
+    whole logits for its columns and the devices exchange a few numbers per row instead."""
+    axes = tuple(a for a in ("fsdp", "tensor") if mesh.shape[a] > 1)
+    if not axes or sp.top_k > 0 or sp.top_p < 1.0:
+        return None
+    return VocabSplit(mesh, ("data",) if mesh.shape["data"] > 1 else (), axes)
+
+
 @functools.lru_cache(maxsize=KEPT_PROGRAMS)
 def _compiled_sampler(graphdef, num_samples: int, sp: SamplingParams, shardings=None):
     fn = functools.partial(sample, graphdef, num_samples=num_samples, sp=sp)
     if shardings is None:
         return jax.jit(fn)
+    mesh = shardings[0][1][0].mesh
+    fn = functools.partial(fn, split=vocab_split(mesh, sp))
     in_ = jax.tree.unflatten(*shardings[0])
     return jax.jit(fn, in_shardings=in_, out_shardings=shardings[1])
 

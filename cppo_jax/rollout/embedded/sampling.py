@@ -229,10 +229,11 @@ def _first_above(cum_NK: jax.Array, w_NK: jax.Array, x_N: jax.Array) -> jax.Arra
     return jnp.where(first_N < K, first_N, last_N)
 
 
-def _inverse_cdf(w_NV: jax.Array, u_N: jax.Array) -> jax.Array:
+def _inverse_cdf(w_NV: jax.Array, u_N: jax.Array, x_N: jax.Array | None = None) -> jax.Array:
     """Row-wise index v drawn with probability w_v / sum(w), given u ~ U[0, 1) per row.
 
-    Picks the first v whose cumulative weight exceeds u * sum(w); zero-weight entries are never
+    Picks the first v whose cumulative weight exceeds x = u * sum(w) (or the `x_N` given: a target
+    in weight units, as `choose_split` hands each vocabulary shard); zero-weight entries are never
     picked. Two levels (blocks of about sqrt(V)): prefix sums over the block totals, then within the
     chosen block only, so the work is O(V) per row with small matmuls instead of a V-long scan.
     """
@@ -242,7 +243,8 @@ def _inverse_cdf(w_NV: jax.Array, u_N: jax.Array) -> jax.Array:
     w_NBb = jnp.pad(w_NV, ((0, 0), (0, nb * b - V))).reshape(N, nb, b)
     total_NB = jnp.sum(w_NBb, axis=-1)
     cum_NB = _prefix_sum(total_NB)
-    x_N = u_N * cum_NB[:, -1]
+    if x_N is None:
+        x_N = u_N * cum_NB[:, -1]
     block_N = _first_above(cum_NB, total_NB, x_N)
     take = functools.partial(jnp.take_along_axis, axis=1)
     before_N = (take(cum_NB, block_N[:, None]) - take(total_NB, block_N[:, None]))[:, 0]
@@ -273,6 +275,71 @@ def choose(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams):
         token_N = _inverse_cdf(weight_NV, u_N)
     chosen_N = jnp.take_along_axis(scaled_NV, token_N[:, None], axis=-1)[:, 0]
     return token_N, (chosen_N - max_N1[:, 0]) - log_total_N
+
+
+class VocabSplit(NamedTuple):
+    """The decode's logits split by vocabulary over `axes` of `mesh` (rows over `rows` where they
+    divide), so that no device sums [N, V] partial logits per token (`sampler.vocab_split`); `V`
+    the real vocabulary (the logits' columns are padded to a multiple of the split)."""
+
+    mesh: jax.sharding.Mesh
+    rows: tuple[str, ...]
+    axes: tuple[str, ...]
+    V: int = 0
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    def padded(self, V: int) -> int:
+        return -(-V // self.size) * self.size
+
+
+def choose_split(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams, split: VocabSplit):
+    """`choose` on logits split by vocabulary (columns from `split.V` on are padding, never drawn),
+    without gathering them: each shard reduces its own columns and the devices exchange per-row
+    figures only (max, total weight, the shards' totals, the chosen token and its logit). Greedy:
+    the first column of the largest logit. Sampling: the inverse CDF of `choose` (the first column
+    whose cumulative weight exceeds u times the total), over the shards' totals, then inside the
+    shard that holds it. No top-k / top-p (`sampler.vocab_split` leaves those to `choose`)."""
+    axes = split.axes
+    row_size = math.prod(split.mesh.shape[a] for a in split.rows)
+    rows = split.rows if split.rows and logits_NV.shape[0] % row_size == 0 else None
+
+    def local(logits_nv, u_n):
+        Vs = logits_nv.shape[-1]
+        first = jax.lax.axis_index(axes).astype(jnp.int32) * Vs
+        col_v = first + jnp.arange(Vs, dtype=jnp.int32)
+        scaled_nv = logits_nv if sp.temperature == 0.0 else logits_nv / sp.temperature
+        scaled_nv = jnp.where(col_v < split.V, scaled_nv, -jnp.inf)
+        own_max_n = jnp.max(scaled_nv, axis=-1)
+        max_n = jax.lax.pmax(own_max_n, axes)
+        w_nv = jnp.exp(scaled_nv - max_n[:, None])
+        own_total_n = jnp.sum(w_nv, axis=-1)
+        log_total_n = jnp.log(jax.lax.psum(own_total_n, axes))
+        if sp.temperature == 0.0:
+            top_n = first + jnp.argmax(scaled_nv, axis=-1).astype(jnp.int32)
+            token_n = jax.lax.pmin(
+                jnp.where(own_max_n == max_n, top_n, jnp.iinfo(jnp.int32).max), axes
+            )
+        else:
+            totals_nS = jax.lax.all_gather(own_total_n[:, None], axes, axis=1, tiled=True)
+            cum_nS = _prefix_sum(totals_nS)
+            x_n = u_n * cum_nS[:, -1]
+            shard_n = _first_above(cum_nS, totals_nS, x_n)
+            take = functools.partial(jnp.take_along_axis, axis=1)
+            before_n = (take(cum_nS, shard_n[:, None]) - take(totals_nS, shard_n[:, None]))[:, 0]
+            inner_n = _inverse_cdf(w_nv, u_n, x_n - before_n)
+            token_n = jax.lax.psum(jnp.where(shard_n * Vs == first, first + inner_n, 0), axes)
+        here_n = (token_n >= first) & (token_n < first + Vs)
+        own_n = jnp.take_along_axis(scaled_nv, jnp.clip(token_n - first, 0, Vs - 1)[:, None], -1)
+        chosen_n = jax.lax.psum(jnp.where(here_n, own_n[:, 0], 0.0), axes)
+        return token_n, (chosen_n - max_n) - log_total_n
+
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(
+        local, mesh=split.mesh, in_specs=(P(rows, axes), P(rows)), out_specs=(P(rows), P(rows))
+    )(logits_NV, u_N)
 
 
 def sequence_uniforms(seeds_Q: jax.Array, num_samples: int, num_tokens: int) -> jax.Array:
