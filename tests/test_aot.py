@@ -132,23 +132,7 @@ _LOOPS = textwrap.dedent(
     built = programs.build(cfg, devices)
 
     def loop_gathers(text, op="all-gather"):
-        calls, gathers, cur = {}, {}, None
-        for line in text.splitlines():
-            if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-                cur = line.split("(")[0].split()[-1].lstrip("%")
-                continue
-            calls.setdefault(cur, set()).update(re.findall(r"(?:body|condition|to_apply|calls)=%?([\\w.-]+)", line))
-            m = re.search(r"= (.*?) " + op + r"(?:-start)?\\(", line)
-            if m:  # every array of the result (a combined collective returns a tuple)
-                for dims in re.findall(r"\\w+\\[([\\d,]*)\\]", m.group(1)):
-                    gathers.setdefault(cur, []).append([int(d) for d in dims.split(",") if d])
-        inside, todo = set(), [b for b in re.findall(r"body=%?([\\w.-]+)", text)]
-        while todo:
-            c = todo.pop()
-            if c not in inside:
-                inside.add(c)
-                todo.extend(calls.get(c, ()))
-        return [g for c in inside for g in gathers.get(c, [])]
+        return [list(shape) for _, shape in aot.loop_collectives(text, op)]
 
     out = {"params": [list(x.shape) for x in jax.tree.leaves(built.programs["sampler"][1][0])]}
     for name in ("sampler", "train_step"):

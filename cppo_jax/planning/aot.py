@@ -170,6 +170,42 @@ def _host_bounds(target: str) -> dict:
     return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4}
+_DTYPE_BYTES.update({"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
+
+
+def loop_collectives(hlo_text: str, op: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays (dtype, shape) that collective `op` ("all-reduce", "all-gather", ...) returns
+    inside a compiled program's loops: in the computations reachable from a while's body, each op
+    once (a combined collective returns a tuple: every array of it)."""
+    calls: dict = {}
+    found: dict = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            current = line.split("(")[0].split()[-1].lstrip("%")
+            continue
+        calls.setdefault(current, set()).update(
+            re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.-]+)", line)
+        )
+        m = re.search(r"= (.*?) " + re.escape(op) + r"(?:-start)?\(", line)
+        if m:
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+                shape = tuple(int(d) for d in dims.split(",") if d)
+                found.setdefault(current, []).append((dtype, shape))
+    inside, todo = set(), re.findall(r"body=%?([\w.-]+)", hlo_text)
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(calls.get(c, ()))
+    return [x for c in sorted(inside) for x in found.get(c, [])]
+
+
+def array_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return _DTYPE_BYTES.get(dtype, 4) * math.prod(shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
     """What the compiler reports for one program, per device (bytes), and its compile seconds.

@@ -287,7 +287,8 @@ def sample_with_uniforms(
     if split is not None:  # one copy of the unembedding by vocabulary, padded, for the rollout
         w_DV = model.unembed_weight().astype(cfg.compute_dtype)
         V = w_DV.shape[1]
-        w_DV = jnp.pad(w_DV, ((0, 0), (0, split.padded(V) - V)))
+        if split.padded(V) > V:
+            w_DV = jnp.pad(w_DV, ((0, 0), (0, split.padded(V) - V)))
         w_DV = jax.lax.with_sharding_constraint(
             w_DV,
             jax.sharding.NamedSharding(split.mesh, jax.sharding.PartitionSpec(None, split.axes)),
@@ -441,7 +442,10 @@ def vocab_split(mesh, sp: SamplingParams) -> VocabSplit | None:
     axes = tuple(a for a in ("fsdp", "tensor") if mesh.shape[a] > 1)
     if not axes or sp.top_k > 0 or sp.top_p < 1.0:
         return None
-    return VocabSplit(mesh, ("data",) if mesh.shape["data"] > 1 else (), axes)
+    from cppo_jax.parallel.sharding import DATA_AXES
+
+    batch = tuple(a for a in DATA_AXES if mesh.shape[a] > 1)
+    return VocabSplit(mesh, ("data",) if mesh.shape["data"] > 1 else (), axes, batch)
 
 
 @functools.lru_cache(maxsize=KEPT_PROGRAMS)

@@ -279,12 +279,15 @@ def choose(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams):
 
 class VocabSplit(NamedTuple):
     """The decode's logits split by vocabulary over `axes` of `mesh` (rows over `rows` where they
-    divide), so that no device sums [N, V] partial logits per token (`sampler.vocab_split`); `V`
-    the real vocabulary (the logits' columns are padded to a multiple of the split)."""
+    divide), so that no device sums [N, V] partial logits per token (`sampler.vocab_split`); the
+    tokens drawn go back split by rows over `batch` (the sampler's rows, and so its KV cache, stay
+    where they were); `V` the real vocabulary (the logits' columns are padded to a multiple of the
+    split)."""
 
     mesh: jax.sharding.Mesh
     rows: tuple[str, ...]
     axes: tuple[str, ...]
+    batch: tuple[str, ...] = ()
     V: int = 0
 
     @property
@@ -337,9 +340,18 @@ def choose_split(logits_NV: jax.Array, u_N: jax.Array, sp: SamplingParams, split
         return token_n, (chosen_n - max_n) - log_total_n
 
     P = jax.sharding.PartitionSpec
-    return jax.shard_map(
+    token_N, logp_N = jax.shard_map(
         local, mesh=split.mesh, in_specs=(P(rows, axes), P(rows)), out_specs=(P(rows), P(rows))
     )(logits_NV, u_N)
+    if (
+        split.batch
+        and logits_NV.shape[0] % math.prod(split.mesh.shape[a] for a in split.batch) == 0
+    ):
+        # each device keeps its own rows (a slice of what it holds: no transfer), so that the
+        # next token's layers, and the cache they write, stay split by rows
+        rows_N = jax.sharding.NamedSharding(split.mesh, P(split.batch))
+        token_N, logp_N = (jax.lax.with_sharding_constraint(x, rows_N) for x in (token_N, logp_N))
+    return token_N, logp_N
 
 
 def sequence_uniforms(seeds_Q: jax.Array, num_samples: int, num_tokens: int) -> jax.Array:
