@@ -147,6 +147,8 @@ def measure(
     lrs=LRS,
     routes=ROUTES,
     weights: str = "plain",
+    generate: bool = True,
+    probe_tol: float | None = None,
 ) -> list[dict]:
     import jax
     from flax import nnx
@@ -184,17 +186,19 @@ def measure(
             full_push_every=10**6,  # only a refused check or invalidate() makes a push full here
             timeout_s=900.0,
         )
-        backend = VLLMBackend(cfg, graphdef, sp, work / name)
+        backend = VLLMBackend(cfg, graphdef, sp, work / name, probe_tol=probe_tol)
         assert backend.resolve_route() == "protocol", "the server offers no cppo_shm engine"
         for lr in lrs:
             params = params0 if lr == lrs[0] else nnx.split(load_hf(model_dir))[1]
             params0 = None  # one fp32 copy at a time: a 500M policy is 2 GB
-            backend.route = "file"
-            backend.sync_weights(
-                params, 0
-            )  # compiles the probe, writes the first file; not counted
+            # compiles the probe and makes the server hold the policy; not counted. By the file route
+            # only when it is measured: its slot would hold a model copy in /dev/shm to the end
+            backend.route = "file" if "file" in routes else "protocol"
+            backend.sync_weights(params, 0)
             backend.route = "protocol"
-            gen_s, gen_tokens = _generation_s(backend, params, tok.vocab_size)
+            gen_s, gen_tokens = (
+                _generation_s(backend, params, tok.vocab_size) if generate else (float("nan"), 0)
+            )
 
             got = {r: [] for r in routes}
             sparse = [r for r in routes if r.startswith("sparse")] or [None]
@@ -207,6 +211,7 @@ def measure(
                 for _ in range(updates):
                     k += 1
                     params = _one_update(params, lr, seed=1000 + k)
+                    jax.block_until_ready(params)  # the update's tail is not the push's
                     if route is not None:
                         backend.device_patch = route == "sparse-device"
                         got[route].append(backend.sync_weights(params, k))
@@ -258,9 +263,10 @@ def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> 
         f"through `/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed "
         "by the bf16 probe check. Weights: `plain` (the `cppo_shm` engine keeps plain weights and writes "
         "each round into them in place) or `packed` (`CPPO_VLLM_PLAIN_WEIGHTS=0`: vLLM packs them for its "
-        "CPU GEMMs and each round reloads the model). `sparse`: diffed on the host (numpy); "
-        "`sparse-device`: the patch computed by one compiled program (`rollout/vllm/device_patch.py`). "
-        "Trainer: everything before the server's pause (cast, fetch, relayout, diff, write); pause: "
+        "CPU GEMMs and each round reloads the model). `sparse`: diffed on the host (numpy, on views "
+        "of the cast params: to host counts the bytes read, not copied); `sparse-device`: the patch "
+        "computed by one compiled program (`rollout/vllm/device_patch.py`). Each update is finished "
+        "before its pushes. Trainer: everything before the server's pause (cast, diff, write); pause: "
         "seconds the server's engine could not generate (start + update + finish + prefix-cache reset, "
         "or the file reload); server read / apply: the engine's own seconds reading and checking the "
         "payload, and applying it (its log); probe: the check; total: all of it; generate: seconds for "
@@ -290,7 +296,8 @@ def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> 
             f"| {r['model']} | {r['params']:,} | {r['lr']:g} | {r['weights']} | {r['route']} | "
             f"{r['bytes']:,.0f} | {r['changed_frac']:.4f} | {r['host_bytes']:,.0f} | "
             f"{r['trainer_s']:.3f} | {r['pause_s']:.3f} | {server} | {r['verify_s']:.3f} | "
-            f"{r['total_s']:.3f} | {ratio} | {r['gen_s']:.2f} |"
+            f"{r['total_s']:.3f} | {ratio} | "
+            + (f"{r['gen_s']:.2f} |" if r["gen_s"] == r["gen_s"] else "- |")
         )
     biggest = max(r["params"] for r in rows)
     for r in rows:
@@ -315,6 +322,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--weights", default="plain", help="plain, packed or both (comma-separated)")
     ap.add_argument("--logs", default="", help="keep the servers' logs in this folder")
+    ap.add_argument(
+        "--no-generate", action="store_true", help="skip the generation timing (a slow server)"
+    )
+    ap.add_argument(
+        "--probe-tol",
+        type=float,
+        default=0.0,
+        help="an absolute probe tolerance (0: derived from the dtype and the model's float32 "
+        "rounding noise, whose float32 forward a 1.5B model's trainer cannot hold beside the rest "
+        "on 23 GB)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     before = load_average()
@@ -330,7 +348,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for weights in args.weights.split(","):
                 try:
                     rows += measure(
-                        model_dir, name, args.updates, work, lrs, args.routes.split(","), weights
+                        model_dir,
+                        name,
+                        args.updates,
+                        work,
+                        lrs,
+                        args.routes.split(","),
+                        weights,
+                        generate=not args.no_generate,
+                        probe_tol=args.probe_tol or None,
                     )
                 finally:
                     if args.logs and (work / f"{name}-{weights}.log").exists():

@@ -114,7 +114,8 @@ def test_full_then_sparse_payloads_decode_bit_exactly(tmp_path):
     assert info0["crc32"] == zlib.crc32(payload0)
     got0 = _decode(payload0, info0, None)
     assert all(got0[k].tobytes() == t0[k].tobytes() for k in t0)
-    pusher.confirm()
+    pusher.confirm()  # applied and checked: its payload no longer holds /dev/shm
+    assert not (tmp_path / "shm" / info0["file"]).exists()
 
     idx = np.array([0, 5, 17, 250], np.int64)
     t1 = _nudge(t0, "model.layers.0.mlp.down_proj.weight", idx)
@@ -177,6 +178,62 @@ def test_ulp_steps_bridge_long_gaps_and_leave_large_moves_as_values(tmp_path):
     assert all(got[k].tobytes() == new[k].tobytes() for k in new)
     # 9 entries of 2 bytes and 2 of 4 + 2, at most 64 bytes of alignment per part
     assert m["bytes"] < 2 * 9 + 6 * 2 + 64 * 6
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)])
+def test_transposed_views_are_diffed_in_memory_order_and_decode_bit_exactly(tmp_path, dtype):
+    """A linear weight reaches the pusher as the transposed view of the trainer's parameter (HF layout
+    without a copy, `hf_io.state_to_hf_tensors(contiguous=False)`): its changes are found in memory order
+    (8 bytes at a time, then element by element, a tail not filling a word included; over several
+    cache-sized slices) and put in HF order, so the payload is byte for byte the one of contiguous
+    copies, and decodes to the new weights; a base laid out otherwise than the new tensor is diffed too."""
+    from cppo_jax.rollout.vllm import weight_transfer as wt
+
+    rng = np.random.default_rng(7)
+    # memory [cols, rows]: HF [rows, cols]; 600 x 997 spans three slices, 13 x 7 leaves a tail
+    shapes = {"big": (600, 997), "odd": (13, 7), "row": (1, 9)}
+    old_mem = {k: rng.standard_normal(s[::-1]).astype(dtype) for k, s in shapes.items()}
+    new_mem = {k: v.copy() for k, v in old_mem.items()}
+    u = new_mem["big"].reshape(-1).view({2: np.uint16, 4: np.uint32}[dtype.itemsize])
+    moved = np.flatnonzero(rng.random(u.size) < 0.04)
+    u[moved] += rng.integers(1, 4, moved.size).astype(u.dtype)  # a few ulps: steps
+    u[moved[::97]] ^= 1 << (8 * dtype.itemsize - 1)  # sign flips: indices and values
+    new_mem["odd"][6, 12] *= -3.0  # the last element, in the tail after the last whole word
+    new_mem["odd"][0, 0] += 1.0
+    old = {k: v.T for k, v in old_mem.items()}  # the HF views
+    new = {k: v.T for k, v in new_mem.items()}
+    assert all(not v.flags.c_contiguous for k, v in new.items() if k != "row")
+    for k in new:
+        want_i, want_d = wt.changed_steps(
+            np.ascontiguousarray(old[k]), np.ascontiguousarray(new[k])
+        )
+        got_i, got_d = wt.changed_steps(old[k], new[k])
+        assert got_i.tolist() == want_i.tolist() and got_d.tolist() == want_d.tolist(), k
+        mixed_i, _ = wt.changed_steps(np.ascontiguousarray(old[k]), new[k])
+        assert mixed_i.tolist() == want_i.tolist(), k
+    assert wt.changed_steps(old["big"], new["big"])[0].size == moved.size
+    assert wt.changed_steps(old["odd"], new["odd"])[0].tolist() == [0, 90]
+
+    payloads = []
+    for name, (a, b) in {
+        "views": (old, new),
+        "copies": (
+            {k: np.ascontiguousarray(v) for k, v in old.items()},
+            {k: np.ascontiguousarray(v) for k, v in new.items()},
+        ),
+    }.items():
+        server = FakeServer()
+        pusher = ProtocolPusher(server, tmp_path / name, full_push_every=5)
+        pusher.push(a)
+        pusher.confirm()
+        m = pusher.push(b)
+        info = server.calls[-3][1]["update_info"]
+        payload = (tmp_path / name / info["file"]).read_bytes()
+        got = _decode(payload, info, {k: np.ascontiguousarray(v) for k, v in a.items()})
+        assert all(got[k].tobytes() == np.ascontiguousarray(new[k]).tobytes() for k in new)
+        assert m["full"] == 0.0 and info["index_offsets"][0] >= 0  # "big": a patch
+        payloads.append((payload, {k: v for k, v in info.items() if k != "file"}))
+    assert payloads[0] == payloads[1]
 
 
 def test_full_push_schedule_and_refusal(tmp_path):
@@ -289,18 +346,40 @@ def _shm_server(tmp_path_factory, weights: str, tied: bool):
             "CPPO_VLLM_PLAIN_WEIGHTS": "1" if weights == "plain" else "0",
         },
     )
-    server.plain_weights = weights == "plain"
     return server, model_dir
+
+
+def _packed(server) -> bool:
+    """Whether the started server packed its linear layers' weights for its CPU GEMMs: their served
+    tensors are then empty (vLLM's checksum of zero bytes). Where oneDNN cannot build a bf16 matmul (a CPU
+    without AVX-512 BF16, e.g. an AVX2-only AMD EPYC: "Failed to create oneDNN linear, fallback to torch
+    linear" in its log) vLLM keeps them plain although the plugin lets it pack."""
+    import hashlib
+
+    from cppo_jax.rollout.vllm.transport import JSONClient
+
+    out = JSONClient(server.url).request(
+        "POST", "/weight_checker", {"action": "checksum"}, what="served checksums"
+    )
+    qkv = [
+        v for k, v in out["checksums"].items() if k.endswith("layers.0.self_attn.qkv_proj.weight")
+    ]
+    assert len(qkv) == 1, sorted(out["checksums"])[:5]
+    return qkv[0] == hashlib.sha256(b"").hexdigest()
 
 
 @pytest.fixture(scope="class", params=["plain", "packed"])
 def shm_server(request, tmp_path_factory):
     """plain: the CPU server keeps plain weights (the default) and rounds are written in place, a tied
-    model's lm_head located nowhere; packed: vLLM packs them and every round reloads the model."""
+    model's lm_head located nowhere; packed: vLLM may pack them (`_packed` says whether it did), and
+    then every round reloads the model. `server.plain_weights`: what the started server holds."""
     server, model_dir = _shm_server(tmp_path_factory, request.param, tied=True)
     with server:
+        server.plain_weights = not _packed(server)
+        assert server.plain_weights or request.param == "packed"
         print(
-            f"\nvLLM server (bf16, cppo_shm, {request.param} weights) up in {server.start_s:.1f} s"
+            f"\nvLLM server (bf16, cppo_shm, {request.param} weights asked, "
+            f"{'plain' if server.plain_weights else 'packed'} held) up in {server.start_s:.1f} s"
         )
         yield server, model_dir
 
@@ -309,6 +388,8 @@ def shm_server(request, tmp_path_factory):
 def plain_untied_server(tmp_path_factory):
     server, model_dir = _shm_server(tmp_path_factory, "plain", tied=False)
     with server:
+        server.plain_weights = not _packed(server)
+        assert server.plain_weights
         yield server, model_dir
 
 

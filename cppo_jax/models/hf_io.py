@@ -60,10 +60,13 @@ class _Entry:
     def to_nnx(self, w: np.ndarray) -> np.ndarray:
         return (w.T if self.n_in else w).reshape(self.nnx_shape)
 
-    def to_hf(self, p: np.ndarray) -> np.ndarray:
+    def to_hf(self, p: np.ndarray, contiguous: bool = True) -> np.ndarray:
+        """The HF tensor of NNX parameter value `p`; with `contiguous` False a linear weight is the
+        transposed view of `p` (no copy; `weight_transfer.changed_steps` diffs it in memory order)."""
         if self.n_in:
             p = p.reshape(math.prod(self.nnx_shape[: self.n_in]), -1).T
-        return np.ascontiguousarray(p.reshape(self.hf_shape))
+        p = p.reshape(self.hf_shape)
+        return np.ascontiguousarray(p) if contiguous else p
 
 
 def _linear(hf_name, path, nnx_shape, n_in, layer=None) -> _Entry:
@@ -140,12 +143,13 @@ def _ignored(name: str, cfg: TransformerConfig) -> bool:
 
 
 def state_to_hf_tensors(
-    model: Transformer, *, tied_head: bool = True
+    model: Transformer, *, tied_head: bool = True, contiguous: bool = True
 ) -> dict[str, np.ndarray] | None:
     """All parameters as HF-named numpy arrays (torch layouts) in the param dtype.
 
     Tied models also get `lm_head.weight`, a copy of the embedding (vLLM's CPU backend needs it on a
-    reload from files), unless `tied_head` is False. With
+    reload from files), unless `tied_head` is False. `contiguous` False: linear weights are transposed
+    views of the parameters (`_Entry.to_hf`), not copies in HF order. With
     several processes every process must call this (parameters are gathered across them, one at a
     time) and only process 0 gets the tensors (None elsewhere: no other host holds a model copy).
     """
@@ -156,7 +160,7 @@ def state_to_hf_tensors(
     if host is None:
         return None
     tensors = {
-        e.hf_name: e.to_hf(host[e.path] if e.layer is None else host[e.path][e.layer])
+        e.hf_name: e.to_hf(host[e.path] if e.layer is None else host[e.path][e.layer], contiguous)
         for e in name_table(model.cfg)
     }
     if model.cfg.tie_word_embeddings and tied_head:

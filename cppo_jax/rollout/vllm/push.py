@@ -60,8 +60,10 @@ def resolve_route(choice: str, client: JSONClient) -> str:
 def hf_tensors(graphdef, params) -> dict[str, np.ndarray] | None:
     """The model `graphdef` with `params` as the HF-named host arrays a protocol push sends, in their
     dtype (None off the main process, as `state_to_hf_tensors`). A tied model's `lm_head.weight` is left
-    out: it would be the embedding again, and the `cppo_shm` engine serves the embedding as the head."""
-    return state_to_hf_tensors(nnx.merge(graphdef, params), tied_head=False)
+    out: it would be the embedding again, and the `cppo_shm` engine serves the embedding as the head.
+    Linear weights are transposed views of the parameters, not copies: the diff reads them in memory
+    order (`weight_transfer.changed_steps`), and only a tensor sent whole is copied to HF order."""
+    return state_to_hf_tensors(nnx.merge(graphdef, params), tied_head=False, contiguous=False)
 
 
 PUSH_MARKER = ".cppo_weight_pushes"  # written into a push folder this package created

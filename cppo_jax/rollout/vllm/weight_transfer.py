@@ -18,6 +18,11 @@ described there. One push is one round: start, one update call naming every tens
   push names the round it was diffed against (`base_round`); the server refuses it unless it holds that
   round.
 
+The diff runs on the host, tensors on several threads (largest first), 8 bytes at a time where most are
+equal; a linear weight arrives as the transposed view of the trainer's parameter (no copy in HF order,
+`hf_io.state_to_hf_tensors(contiguous=False)`), is compared in its memory order and its changes are put in
+HF order by one sort (`changed_steps`); only a tensor sent whole is copied.
+
 `ProtocolPusher.push` returns per-push figures: `bytes` (payload), `changed_frac` (changed elements / all
 elements; 1 for a full push), `write_s` (trainer side: diff and write), `pause_s` (the server's share:
 start + update + finish + prefix-cache reset, during which its engine cannot generate).
@@ -72,51 +77,112 @@ def server_backend(client: JSONClient) -> str | None:
     return str(cfg.get("backend")) if isinstance(cfg, dict) and cfg.get("backend") else None
 
 
-_CHUNK = 1 << 22  # elements per slice compared in one thread
+_SLICE = 1 << 18  # elements compared at once: the comparison's mask stays in the cache
 
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    """Threads for the comparison of large tensors (numpy releases the GIL while comparing)."""
+    """Threads for the tensors of a push (numpy releases the GIL while comparing and sorting)."""
     return ThreadPoolExecutor(min(8, os.cpu_count() or 1), "cppo-diff")
 
 
-def _bits(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if old.shape != new.shape or old.dtype != new.dtype:
-        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
-    if new.size >= 2**31:
-        raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
-    u = _UINT[new.dtype.itemsize]
-    return (
-        np.ascontiguousarray(old).view(u).reshape(-1),
-        np.ascontiguousarray(new).view(u).reshape(-1),
-    )
+def _layout(arr: np.ndarray) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """`arr`'s elements as unsigned bit patterns in memory order, and its (rows, cols) when `arr` is the
+    transpose of a C-contiguous array (a linear layer's weight seen in HF layout without a copy: its memory
+    order is [cols, rows]), else None (C order; any other layout is copied to it)."""
+    arr = np.asarray(arr)
+    u = _UINT[arr.dtype.itemsize]
+    if arr.ndim == 2 and not arr.flags.c_contiguous and arr.T.flags.c_contiguous:
+        return arr.T.reshape(-1).view(u), arr.shape
+    return np.ascontiguousarray(arr).reshape(-1).view(u), None
+
+
+def _memory_changes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending positions (int64) where the flat unsigned `b` differs from `a`, and the differences
+    modulo 2^bits read signed. Compared a cache-sized slice at a time, 8 bytes at a time (a few percent
+    of the elements change, so most words are equal; the changed words' elements are then compared one
+    by one)."""
+    signed = np.dtype(f"i{a.itemsize}")
+    k = 8 // a.itemsize  # elements per word
+    n = a.size - a.size % k
+    words_a, words_b = a[:n].view(np.uint64), b[:n].view(np.uint64)
+    found_i, found_d = [], []
+
+    def add(i: np.ndarray, d: np.ndarray) -> None:
+        if i.size:
+            found_i.append(i)
+            found_d.append(d.view(signed))
+
+    step, shift = _SLICE // k, k.bit_length() - 1  # k = 2^shift
+    for start in range(0, words_a.size, step):
+        w = np.flatnonzero(words_a[start : start + step] != words_b[start : start + step])
+        w += start
+        d = words_b[w].view(a.dtype)
+        d -= words_a[w].view(a.dtype)  # unsigned subtraction wraps: the difference modulo 2^bits
+        lane = np.flatnonzero(d)
+        at = w[lane >> shift]
+        at <<= shift
+        at += lane & (k - 1)
+        add(at, d[lane])
+    i = np.flatnonzero(a[n:] != b[n:])  # the elements after the last whole word
+    add(i + n, b[n:][i] - a[n:][i])
+    if not found_i:
+        return np.zeros(0, np.int64), np.zeros(0, signed)
+    return np.concatenate(found_i), np.concatenate(found_d)
+
+
+def _hf_order(
+    j: np.ndarray, d: np.ndarray, shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Changes found at memory positions `j` of a [rows, cols] tensor stored transposed, as ascending
+    HF (C order) flat indices with their differences: one sort of keys index << bits | difference."""
+    rows, cols = shape
+    c, r = np.divmod(j, rows)
+    hf = r * cols + c
+    bits = 8 * d.dtype.itemsize
+    if bits > 32:  # no room for the difference beside the index: sort the pair
+        order = np.argsort(hf, kind="stable")
+        return hf[order], d[order]
+    u = _UINT[d.dtype.itemsize]
+    key = hf.astype(np.uint64) << np.uint64(bits)
+    key |= d.view(u).astype(np.uint64)
+    key.sort()
+    low = (key & np.uint64((1 << bits) - 1)).astype(u).view(d.dtype)
+    return (key >> np.uint64(bits)).astype(np.int64), low
 
 
 def changed_steps(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The changed elements of `old` -> `new` (same shape and dtype): their ascending flat indices
-    (int64) and the difference of their bit patterns modulo 2^bits, read signed (the server adds it
-    modulo 2^bits). A large tensor is compared in slices on several threads (numpy releases the GIL)."""
-    a, b = _bits(old, new)
-    signed = np.dtype(f"i{a.itemsize}")
+    (int64, C order of the shape) and the difference of their bit patterns modulo 2^bits, read signed
+    (the server adds it modulo 2^bits). Compared in memory order: a 2-D transposed view (a linear weight
+    in HF layout, `hf_io.state_to_hf_tensors(contiguous=False)`) is compared without a copy, and its
+    changes are put in C order by one sort."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
+    if new.size >= 2**31:
+        raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
+    (a, shape_a), (b, shape_b) = _layout(old), _layout(new)
+    if shape_a != shape_b:  # one of them transposed, the other not: both in C order
+        (a, _), (b, shape_b) = (
+            _layout(np.ascontiguousarray(old)),
+            _layout(np.ascontiguousarray(new)),
+        )
+    j, d = _memory_changes(a, b)
+    return (j, d) if shape_b is None else _hf_order(j, d, shape_b)
 
-    def part(start: int) -> tuple[np.ndarray, np.ndarray]:
-        x, y = a[start : start + _CHUNK], b[start : start + _CHUNK]
-        i = np.flatnonzero(x != y)
-        d = y[i]
-        d -= x[i]  # unsigned subtraction wraps: the difference modulo 2^bits
-        return i + start, d.view(signed)
 
-    if a.size <= _CHUNK:
-        return part(0)
-    parts = list(_pool().map(part, range(0, a.size, _CHUNK)))
-    return np.concatenate([i for i, _ in parts]), np.concatenate([d for _, d in parts])
+def _values_at(arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """`arr`'s elements at C-order flat indices `idx`, without copying a transposed view whole."""
+    bits, shape = _layout(arr)
+    if shape is None:
+        return bits[idx].view(arr.dtype)
+    r, c = np.divmod(idx.astype(np.int64), shape[1])
+    return bits[c * shape[0] + r].view(arr.dtype)
 
 
 def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """Flat int32 indices where `new`'s bit pattern differs from `old`'s (same shape and dtype)."""
-    a, b = _bits(old, new)
-    return np.flatnonzero(a != b).astype(np.int32)
+    return changed_steps(old, new)[0].astype(np.int32)
 
 
 def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -127,7 +193,8 @@ def ulp_steps(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.nda
     adds it). Elements whose pattern moves by more than 127 either way are left in `rest_idx` (sent as
     index and value). A gap over 255 is bridged by entries of gap 255 and step 0 (no-ops), so every gap
     fits a byte."""
-    a, b = _bits(old, new)
+    a = np.ascontiguousarray(old).reshape(-1).view(_UINT[old.dtype.itemsize])
+    b = np.ascontiguousarray(new).reshape(-1).view(_UINT[new.dtype.itemsize])
     d = b[idx]
     d -= a[idx]
     return split_steps(idx, d.view(np.dtype(f"i{a.itemsize}")))
@@ -177,6 +244,7 @@ class ProtocolPusher:
         self._last: dict[str, np.ndarray] | None = None
         self._pending: tuple[dict[str, np.ndarray], bool, int] | None = None  # pushed, unconfirmed
         self._base_round: int | None = None  # the round `_last` was pushed in
+        self._payload: Path | None = None  # the last round's file, removed once the round is confirmed
         self._ready = False
 
     def _post(self, path: str, payload: Any, what: str) -> Any:
@@ -223,6 +291,7 @@ class ProtocolPusher:
         self.rounds += 1
         name = f"round{self.rounds % 2}.bin"
         info, nbytes = self._write(name, entries, not full)
+        self._payload = self.root / name
         t1 = time.perf_counter()
         self._start()
         self._post("/update_weights", {"update_info": info}, f"sending weight round {self.rounds}")
@@ -244,9 +313,13 @@ class ProtocolPusher:
         }
 
     def confirm(self) -> None:
-        """The last push was checked: it becomes the base of the next sparse push."""
+        """The last push was checked: it becomes the base of the next sparse push, and its payload file is
+        removed (the server has applied it; a full push of a 7B model is 15 GB of `/dev/shm`)."""
         if self._pending is None:
             raise RuntimeError("confirm() without a push to confirm")
+        if self._payload is not None:
+            self._payload.unlink(missing_ok=True)
+            self._payload = None
         (tensors, full, self._base_round), self._pending = self._pending, None
         # fresh host arrays per push: kept, not copied (None: the base is on the device)
         self._last = None if tensors is None else dict(tensors)
@@ -328,31 +401,73 @@ class ProtocolPusher:
         return info, pos
 
 
+def _steps_in_hf_order(j: np.ndarray, d: np.ndarray, shape: tuple[int, int]):
+    """Steps `d` (|d| <= 127) found at memory positions `j` of a [rows, cols] tensor stored transposed,
+    as ascending C-order flat indices and int8 steps: one sort of keys index << 8 | step + 128, in 32
+    bits where the tensor has under 2^24 elements."""
+    rows, cols = shape
+    c, r = np.divmod(j, rows)
+    hf = r * cols + c
+    key_t = np.uint32 if rows * cols < 1 << 24 else np.uint64
+    key = hf.astype(key_t) << key_t(8)
+    key |= (d + 128).astype(key_t)
+    key.sort()
+    return (key >> key_t(8)).astype(np.int64), ((key & key_t(255)).astype(np.int16) - 128)
+
+
+def _patch(old: np.ndarray | None, arr: np.ndarray) -> tuple[int, tuple | None]:
+    """(changed elements, patch) of one tensor against its `old` (None: a full push, no patch); the
+    patch is (values, rest indices, gaps, steps), None where the tensor goes whole: over a quarter
+    changed (a large update: a patch would save little) or a patch no smaller. The same patch as
+    `changed_steps` then `split_steps`, with the steps of a transposed view put in HF order by a sort
+    of their small keys."""
+    if old is None:
+        return arr.size, None
+    if old.shape != arr.shape or old.dtype != arr.dtype:
+        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {arr.dtype}{arr.shape}")
+    if arr.size >= 2**31:
+        raise ValueError(f"a tensor of {arr.size} elements exceeds int32 sparse indices")
+    (a, shape_a), (b, shape) = _layout(old), _layout(arr)
+    if shape_a != shape:
+        return _patch(np.ascontiguousarray(old), np.ascontiguousarray(arr))
+    j, d = _memory_changes(a, b)
+    if 4 * j.size > arr.size:
+        return j.size, None
+    if shape is None or d.dtype.itemsize not in (2, 4):
+        gaps_S, steps_S, rest = split_steps(*((j, d) if shape is None else _hf_order(j, d, shape)))
+    else:
+        small = (d + 127).view(_UINT[d.dtype.itemsize]) <= 254  # -127 <= d <= 127
+        far = ~small
+        rest_j, _ = _hf_order(j[far], d[far], shape)
+        gaps_S, steps_S = gap_steps(*_steps_in_hf_order(j[small], d[small], shape))
+        rest = rest_j.astype(np.int32)
+    if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
+        return j.size, None
+    return j.size, (_values_at(arr, rest), rest, gaps_S, steps_S)
+
+
 def encode(tensors: dict[str, np.ndarray], base: dict | None) -> tuple[list[tuple], int, int]:
     """The wire entries of `tensors` on the host: whole (`base` None: a full push), or each diffed
     against `base` (a patch, or whole where over a quarter changed or a patch would be no smaller).
-    Returns (entries, changed elements, all elements); entries as `ProtocolPusher.push_entries`."""
+    Returns (entries, changed elements, all elements); entries as `ProtocolPusher.push_entries`.
+    Tensors are diffed on several threads, the largest first; a tensor may be a transposed view
+    (`changed_steps`), copied only when it goes whole."""
+    arrays = {key: np.asarray(t) for key, t in tensors.items()}
+    if base is not None:
+        missing = [key for key in arrays if key not in base]
+        if missing:
+            raise ValueError(f"tensor {missing[0]} was not in the last push: a full push is needed")
+    order = sorted(arrays, key=lambda key: -arrays[key].size)
+    olds = [None if base is None else base[key] for key in order]
+    found = dict(zip(order, _pool().map(_patch, olds, [arrays[k] for k in order]), strict=True))
     entries: list[tuple] = []
     changed = total = 0
-    for key in tensors:
-        arr = np.asarray(tensors[key])
-        total += arr.size
-        if base is not None and key not in base:
-            raise ValueError(f"tensor {key} was not in the last push: a full push is needed")
-        patch = None
-        if base is None:
-            changed += arr.size
-        else:
-            idx, d = changed_steps(base[key], arr)
-            changed += idx.size
-            # Over a quarter changed (a large update): whole, a patch would save little
-            if 4 * idx.size <= arr.size:
-                gaps_S, steps_S, rest = patch = split_steps(idx, d)
-                if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
-                    patch = None
-        if patch is None:  # a full push, or a patch no smaller: whole
-            entries.append((key, arr.dtype, arr.shape, arr))
-            continue
-        gaps_S, steps_S, rest = patch
-        entries.append((key, arr.dtype, arr.shape, arr.reshape(-1)[rest], rest, gaps_S, steps_S))
+    for key, arr in arrays.items():
+        n, patch = found[key]
+        changed, total = changed + n, total + arr.size
+        entries.append(
+            (key, arr.dtype, arr.shape, arr)
+            if patch is None
+            else (key, arr.dtype, arr.shape, *patch)
+        )
     return entries, changed, total
