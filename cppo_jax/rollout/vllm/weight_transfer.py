@@ -244,7 +244,9 @@ class ProtocolPusher:
         self._last: dict[str, np.ndarray] | None = None
         self._pending: tuple[dict[str, np.ndarray], bool, int] | None = None  # pushed, unconfirmed
         self._base_round: int | None = None  # the round `_last` was pushed in
-        self._payload: Path | None = None  # the last round's file, removed once the round is confirmed
+        self._payload: Path | None = (
+            None  # the last round's file, removed once the round is confirmed
+        )
         self._ready = False
 
     def _post(self, path: str, payload: Any, what: str) -> Any:
