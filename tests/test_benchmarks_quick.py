@@ -354,3 +354,27 @@ def test_lora_push_quick(tmp_path):
     report = (tmp_path / "lora_push.md").read_text()
     assert "| tiny_arith (0.8 M) | float32 (derived) | 8 | 77,824 | adapter |" in report
     assert json.loads((tmp_path / "lora_push.json").read_text())["quick"] is True
+
+
+@pytest.mark.vllm
+def test_weight_sync_tiny_without_generation(tmp_path):
+    """benchmarks/weight_sync.py on the shipped tiny model, two updates at lr 1e-6, with the flags the
+    1.5B row needs on 23 GB: `--no-generate` (no generation timed) and `--probe-tol` (an absolute probe
+    tolerance instead of the float32 reference forward). Every push is confirmed by the check; the
+    sparse rounds are written in place and carry a small part of a full push."""
+    argv = ["--models", "tiny", "--updates", "2", "--lrs", "1e-6", "--routes", "file,sparse"]
+    argv += ["--no-generate", "--probe-tol", "0.25", "--out", str(tmp_path)]
+    rows = load_script("weight_sync").main(argv)
+    by_route = {r["route"]: r for r in rows}
+    assert set(by_route) == {"file", "sparse"}
+    for r in rows:
+        assert r["gen_s"] != r["gen_s"] and r["gen_tokens"] == 0  # NaN: not generated
+        assert r["probe_tol"] == 0.25 and r["verify_s"] > 0
+    sparse, file = by_route["sparse"], by_route["file"]
+    assert sparse["server_path"] == "applied in place" and file["server_path"] == "file reload"
+    assert 0 < sparse["changed_frac"] < 0.25 and sparse["bytes"] < file["bytes"] / 4
+    report = (tmp_path / "weight_sync.md").read_text()
+    assert "(absolute tolerance 0.25)" in report
+    assert "| tiny_arith | 847,744 | 1e-06 | plain | sparse |" in report
+    table = _table_rows(report, "| model | parameters")
+    assert len(table) == 2 and all(cells[-1] == "-" for cells in table)  # generate: not timed

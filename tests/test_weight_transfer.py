@@ -675,3 +675,41 @@ def test_device_patch_decodes_bit_exactly_to_the_new_weights(arith_model_dir, tm
     assert f["changed"] == changed and f["total"] == sum(v.size for v in want.values())
     # the patch alone (device), or a 1-byte code per bf16 element plus the tensor sent whole (host)
     assert f["host_bytes"] < (0.5 if compact == "device" else 0.7) * full_bytes
+
+
+def test_probe_program_holds_no_float32_copy_of_the_layers():
+    """The probe check's forward, compiled for XLA:CPU from the bf16 weights the server runs: its
+    temporaries stay below the weights' own bytes. XLA:CPU computes bf16 dots in float32, and with
+    while-loop invariant code motion the upcast of every layer's weights left the scan over layers: a
+    float32 copy of the model, twice the bf16 weights (6.36 GB of temporaries for a 1.5B model, which
+    the OOM killer ended on 23 GB). Many layers and a small vocabulary, so that the copy would show."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cppo_jax.models import TransformerConfig
+    from cppo_jax.models.transformer import Transformer
+    from cppo_jax.rollout.vllm.probe import PROBE_LEN, probe_fn, serving_graphdef
+
+    cfg = TransformerConfig(
+        arch="qwen2",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        num_layers=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+    )
+    params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+    served = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    weight_bytes = sum(x.size * 2 for x in jax.tree.leaves(served))
+    ids = jax.ShapeDtypeStruct((PROBE_LEN,), jnp.int32)
+    fn = probe_fn(serving_graphdef(cfg, "bfloat16"))
+    temp = fn.lower(served, ids).compile().memory_analysis().temp_size_in_bytes
+    default = jax.jit(fn.__wrapped__).lower(served, ids).compile()  # XLA's default passes
+    hoisted = default.memory_analysis().temp_size_in_bytes
+    assert temp < weight_bytes, (temp, weight_bytes)
+    # the positive control: the default pipeline makes the float32 copy of the layers
+    assert hoisted > 1.5 * weight_bytes, (hoisted, weight_bytes)

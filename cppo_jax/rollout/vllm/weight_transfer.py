@@ -131,14 +131,25 @@ def _memory_changes(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return np.concatenate(found_i), np.concatenate(found_d)
 
 
+def _hf_index(j: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """C-order flat indices of memory positions `j` of a [rows, cols] tensor stored transposed."""
+    c, r = np.divmod(j, shape[0])
+    return r * shape[1] + c
+
+
+def _memory_index(idx: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Memory positions of C-order flat indices `idx` of a [rows, cols] tensor stored transposed
+    (the inverse of `_hf_index`)."""
+    r, c = np.divmod(idx.astype(np.int64), shape[1])
+    return c * shape[0] + r
+
+
 def _hf_order(
     j: np.ndarray, d: np.ndarray, shape: tuple[int, int]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Changes found at memory positions `j` of a [rows, cols] tensor stored transposed, as ascending
     HF (C order) flat indices with their differences: one sort of keys index << bits | difference."""
-    rows, cols = shape
-    c, r = np.divmod(j, rows)
-    hf = r * cols + c
+    hf = _hf_index(j, shape)
     bits = 8 * d.dtype.itemsize
     if bits > 32:  # no room for the difference beside the index: sort the pair
         order = np.argsort(hf, kind="stable")
@@ -151,33 +162,36 @@ def _hf_order(
     return (key >> np.uint64(bits)).astype(np.int64), low
 
 
+def _layouts(
+    old: np.ndarray, new: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, tuple[int, int] | None]:
+    """`old` and `new` (same shape and dtype) as unsigned bit patterns in one memory order, with the
+    (rows, cols) of a transposed view (`_layout`); where only one of them is transposed, both in C order."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
+    if new.size >= 2**31:
+        raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
+    (a, shape_a), (b, shape) = _layout(old), _layout(new)
+    if shape_a != shape:
+        (a, _), (b, shape) = _layout(np.ascontiguousarray(old)), _layout(np.ascontiguousarray(new))
+    return a, b, shape
+
+
 def changed_steps(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The changed elements of `old` -> `new` (same shape and dtype): their ascending flat indices
     (int64, C order of the shape) and the difference of their bit patterns modulo 2^bits, read signed
     (the server adds it modulo 2^bits). Compared in memory order: a 2-D transposed view (a linear weight
     in HF layout, `hf_io.state_to_hf_tensors(contiguous=False)`) is compared without a copy, and its
     changes are put in C order by one sort."""
-    if old.shape != new.shape or old.dtype != new.dtype:
-        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {new.dtype}{new.shape}")
-    if new.size >= 2**31:
-        raise ValueError(f"a tensor of {new.size} elements exceeds int32 sparse indices")
-    (a, shape_a), (b, shape_b) = _layout(old), _layout(new)
-    if shape_a != shape_b:  # one of them transposed, the other not: both in C order
-        (a, _), (b, shape_b) = (
-            _layout(np.ascontiguousarray(old)),
-            _layout(np.ascontiguousarray(new)),
-        )
+    a, b, shape = _layouts(old, new)
     j, d = _memory_changes(a, b)
-    return (j, d) if shape_b is None else _hf_order(j, d, shape_b)
+    return (j, d) if shape is None else _hf_order(j, d, shape)
 
 
 def _values_at(arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """`arr`'s elements at C-order flat indices `idx`, without copying a transposed view whole."""
     bits, shape = _layout(arr)
-    if shape is None:
-        return bits[idx].view(arr.dtype)
-    r, c = np.divmod(idx.astype(np.int64), shape[1])
-    return bits[c * shape[0] + r].view(arr.dtype)
+    return bits[idx if shape is None else _memory_index(idx, shape)].view(arr.dtype)
 
 
 def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -407,11 +421,8 @@ def _steps_in_hf_order(j: np.ndarray, d: np.ndarray, shape: tuple[int, int]):
     """Steps `d` (|d| <= 127) found at memory positions `j` of a [rows, cols] tensor stored transposed,
     as ascending C-order flat indices and int8 steps: one sort of keys index << 8 | step + 128, in 32
     bits where the tensor has under 2^24 elements."""
-    rows, cols = shape
-    c, r = np.divmod(j, rows)
-    hf = r * cols + c
-    key_t = np.uint32 if rows * cols < 1 << 24 else np.uint64
-    key = hf.astype(key_t) << key_t(8)
+    key_t = np.uint32 if shape[0] * shape[1] < 1 << 24 else np.uint64
+    key = _hf_index(j, shape).astype(key_t) << key_t(8)
     key |= (d + 128).astype(key_t)
     key.sort()
     return (key >> key_t(8)).astype(np.int64), ((key & key_t(255)).astype(np.int16) - 128)
@@ -425,13 +436,7 @@ def _patch(old: np.ndarray | None, arr: np.ndarray) -> tuple[int, tuple | None]:
     of their small keys."""
     if old is None:
         return arr.size, None
-    if old.shape != arr.shape or old.dtype != arr.dtype:
-        raise ValueError(f"cannot diff {old.dtype}{old.shape} against {arr.dtype}{arr.shape}")
-    if arr.size >= 2**31:
-        raise ValueError(f"a tensor of {arr.size} elements exceeds int32 sparse indices")
-    (a, shape_a), (b, shape) = _layout(old), _layout(arr)
-    if shape_a != shape:
-        return _patch(np.ascontiguousarray(old), np.ascontiguousarray(arr))
+    a, b, shape = _layouts(old, arr)
     j, d = _memory_changes(a, b)
     if 4 * j.size > arr.size:
         return j.size, None
@@ -439,10 +444,8 @@ def _patch(old: np.ndarray | None, arr: np.ndarray) -> tuple[int, tuple | None]:
         gaps_S, steps_S, rest = split_steps(*((j, d) if shape is None else _hf_order(j, d, shape)))
     else:
         small = (d + 127).view(_UINT[d.dtype.itemsize]) <= 254  # -127 <= d <= 127
-        far = ~small
-        rest_j, _ = _hf_order(j[far], d[far], shape)
         gaps_S, steps_S = gap_steps(*_steps_in_hf_order(j[small], d[small], shape))
-        rest = rest_j.astype(np.int32)
+        rest = np.sort(_hf_index(j[~small], shape)).astype(np.int32)
     if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
         return j.size, None
     return j.size, (_values_at(arr, rest), rest, gaps_S, steps_S)
