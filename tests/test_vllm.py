@@ -291,6 +291,47 @@ class TestTiedServer:
             assert done == (int(row[n - 1]) in sp.eos_id)
         backend.close()
 
+    def test_decode_tokens_make_the_server_decode_longer_and_return_the_plain_completions(
+        self, tied, tmp_path
+    ):
+        """`decode_tokens` (the skewed-length benchmarks): each completion decoded for its own
+        number of tokens past its end id, the server's generated-token count grows by exactly their
+        sum, and what comes back is the plain rollout: same tokens, stops and log-probs."""
+        import re
+        import urllib.request
+
+        server, model_dir, _ = tied
+        backend, _, params, sp, tok = _setup(server, model_dir, tmp_path)
+        backend.sync_weights(params, 0)
+        prompt_QP, valid_QP = _prompts(tok, ["What is 12 + 30?", "7 * 8?", "Compute 100 - 1."])
+        seeds_Q, G, C = np.array([5, 6, 7], np.uint32), 4, sp.max_new_tokens
+
+        def generated() -> float:
+            with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+                text = r.read().decode()
+            return sum(
+                float(x)
+                for x in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+            )
+
+        plain = backend.generate(params, prompt_QP, valid_QP, seeds_Q, G)
+        lengths = [C + 7 * i for i in range(3 * G)]  # C .. C + 77 tokens each
+        backend.decode_tokens = lambda n: lengths[:n]
+        before = generated()
+        longer = backend.generate(params, prompt_QP, valid_QP, seeds_Q, G)
+        assert generated() - before == sum(lengths)
+        np.testing.assert_array_equal(np.asarray(longer.tokens_NC), np.asarray(plain.tokens_NC))
+        np.testing.assert_array_equal(np.asarray(longer.valid_NC), np.asarray(plain.valid_NC))
+        np.testing.assert_array_equal(np.asarray(longer.finished_N), np.asarray(plain.finished_N))
+        np.testing.assert_allclose(
+            np.asarray(longer.logp_NC), np.asarray(plain.logp_NC), atol=10 * TOL, rtol=0
+        )
+        assert np.asarray(plain.finished_N).any()  # some stopped before C: the cut is exercised
+        with pytest.raises(ValueError, match="decode_tokens 11 < max_tokens 12"):
+            backend.decode_tokens = lambda n: [C - 1] * n
+            backend.generate(params, prompt_QP, valid_QP, seeds_Q, G)
+        backend.close()
+
     def test_probe_matches_after_updates(self, tied, tmp_path):
         server, model_dir, _ = tied
         backend, _, params, _, tok = _setup(server, model_dir, tmp_path)
@@ -420,6 +461,31 @@ class TestTiedServer:
         assert "| CPPO | 2 | 0 | 8 | 2 |" in report and "Against synchronous GRPO" in report
         assert "## Projection" in report and "(skewed lengths)" in report
         assert (tmp_path / "overlap.png").read_bytes()[:4] == b"\x89PNG"
+
+    def test_overlap_benchmark_with_skewed_lengths(self, tied, tmp_path):
+        """benchmarks/overlap.py --quick --skewed: the server decodes log-normal lengths (at least
+        the run's 16 tokens) while the runs train the model's own completions; 2 ahead against
+        synchronous, no GRPO baseline; overlap_skewed.md states the lengths decoded."""
+        import re
+
+        from tests.test_benchmarks_quick import load_script
+
+        server, _, _ = tied
+        argv = ["--quick", "--vllm-url", server.url, "--out", str(tmp_path), "--ahead", "2"]
+        runs = load_script("overlap").main([*argv, "--skewed", "24,1.0,96", "--no-grpo"])
+        assert [(r["method"], r["ahead"]) for r in runs] == [("CPPO", 0), ("CPPO", 2)]
+        assert all(d <= 1e-3 for r in runs for d in r["probe_diff"]) and runs[1]["dropped"] == 0
+        assert all(max(r["lengths"]) <= 16 for r in runs)  # trained: the model's own, cut at 16
+        report = (tmp_path / "overlap_skewed.md").read_text()
+        assert "log-normal of median 24 and sigma 1, cut to 96, at least" in report
+        mean, longest = map(
+            int, re.search(r"decodes (\d+) tokens .* longest (\d+)", report).groups()
+        )
+        assert 16 < mean < longest <= 96
+        assert "(skewed lengths)" not in report and not (tmp_path / "overlap.md").exists()
+        assert "| ahead | step s | vs synchronous | mean step s |" in report
+        saved = json.loads((tmp_path / "overlap_skewed.json").read_text())["runs"]
+        assert [r["step_times"] for r in saved] == [r["step_times"] for r in runs]
 
     def test_a_push_mid_generation_goes_on_with_the_new_weights(self, tied, tmp_path):
         """Partial rollouts (rollout.max_staleness >= 2): a push that lands while a seeded

@@ -38,6 +38,7 @@ import shutil
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -142,6 +143,10 @@ class VLLMBackend(PushRoutes):
         self.patcher: DevicePatcher | None = None
         self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
         self._lora_parts, self._lora_resolved = None, False
+        # benchmarks: N -> how many tokens the server decodes for each of a rollout's N completions
+        # (`VLLMClient.generate`'s decode_tokens: a skewed length distribution's work on a model whose
+        # own completions are short; the completions trained are the plain ones)
+        self.decode_tokens: Callable[[int], Sequence[int]] | None = None
 
     def attach_lora(self, train_graphdef, frozen, adapters_fn) -> None:
         """A LoRA run: pushes may send the adapters only (`rollout.lora_push`, `vllm_lora.py`).
@@ -210,6 +215,9 @@ class VLLMBackend(PushRoutes):
             top_p=self.sp.top_p,
             top_k=self.sp.top_k,
             stop_token_ids=list(self.sp.eos_id),
+            decode_tokens=None
+            if self.decode_tokens is None
+            else self.decode_tokens(len(seeds) * G),
         )
         return samples_from_completions(groups, G, self.sp, self.url)
 

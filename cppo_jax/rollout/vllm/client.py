@@ -274,8 +274,10 @@ class VLLMClient(JSONClient):
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         what: str = "generating completions",
+        extra: dict | None = None,
     ) -> list[list[Completion]]:
-        """One `/v1/completions` request for all `prompts`; `n` completions of each, in prompt order."""
+        """One `/v1/completions` request for all `prompts`; `n` completions of each, in prompt order.
+        `extra`: more fields of the request (vLLM's sampling parameters)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         payload = self._completion_payload(
@@ -287,6 +289,7 @@ class VLLMClient(JSONClient):
             top_k=top_k,
             seed=seed,
             stop_token_ids=stop_token_ids,
+            extra=extra,
         )
         out = self.request("POST", "/v1/completions", payload, what=what)
         return self._parse_choices(out, payload["prompt"], n, max_tokens, what)
@@ -302,13 +305,32 @@ class VLLMClient(JSONClient):
         top_p: float = 1.0,
         top_k: int = 0,
         stop_token_ids: Sequence[int] = (),
+        decode_tokens: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """`n` completions of each prompt, in prompt order.
 
         With `seeds`, one request per prompt (sent concurrently; the server batches them), seeded
         `seeds[q]`: sample j of prompt q is then seeded `seeds[q] + j` by vLLM, so callers space the
         seeds at least n apart. Without, one request for all prompts (greedy evaluation).
+
+        `decode_tokens` (benchmarks; with `seeds`): how many tokens the server decodes for each
+        completion (prompt-major, each at least `max_tokens`), whatever it samples: one request per
+        completion, seeded `seeds[q] + j` as vLLM seeds sample j, with `ignore_eos` and no stop ids,
+        then cut here at its first stop id or at `max_tokens`. What comes back is what the plain
+        request samples (ignoring the end id changes no distribution, only when decoding stops); the
+        server's work follows `decode_tokens` (e.g. a reasoning model's skewed lengths on a model
+        whose own completions are short).
         """
+        if decode_tokens is not None:
+            return self._decoding(
+                prompts,
+                n,
+                max_tokens,
+                seeds,
+                decode_tokens,
+                stop_token_ids,
+                dict(temperature=temperature, top_p=top_p, top_k=top_k),
+            )
         common = dict(
             n=n,
             max_tokens=max_tokens,
@@ -340,6 +362,58 @@ class VLLMClient(JSONClient):
         finally:
             for f in futures:
                 f.cancel()
+
+    def _decoding(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        seeds: Sequence[int] | None,
+        decode_tokens: Sequence[int],
+        stop_token_ids: Sequence[int],
+        sampling: dict,
+    ) -> list[list[Completion]]:
+        """`generate` with `decode_tokens` (see there)."""
+        if seeds is None or len(seeds) != len(prompts):
+            raise ValueError(f"decode_tokens needs one seed per prompt, got {seeds!r}")
+        lengths = [int(t) for t in decode_tokens]
+        if len(lengths) != len(prompts) * n:
+            raise ValueError(
+                f"{len(lengths)} decode_tokens for {len(prompts)} prompts x n={n} completions"
+            )
+        if min(lengths, default=max_tokens) < max_tokens:
+            raise ValueError(
+                f"decode_tokens {min(lengths)} < max_tokens {max_tokens}: a completion would be cut "
+                "shorter than the plain request cuts it"
+            )
+        stops = {int(t) for t in stop_token_ids}
+        # every completion in flight at once, as the plain requests' n = G samples each are (the
+        # client's pool, max_workers requests, would hold the server's batch to max_workers sequences)
+        pool = ThreadPoolExecutor(len(lengths), thread_name_prefix="vllm-decode")
+
+        def one(i: int) -> Completion:
+            q, j = divmod(i, n)
+            ((c,),) = self.complete(
+                [prompts[q]],
+                n=1,
+                max_tokens=lengths[i],
+                seed=int(seeds[q]) + j,
+                what=f"completion {j} of prompt {q}, {lengths[i]} tokens decoded",
+                extra={"ignore_eos": True},
+                **sampling,
+            )
+            ends = [t for t, tok in enumerate(c.token_ids[:max_tokens]) if tok in stops]
+            if ends:
+                end = ends[0] + 1
+                return Completion(c.token_ids[:end], c.logprobs[:end], "stop")
+            return Completion(c.token_ids[:max_tokens], c.logprobs[:max_tokens], "length")
+
+        futures = [pool.submit(one, i) for i in range(len(lengths))]
+        try:
+            done = [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [done[q * n : (q + 1) * n] for q in range(len(prompts))]
 
     def prompt_logprobs(self, ids: Sequence[int]) -> tuple[list[float], int, float]:
         """The server's log-probs of a probe sequence at temperature 0 (for weight checks).
