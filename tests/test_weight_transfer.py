@@ -489,6 +489,26 @@ class TestProtocolServer:
         backend.verify(params, 1)  # still the confirmed weights
         backend.close()
 
+    @pytest.mark.parametrize("bad", ["numel", "-1"])
+    def test_an_index_outside_a_tensor_is_refused_without_steps(self, shm_server, tmp_path, bad):
+        """A sparse round whose one patch has only indices and values (no steps), one index outside
+        its tensor (past the end, or negative, which torch indexing would wrap): refused, nothing
+        applied."""
+        backend, params = _backend(shm_server, tmp_path, weight_sync="protocol")
+        backend.sync_weights(params, 0)
+        last = backend.pusher._last
+        key = max(last, key=lambda k: last[k].size)
+        none = (np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int8))
+        entries = [(k, a.dtype, a.shape, np.zeros(0, a.dtype), *none) for k, a in last.items()]
+        at = last[key].size if bad == "numel" else -1
+        i = list(last).index(key)
+        entries[i] = (key, last[key].dtype, last[key].shape, np.ones(1, last[key].dtype))
+        entries[i] += (np.array([at], np.int32), *none[1:])
+        with pytest.raises(RolloutServerError, match=f"{key} indexes outside"):
+            backend.pusher.push_entries(entries, False, 1, sum(a.size for a in last.values()))
+        backend.verify(params, 0)  # still the confirmed weights
+        backend.close()
+
     @pytest.mark.parametrize("device_patch", [False, True], ids=["host_diff", "device_patch"])
     def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path, device_patch):
         """Sparse pushes diffed on the host (numpy) or encoded on the device (`device_patch.py`) leave
@@ -687,20 +707,12 @@ def test_probe_program_holds_no_float32_copy_of_the_layers():
     import jax.numpy as jnp
     from flax import nnx
 
-    from cppo_jax.models import TransformerConfig
     from cppo_jax.models.transformer import Transformer
     from cppo_jax.rollout.vllm.probe import PROBE_LEN, probe_fn, serving_graphdef
+    from tests.helpers import tiny_config
 
-    cfg = TransformerConfig(
-        arch="qwen2",
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=512,
-        num_layers=8,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        max_position_embeddings=64,
+    cfg = tiny_config(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=8, head_dim=32
     )
     params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
     served = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)

@@ -503,6 +503,9 @@ def _decode(patch: tuple) -> tuple:
     the positions and the steps in the tensor's signed dtype) checked and decoded to a pending entry
     (name, values, indices, (positions, steps)); raises on an index out of range or a gap of 0."""
     name, numel, values, idx, raw, n, out = patch
+    outside = f"cppo_shm: sparse patch of {name} indexes outside {numel} elements"
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
+        raise ValueError(outside)
     if not n:
         return name, values, idx, None
     # int32 positions (a tensor has < 2^31 elements); gaps >= 1 make them strictly ascending
@@ -510,10 +513,9 @@ def _decode(patch: tuple) -> tuple:
     at.copy_(raw[:n])
     at.cumsum_(0)
     at -= 1
-    bad = idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel)
-    if bad or (n and (int(at[0]) < 0 or int(at[-1]) >= numel)):
-        raise ValueError(f"cppo_shm: sparse patch of {name} indexes outside {numel} elements")
-    if n and not bool(raw[:n].all()):
+    if int(at[0]) < 0 or int(at[-1]) >= numel:
+        raise ValueError(outside)
+    if not bool(raw[:n].all()):
         raise ValueError(f"cppo_shm: sparse patch of {name} has a gap of 0 (a repeated element)")
     steps.copy_(raw[n:].view(torch.int8))
     return name, values, idx, (at, steps)
