@@ -4,7 +4,7 @@
 paper's (1e-6), on a server keeping plain weights (rounds written in place) or packed ones (reloaded).
 
     python benchmarks/weight_sync.py [--updates 10] [--models tiny,100m,500m,1p5b] [--weights plain,packed]
-        [--routes file,dense,sparse,sparse-device] [--out benchmarks/results]
+        [--routes file,dense,sparse,sparse-numpy,sparse-device] [--out benchmarks/results]
 
 Models: the shipped tiny_arith, and random Qwen2s of about 100M, 500M and 1.5B parameters (the latter two
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes) with the real Qwen2.5 vocabulary (151,936 rows, tied). Each update
@@ -34,9 +34,10 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import load_average  # noqa: E402
 
 LRS = (1e-4, 1e-6)
-# sparse: diffed on the host (numpy, the path before device_patch.py); sparse-device: the patch computed
-# by the device program (`rollout/vllm/device_patch.py`), only it fetched
-ROUTES = ("file", "dense", "sparse", "sparse-device")
+# sparse: float32 weights cast to bf16 and diffed in one pass on the host (`rollout/vllm/cast_patch.py`,
+# the default on CPU); sparse-numpy: cast by XLA, then diffed on the host (numpy, the path before it);
+# sparse-device: the patch computed by the device program (`rollout/vllm/device_patch.py`), only it fetched
+ROUTES = ("file", "dense", "sparse", "sparse-numpy", "sparse-device")
 KEYS = (
     "bytes",
     "changed_frac",
@@ -206,6 +207,7 @@ def measure(
             for phase, route in enumerate(sparse):  # one phase per sparse route, its own base
                 if route is not None:  # a full push: the sparse base of the next update
                     backend.device_patch = route == "sparse-device"
+                    backend.host_cast = route == "sparse"
                     backend.pusher.invalidate()
                     backend.sync_weights(params, k)
                 for _ in range(updates):
@@ -214,6 +216,7 @@ def measure(
                     jax.block_until_ready(params)  # the update's tail is not the push's
                     if route is not None:
                         backend.device_patch = route == "sparse-device"
+                        backend.host_cast = route == "sparse"
                         got[route].append(backend.sync_weights(params, k))
                         got[route][-1]["round"] = backend.pusher.rounds
                     if phase == 0 and "file" in routes:  # the same weights: the base stays right
@@ -270,10 +273,12 @@ def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> 
         f"through `/dev/shm`; medians over {updates} consecutive updates per route, every push confirmed "
         f"by the bf16 probe check ({tol}). Weights: `plain` (the `cppo_shm` engine keeps plain weights and writes "
         "each round into them in place) or `packed` (`CPPO_VLLM_PLAIN_WEIGHTS=0`: vLLM packs them for its "
-        "CPU GEMMs and each round reloads the model). `sparse`: diffed on the host (numpy, on views "
-        "of the cast params: to host counts the bytes read, not copied); `sparse-device`: the patch "
-        "computed by one compiled program (`rollout/vllm/device_patch.py`). Each update is finished "
-        "before its pushes. Trainer: everything before the server's pause (cast, diff, write); pause: "
+        "CPU GEMMs and each round reloads the model). `sparse`: the float32 params cast to bf16 and "
+        "diffed in one pass on the host (`rollout/vllm/cast_patch.py`; the probe check's cast comes "
+        "after the pause, in probe); `sparse-numpy`: cast by XLA, then diffed on the host (numpy); both "
+        "read the params where they lie (to host counts the bytes read, not copied); `sparse-device`: "
+        "the patch computed by one compiled program (`rollout/vllm/device_patch.py`). Each update is "
+        "finished before its pushes. Trainer: everything before the server's pause (cast, diff, write); pause: "
         "seconds the server's engine could not generate (start + update + finish + prefix-cache reset, "
         "or the file reload); server read / apply: the engine's own seconds reading and checking the "
         "payload, and applying it (its log); probe: the check; total: all of it; generate: seconds for "

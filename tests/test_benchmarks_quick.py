@@ -361,20 +361,32 @@ def test_weight_sync_tiny_without_generation(tmp_path):
     """benchmarks/weight_sync.py on the shipped tiny model, two updates at lr 1e-6, with the flags the
     1.5B row needs on 23 GB: `--no-generate` (no generation timed) and `--probe-tol` (an absolute probe
     tolerance instead of the float32 reference forward). Every push is confirmed by the check; the
-    sparse rounds are written in place and carry a small part of a full push."""
-    argv = ["--models", "tiny", "--updates", "2", "--lrs", "1e-6", "--routes", "file,sparse"]
+    sparse rounds (cast and diffed in one pass, or cast by XLA then diffed) are written in place and
+    carry a small part of a full push."""
+    argv = [
+        "--models",
+        "tiny",
+        "--updates",
+        "2",
+        "--lrs",
+        "1e-6",
+        "--routes",
+        "file,sparse,sparse-numpy",
+    ]
     argv += ["--no-generate", "--probe-tol", "0.25", "--out", str(tmp_path)]
     rows = load_script("weight_sync").main(argv)
     by_route = {r["route"]: r for r in rows}
-    assert set(by_route) == {"file", "sparse"}
+    assert set(by_route) == {"file", "sparse", "sparse-numpy"}
     for r in rows:
         assert r["gen_s"] != r["gen_s"] and r["gen_tokens"] == 0  # NaN: not generated
         assert r["probe_tol"] == 0.25 and r["verify_s"] > 0
-    sparse, file = by_route["sparse"], by_route["file"]
-    assert sparse["server_path"] == "applied in place" and file["server_path"] == "file reload"
-    assert 0 < sparse["changed_frac"] < 0.25 and sparse["bytes"] < file["bytes"] / 4
+    file = by_route["file"]
+    assert file["server_path"] == "file reload"
+    for sparse in (by_route["sparse"], by_route["sparse-numpy"]):
+        assert sparse["server_path"] == "applied in place"
+        assert 0 < sparse["changed_frac"] < 0.25 and sparse["bytes"] < file["bytes"] / 4
     report = (tmp_path / "weight_sync.md").read_text()
     assert "(absolute tolerance 0.25)" in report
     assert "| tiny_arith | 847,744 | 1e-06 | plain | sparse |" in report
     table = _table_rows(report, "| model | parameters")
-    assert len(table) == 2 and all(cells[-1] == "-" for cells in table)  # generate: not timed
+    assert len(table) == 3 and all(cells[-1] == "-" for cells in table)  # generate: not timed

@@ -236,6 +236,141 @@ def test_transposed_views_are_diffed_in_memory_order_and_decode_bit_exactly(tmp_
     assert payloads[0] == payloads[1]
 
 
+def test_bf16_cast_on_the_host_rounds_as_xla():
+    """The host push's cast (`cast_patch`, one pass with the diff) gives XLA's bf16 bits: round to nearest
+    even (ties both ways), overflow to infinity, subnormals kept, signed zeros, a NaN as its sign's quiet
+    NaN; over 200,000 random bit patterns too."""
+    import jax
+    import jax.numpy as jnp
+
+    from cppo_jax.rollout.vllm import cast_patch
+
+    special = [
+        0,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0x7F800001,
+        0xFF800001,
+        0x7FFFFFFF,
+    ]
+    special += [0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00000001, 0x00008000, 0x00018000, 0x807FFFFF]
+    special += [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x00800000, 0x007FFFFF]
+    rng = np.random.default_rng(0)
+    u = np.concatenate([np.array(special, np.uint32), rng.integers(0, 2**32, 200_000, np.uint32)])
+    want = np.asarray(jax.jit(lambda x: x.astype(jnp.bfloat16))(u.view(np.float32))).view(np.uint16)
+    got = np.zeros(u.size, np.uint16)
+    cast_patch.cast_bf16(u, got)
+    bad = np.flatnonzero(got != want)
+    assert not bad.size, [(hex(u[i]), hex(got[i]), hex(want[i])) for i in bad[:5]]
+    # the same bits from the pass that diffs: against all-zero bits every nonzero pattern is a change
+    bits = np.zeros(u.size, np.uint16)
+    at_C, step_C = np.zeros(u.size // 4, np.int32), np.zeros(u.size // 4, np.int16)
+    n = cast_patch.cast_changes(u, bits, at_C, step_C)
+    assert np.array_equal(bits, want) and n == np.count_nonzero(
+        want
+    )  # past the room: applied, counted
+    assert np.array_equal(at_C, np.flatnonzero(want)[: at_C.size])
+
+
+def _f32_views(seed: int) -> dict[str, np.ndarray]:
+    """float32 tensors as a push reads the trainer's: linear weights as transposed views of [in, out]
+    parameters, the rest C-contiguous."""
+    rng = np.random.default_rng(seed)
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((300, 517), np.float32),
+        "model.layers.0.mlp.down_proj.weight": rng.standard_normal((600, 997), np.float32).T,
+        "model.layers.0.self_attn.o_proj.weight": rng.standard_normal((13, 7), np.float32).T,
+        "model.norm.weight": rng.standard_normal(11, np.float32),
+        "model.layers.0.input_layernorm.weight": rng.standard_normal(64, np.float32),
+        "model.layers.0.post_attention_layernorm.weight": rng.standard_normal(64, np.float32),
+    }
+
+
+def _bf16_like(x: np.ndarray) -> np.ndarray:
+    """`x` cast to bf16 (ml_dtypes) in the same layout: a transposed view stays one."""
+    t = not x.flags.c_contiguous
+    return x.T.astype(BF16).T if t else x.astype(BF16)
+
+
+def _moved(f32: dict, seed: int) -> dict:
+    """A small update: 4% of the elements a few bf16 ulps, some of those across zero or 4x (sent as
+    index and value), none in a run of 1,000 (gaps bridged), half the input norm (sent whole), the
+    post-attention norm not at all (sent with 0 elements)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, x in f32.items():
+        t = not x.flags.c_contiguous
+        flat = (x.T if t else x).copy().reshape(-1)  # memory order
+        if "input_layernorm" in key:
+            flat[::2] *= 1 + 2.0**-6  # 2 to 4 ulps: half the tensor changes, over a quarter
+        elif "post_attention" not in key:
+            hit = np.flatnonzero(rng.random(flat.size) < 0.04)
+            flat[hit] *= 1 + rng.integers(-3, 4, hit.size) * 2.0**-7
+            flat[hit[::53]] *= -1.0
+            flat[hit[1::61]] *= 4.0
+            if flat.size > 5000:
+                flat[2000:3000] = (x.T if t else x).reshape(-1)[2000:3000]
+        out[key] = flat.reshape((x.T if t else x).shape).T if t else flat.reshape(x.shape)
+    return out
+
+
+def test_cast_push_payload_is_byte_for_byte_the_cast_then_diff_one(tmp_path):
+    """`ProtocolPusher.push_cast` of float32 tensors (the bf16 cast and the diff in one pass over the
+    bits of the last push, `cast_patch`) writes the payload that the cast then `push` writes: full, then
+    sparse (steps, gaps over 255 bridged, values for moves across zero or over 127 ulps, a tensor sent
+    whole, one with nothing changed), and it decodes to the cast; a push left unconfirmed makes the next
+    one full and right."""
+    f32 = [_f32_views(0)]
+    for r in range(3):
+        f32.append(_moved(f32[-1], 10 + r))
+    casts = [{k: _bf16_like(v) for k, v in t.items()} for t in f32]
+    servers = {"cast": FakeServer(), "then_diff": FakeServer()}
+    pushers = {k: ProtocolPusher(s, tmp_path / k, full_push_every=10) for k, s in servers.items()}
+    for r in range(3):
+        payloads, metrics = {}, {}
+        for how, pusher in pushers.items():
+            metrics[how] = pusher.push_cast(f32[r]) if how == "cast" else pusher.push(casts[r])
+            info = servers[how].calls[-3][1]["update_info"]
+            payload = (tmp_path / how / info["file"]).read_bytes()
+            payloads[how] = (payload, {k: v for k, v in info.items() if k != "file"})
+            pusher.confirm()
+        assert payloads["cast"] == payloads["then_diff"], f"round {r}"
+        assert metrics["cast"]["changed_frac"] == metrics["then_diff"]["changed_frac"]
+        payload, info = payloads["cast"]
+        got = _decode(payload, info, None if r == 0 else casts[r - 1])
+        assert all(got[k].tobytes() == np.ascontiguousarray(casts[r][k]).tobytes() for k in got)
+        if r:
+            assert metrics["cast"]["full"] == 0.0
+            sparse = {n: i for n, i in zip(info["names"], info["index_offsets"], strict=True)}
+            assert sparse["model.layers.0.input_layernorm.weight"] == -1  # all moved: whole
+            down = info["names"].index("model.layers.0.mlp.down_proj.weight")
+            assert info["counts"][down] > 0 and info["step_counts"][down] > 0  # values and steps
+            same = info["names"].index("model.layers.0.post_attention_layernorm.weight")
+            assert info["counts"][same] == 0 and info["step_counts"][same] == 0
+    # a push not confirmed (a refused check) leaves the bits neither round's, and a push of bf16
+    # tensors between two cast pushes leaves them a round behind: either way the next cast push is full
+    pusher = pushers["cast"]
+    for between in ("unconfirmed", "bf16 push"):
+        if between == "unconfirmed":
+            pusher.push_cast(f32[3])
+            pusher.invalidate()
+        else:
+            pusher.push(casts[3])
+            pusher.confirm()
+        m = pusher.push_cast(f32[2])
+        info = servers["cast"].calls[-3][1]["update_info"]
+        assert m["full"] == 1.0, between
+        got = _decode((tmp_path / "cast" / info["file"]).read_bytes(), info, None)
+        assert all(got[k].tobytes() == np.ascontiguousarray(casts[2][k]).tobytes() for k in got)
+        pusher.confirm()
+    with pytest.raises(ValueError, match="model.norm.weight is float64"):
+        pusher.push_cast(
+            {**f32[2], "model.norm.weight": f32[2]["model.norm.weight"].astype(np.float64)}
+        )
+
+
 def test_full_push_schedule_and_refusal(tmp_path):
     server = FakeServer()
     pusher = ProtocolPusher(server, tmp_path, full_push_every=3)
@@ -473,13 +608,14 @@ class TestProtocolServer:
         with pytest.raises(RolloutServerError, match="partial push refused"):
             backend.sync_weights(params, 1)
         backend.pusher._write = real
-        real_push = backend.pusher.push
+        real_push, real_cast = backend.pusher.push, backend.pusher.push_cast
         backend.pusher.push = lambda t: real_push(t, skip_finish=True)
+        backend.pusher.push_cast = lambda t: real_cast(t, skip_finish=True)
         with pytest.raises(
             WeightSyncError, match="not confirmed"
         ):  # the server kept the old weights
             backend.sync_weights(params, 1)
-        backend.pusher.push = real_push
+        backend.pusher.push, backend.pusher.push_cast = real_push, real_cast
         m = backend.sync_weights(params, 1)  # closes the dangling round, pushes in full
         assert m["weight_sync/full"] == 1.0 and m["weight_sync/probe_diff_over_tol"] < 1.0
         # A sparse patch diffed against another round than the server holds: refused, nothing applied
@@ -509,15 +645,19 @@ class TestProtocolServer:
         backend.verify(params, 0)  # still the confirmed weights
         backend.close()
 
-    @pytest.mark.parametrize("device_patch", [False, True], ids=["host_diff", "device_patch"])
-    def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path, device_patch):
-        """Sparse pushes diffed on the host (numpy) or encoded on the device (`device_patch.py`) leave
+    @pytest.mark.parametrize("how", ["host_cast", "host_diff", "device_patch"])
+    def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path, how):
+        """Sparse pushes cast and diffed in one pass on the host (`cast_patch`, the default on CPU),
+        cast by JAX then diffed on the host (numpy) or encoded on the device (`device_patch.py`) leave
         the server with the weights a fresh full push gives, and that vLLM's own load of them from
         files gives."""
         from tests.test_vllm import _one_update
 
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol", full_push_every=4)
-        backend.device_patch = device_patch
+        backend.device_patch = how == "device_patch"
+        backend.host_cast = how == "host_cast"
+        assert backend.casts_on_host(params) == (how == "host_cast")
+        device_patch = backend.device_patch
         server = shm_server[0]
         since = len(server.log_path.read_text())
         rows = [backend.sync_weights(params, 0)]

@@ -140,6 +140,8 @@ class VLLMBackend(PushRoutes):
         # device where it is an accelerator; on XLA:CPU the two measured in either order under load
         # (benchmarks/results/weight_sync.md), the host path is the default there
         self.device_patch = jax.default_backend() != "cpu"
+        # float32 weights served in bf16 and diffed on the host: cast in the diff's pass (`casts_on_host`)
+        self.host_cast = True
         self.patcher: DevicePatcher | None = None
         self.lora: LoraPusher | None = None  # rollout.lora_push = adapter: pushes adapters only
         self._lora_parts, self._lora_resolved = None, False
@@ -321,8 +323,10 @@ class VLLMBackend(PushRoutes):
         self._push_done.clear()
         t0 = time.perf_counter()
         try:
-            # cast once; push and verify cast no further (an adapter push casts only the adapters)
-            served = params if self.adapter_push() else self.serving(params)[1]
+            # cast once; push and verify cast no further (an adapter push casts only the adapters). A
+            # push cast on the host (`casts_on_host`) casts in its diff: the check's cast comes after
+            host_cast = self.casts_on_host(params)
+            served = params if self.adapter_push() or host_cast else self.serving(params)[1]
             jax.block_until_ready(served)
             cast_s = time.perf_counter() - t0
             try:
@@ -333,6 +337,8 @@ class VLLMBackend(PushRoutes):
                 when = f" at step {step}" if step is not None else ""
                 raise write_failed(e, self.weights_dir, self.url, when) from e
             t = time.perf_counter()
+            if host_cast:
+                served = self.serving(params)[1]
             diff = self.verify(served, step)
         except BaseException as e:
             self.unconfirmed = f"{type(e).__name__}: {e}"

@@ -1,7 +1,7 @@
 """The weight-push routes of `VLLMBackend` (a mixin): the file route (a Hugging Face folder in one of two
 slots and `reload_weights`) and the protocol route (vLLM's weight-transfer routes with the `cppo_shm`
-engine, the payload diffed on the host, `weight_transfer.encode`, or encoded on the device,
-`device_patch.py`), each after the push folder's space check (`vllm_push.check_space`). docs/vllm.md,
+engine, the payload diffed on the host, `weight_transfer.encode`, float32 weights cast and diffed in one
+pass, `weight_transfer.encode_cast`, or encoded on the device, `device_patch.py`), each after the push folder's space check (`vllm_push.check_space`). docs/vllm.md,
 "Weight sync routes".
 """
 
@@ -11,11 +11,13 @@ import shutil
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from cppo_jax.models.hf_io import save_hf
 from cppo_jax.rollout.vllm.device_patch import DevicePatcher
-from cppo_jax.rollout.vllm.probe import push_bytes
+from cppo_jax.rollout.vllm.probe import push_bytes, serving_graphdef
 from cppo_jax.rollout.vllm.push import check_space, claim_push_folder, hf_tensors, resolve_route
 from cppo_jax.rollout.vllm.weight_transfer import ProtocolPusher
 
@@ -66,9 +68,12 @@ class PushRoutes:
             return self._push_from_device(params)
         if self.route == "protocol":
             t0 = time.perf_counter()
-            tensors = hf_tensors(*self.serving(params))
+            cast = self.casts_on_host(params)
+            # cast on the host: the float32 params as they lie, named by the serving model's layout
+            graphdef = serving_graphdef(self.model_cfg(params), self.dtype(params))
+            tensors = hf_tensors(graphdef, params) if cast else hf_tensors(*self.serving(params))
             t1 = time.perf_counter()
-            m = self.pusher.push(tensors)
+            m = self.pusher.push_cast(tensors) if cast else self.pusher.push(tensors)
             self.pushes += 1
             self.last_slot = self.pusher.root
             return {
@@ -97,6 +102,19 @@ class PushRoutes:
             "host_bytes": float(nbytes),
             "host_s": t1 - t0,
         }
+
+    def casts_on_host(self, params) -> bool:
+        """Whether a push of `params` casts them to the serving dtype on the host, in one pass with the
+        diff (`ProtocolPusher.push_cast`): the protocol route encoded on the host, float32 weights served
+        in bfloat16 (the trainer's device is then the CPU, where its weights already lie in host memory)."""
+        return (
+            self.host_cast
+            and not self.adapter_push()
+            and self.resolve_route() == "protocol"
+            and not self.device_patch
+            and self.dtype(params) == "bfloat16"
+            and all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+        )
 
     def _push_from_device(self, params) -> dict:
         """A protocol push whose patch (or full tensors) `DevicePatcher` computes on the device:

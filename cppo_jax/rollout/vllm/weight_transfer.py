@@ -21,7 +21,10 @@ described there. One push is one round: start, one update call naming every tens
 The diff runs on the host, tensors on several threads (largest first), 8 bytes at a time where most are
 equal; a linear weight arrives as the transposed view of the trainer's parameter (no copy in HF order,
 `hf_io.state_to_hf_tensors(contiguous=False)`), is compared in its memory order and its changes are put in
-HF order by one sort (`changed_steps`); only a tensor sent whole is copied.
+HF order by one sort (`changed_steps`); only a tensor sent whole is copied. `push_cast` takes the float32
+weights themselves and casts them to bf16 in the diff's pass (`encode_cast`, `cast_patch.py`): the base is
+then the last push's bits kept here, overwritten as they are diffed, and the payload is byte for byte the
+one of the cast tensors' `push`.
 
 `ProtocolPusher.push` returns per-push figures: `bytes` (payload), `changed_frac` (changed elements / all
 elements; 1 for a full push), `write_s` (trainer side: diff and write), `pause_s` (the server's share:
@@ -39,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from cppo_jax.rollout.vllm.client import reset_prefix_cache
@@ -49,6 +53,7 @@ __all__ = [
     "ProtocolPusher",
     "changed_indices",
     "encode",
+    "encode_cast",
     "gap_steps",
     "server_backend",
     "ulp_steps",
@@ -256,7 +261,11 @@ class ProtocolPusher:
         self.rounds = 0
         self._since_full: int | None = None  # None: no confirmed full push yet
         self._last: dict[str, np.ndarray] | None = None
-        self._pending: tuple[dict[str, np.ndarray], bool, int] | None = None  # pushed, unconfirmed
+        # pushed, unconfirmed: (tensors, full, round, whether they are views of `_bits`)
+        self._pending: tuple[dict[str, np.ndarray] | None, bool, int, bool] | None = None
+        # `push_cast`: per tensor the bf16 bits of its last push in memory order, updated in place
+        self._bits: dict[str, tuple] = {}
+        self._bits_base = False  # `_bits` hold the last confirmed push (the base of a cast push)
         self._base_round: int | None = None  # the round `_last` was pushed in
         self._payload: Path | None = (
             None  # the last round's file, removed once the round is confirmed
@@ -277,7 +286,7 @@ class ProtocolPusher:
         self._ready = True
 
     def invalidate(self) -> None:
-        self._since_full, self._last = None, None
+        self._since_full, self._last, self._bits_base = None, None, False
 
     def next_is_full(self) -> bool:
         return self._since_full is None or self._since_full + 1 >= self.full_push_every
@@ -292,7 +301,22 @@ class ProtocolPusher:
         entries, changed, total = encode(tensors, None if full else self._last)
         encode_s = time.perf_counter() - t0
         m = self.push_entries(entries, full, changed, total, skip_finish=skip_finish)
-        self._pending = (tensors, full, self.rounds)
+        self._pending = (tensors, full, self.rounds, False)
+        m["write_s"] += encode_s
+        return m
+
+    def push_cast(self, tensors: dict[str, np.ndarray], *, skip_finish: bool = False) -> dict:
+        """`push` of float32 `tensors` served in bfloat16: the cast and the diff in one pass per tensor
+        (`encode_cast`), against the bits of the last confirmed push kept here (not a copy of the
+        tensors). The bits are overwritten as they are diffed: a push that is not confirmed leaves them
+        as neither round's, and the next push is full (`invalidate`)."""
+        full = self.next_is_full() or not self._bits_base
+        self._bits_base = False
+        t0 = time.perf_counter()
+        entries, changed, total, served = encode_cast(tensors, self._bits, full)
+        encode_s = time.perf_counter() - t0
+        m = self.push_entries(entries, full, changed, total, skip_finish=skip_finish)
+        self._pending = (served, full, self.rounds, True)
         m["write_s"] += encode_s
         return m
 
@@ -319,7 +343,7 @@ class ProtocolPusher:
             )
         reset_prefix_cache(self.client)
         t2 = time.perf_counter()
-        self._pending = (None, full, self.rounds)
+        self._pending = (None, full, self.rounds, False)
         return {
             "bytes": float(nbytes),
             "changed_frac": changed / max(total, 1),
@@ -336,7 +360,7 @@ class ProtocolPusher:
         if self._payload is not None:
             self._payload.unlink(missing_ok=True)
             self._payload = None
-        (tensors, full, self._base_round), self._pending = self._pending, None
+        (tensors, full, self._base_round, self._bits_base), self._pending = self._pending, None
         # fresh host arrays per push: kept, not copied (None: the base is on the device)
         self._last = None if tensors is None else dict(tensors)
         self._since_full = 0 if full else self._since_full + 1
@@ -449,6 +473,95 @@ def _patch(old: np.ndarray | None, arr: np.ndarray) -> tuple[int, tuple | None]:
     if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
         return j.size, None
     return j.size, (_values_at(arr, rest), rest, gaps_S, steps_S)
+
+
+def _bf16_view(
+    bits_N: np.ndarray, shape: tuple[int, ...], memory: tuple[int, int] | None
+) -> np.ndarray:
+    """The bits of one tensor as bfloat16 in its HF shape: a transposed view where `memory` is the
+    (rows, cols) of a tensor stored transposed (`_layout`)."""
+    bf = bits_N.view(ml_dtypes.bfloat16)
+    return bf.reshape(shape) if memory is None else bf.reshape(memory[1], memory[0]).T
+
+
+@functools.cache
+def _warm() -> None:
+    """Compile `cast_patch`'s loops once per process, on the first cast push (a second or more; loaded
+    from numba's cache where the package folder is writable)."""
+    from cppo_jax.rollout.vllm import cast_patch
+
+    cast_patch.warm()
+
+
+def _cast_patch(x: np.ndarray, held: tuple | None, full: bool) -> tuple:
+    """One float32 tensor cast to bfloat16 over its bits of the last push (`held`: (bits, memory
+    layout), updated in place; None or a full push: cast whole into fresh or reused bits), and its patch
+    as `_patch` makes it. Returns (changed elements, patch or None (whole), (bits, layout), bf16 view)."""
+    from cppo_jax.rollout.vllm import cast_patch
+
+    x_N, memory = _layout(x)
+    if held is None or held[1] != memory or held[0].size != x_N.size:
+        held, full = (np.empty(x_N.size, np.uint16), memory), True
+    bits_N = held[0]
+    arr = _bf16_view(bits_N, x.shape, memory)
+    if full:
+        cast_patch.cast_bf16(x_N, bits_N)
+        return x.size, None, held, arr
+    at_C = np.empty(x.size // 4 + 1, np.int32)  # room for a quarter changed: more goes whole
+    step_C = np.empty(at_C.size, np.int16)
+    n = cast_patch.cast_changes(x_N, bits_N, at_C, step_C)
+    if 4 * n > x.size:
+        return n, None, held, arr
+    at_C, step_C = at_C[:n], step_C[:n]
+    if memory is not None:
+        at_C, step_C = cast_patch.hf_order(at_C, step_C, *memory)
+    gaps_S, steps_S, rest = cast_patch.split_gap_steps(at_C, step_C)
+    if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
+        return n, None, held, arr
+    return n, (_values_at(arr, rest), rest, gaps_S, steps_S), held, arr
+
+
+def encode_cast(
+    tensors: dict[str, np.ndarray], bits: dict[str, tuple], full: bool
+) -> tuple[list[tuple], int, int, dict[str, np.ndarray]]:
+    """`encode` of the bfloat16 cast of float32 `tensors` (HF-named host arrays, transposed views
+    allowed), cast and diffed in one pass (`cast_patch`) against `bits`: per tensor the bit patterns of
+    the last push in the tensor's memory order, updated in place to this push's (added where missing;
+    every tensor cast whole when `full`). Returns (entries, changed, total, the cast tensors as bfloat16
+    views of `bits` in HF shape)."""
+    arrays = {key: np.asarray(t) for key, t in tensors.items()}
+    wrong = [key for key, a in arrays.items() if a.dtype != np.float32]
+    if wrong:
+        raise ValueError(
+            f"tensor {wrong[0]} is {arrays[wrong[0]].dtype}: the bf16 cast reads float32"
+        )
+    _warm()
+    order = sorted(arrays, key=lambda key: -arrays[key].size)
+    found = dict(
+        zip(
+            order,
+            _pool().map(
+                _cast_patch,
+                [arrays[k] for k in order],
+                [bits.get(k) for k in order],
+                [full] * len(order),
+            ),
+            strict=True,
+        )
+    )
+    entries: list[tuple] = []
+    served: dict[str, np.ndarray] = {}
+    changed = total = 0
+    for key, x in arrays.items():
+        n, patch, bits[key], arr = found[key]
+        served[key] = arr
+        changed, total = changed + n, total + x.size
+        entries.append(
+            (key, arr.dtype, arr.shape, arr)
+            if patch is None
+            else (key, arr.dtype, arr.shape, *patch)
+        )
+    return entries, changed, total, served
 
 
 def encode(tensors: dict[str, np.ndarray], base: dict | None) -> tuple[list[tuple], int, int]:
