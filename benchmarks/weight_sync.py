@@ -9,8 +9,8 @@ paper's (1e-6), on a server keeping plain weights (rounds written in place) or p
 Models: the shipped tiny_arith, and random Qwen2s of about 100M, 500M and 1.5B parameters (the latter two
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes) with the real Qwen2.5 vocabulary (151,936 rows, tied). Each update
 moves the fp32 policy by lr * sign(noise) (the size of AdamW's first step); the server gets the bf16 cast.
-For every update the same policy is pushed by each route, each push confirmed by the bf16 probe check:
-sparse (base: the previous update, as the server holds it), file, dense. Figures are medians over the
+Each route runs its own `--updates` updates in turn (sparse routes first, each from a full push of its
+base, then file, then dense), every push confirmed by the bf16 probe check. Figures are medians over the
 updates (columns: `report`); the largest model's sparse rows are projected to Qwen2.5-7B per parameter.
 """
 
@@ -202,31 +202,29 @@ def measure(
             )
 
             got = {r: [] for r in routes}
-            sparse = [r for r in routes if r.startswith("sparse")] or [None]
+            # one phase per route, each over its own updates: a sparse route from its own full push
+            # (its base), the file and dense routes after them (a file push's 1.26 GB folder and reload
+            # do not sit between the sparse pushes and their timings)
+            phases = [r for r in routes if r.startswith("sparse")]
+            phases += [r for r in ("file", "dense") if r in routes]
             k = 0
-            for phase, route in enumerate(sparse):  # one phase per sparse route, its own base
-                if route is not None:  # a full push: the sparse base of the next update
-                    backend.device_patch = route == "sparse-device"
-                    backend.host_cast = route == "sparse"
+            for route in phases:
+                backend.route = "file" if route == "file" else "protocol"
+                backend.device_patch = route == "sparse-device"
+                backend.host_cast = route in ("sparse", "dense")
+                if route.startswith("sparse"):  # a full push: the sparse base of the next update
                     backend.pusher.invalidate()
                     backend.sync_weights(params, k)
                 for _ in range(updates):
                     k += 1
                     params = _one_update(params, lr, seed=1000 + k)
                     jax.block_until_ready(params)  # the update's tail is not the push's
-                    if route is not None:
-                        backend.device_patch = route == "sparse-device"
-                        backend.host_cast = route == "sparse"
-                        got[route].append(backend.sync_weights(params, k))
-                        got[route][-1]["round"] = backend.pusher.rounds
-                    if phase == 0 and "file" in routes:  # the same weights: the base stays right
-                        backend.route = "file"
-                        got["file"].append(backend.sync_weights(params, k))
-                        backend.route = "protocol"
-                    if phase == 0 and "dense" in routes:
+                    if route == "dense":
                         backend.pusher.invalidate()
-                        got["dense"].append(backend.sync_weights(params, k))
-                        got["dense"][-1]["round"] = backend.pusher.rounds
+                    got[route].append(backend.sync_weights(params, k))
+                    if route != "file":
+                        got[route][-1]["round"] = backend.pusher.rounds
+                backend.route = "protocol"
             for route, ms in got.items():
                 med = {key: float(np.median([m[f"weight_sync/{key}"] for m in ms])) for key in KEYS}
                 rounds = [m["round"] for m in ms if "round" in m]

@@ -10,7 +10,8 @@ Memory traffic: 4 bytes read per weight plus 2 bytes read and the changed ones w
 2 written + 2 x 2 read for the two passes; measured in benchmarks/results/weight_sync.md.
 
 The rest of the encoding stays in loops over the changes (a few percent of the weights): a transposed
-tensor's changes put in HF order by a counting sort on their HF row (`hf_order`), then split into 2-byte
+tensor's changes, recorded with their HF index and row (`cast_changes_t`), put in HF order by a counting
+sort on the row (`hf_order`), then split into 2-byte
 steps with their index gaps and the rest (`split_gap_steps`), byte for byte as
 `weight_transfer.split_steps` writes them (`tests/test_weight_transfer.py`).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["cast_bf16", "cast_changes", "hf_order", "split_gap_steps", "warm"]
+__all__ = ["cast_bf16", "cast_changes", "cast_changes_t", "hf_order", "split_gap_steps", "warm"]
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
@@ -66,25 +67,57 @@ def cast_changes(x_N: np.ndarray, bits_N: np.ndarray, at_C: np.ndarray, step_C: 
 
 
 @numba.njit(**_JIT)
-def hf_order(at_C: np.ndarray, step_C: np.ndarray, rows: int, cols: int):
-    """Changes at ascending memory positions of a [rows, cols] tensor stored transposed (memory order
-    [cols, rows]: position j is HF row j % rows, column j // rows) as ascending C-order flat indices
-    (int64) with their steps: a counting sort on the row, stable, so each row's columns stay ascending."""
-    count_R = np.zeros(rows + 1, np.int64)
-    for k in range(at_C.size):
-        count_R[at_C[k] % rows + 1] += 1
-    for r in range(rows):
+def cast_changes_t(
+    x_N: np.ndarray,
+    bits_N: np.ndarray,
+    rows: int,
+    at_C: np.ndarray,
+    row_C: np.ndarray,
+    step_C: np.ndarray,
+    count_R: np.ndarray,
+) -> int:
+    """`cast_changes` of a [rows, cols] tensor stored transposed (memory order [cols, rows]: position
+    c * rows + r is HF row r, column c), recording each change's C-order flat index r * cols + c in at_C
+    and its row in row_C, in memory order, and counting the recorded changes of row r in count_R[r + 1]
+    (count_R: rows + 1 zeros), for `hf_order`."""
+    cols = x_N.size // rows
+    n = 0
+    room = at_C.size
+    for i in range(x_N.size):
+        new = _bf16(x_N[i])
+        old = bits_N[i]
+        if new != old:
+            if n < room:
+                c, r = divmod(i, rows)
+                at_C[n] = r * cols + c
+                row_C[n] = r
+                step_C[n] = np.int16(np.uint16(new - old))
+                count_R[r + 1] += 1
+            n += 1
+            bits_N[i] = new
+    return n
+
+
+@numba.njit(**_JIT)
+def hf_order(
+    at_C: np.ndarray,
+    row_C: np.ndarray,
+    step_C: np.ndarray,
+    count_R: np.ndarray,
+    idx_C: np.ndarray,
+    out_C: np.ndarray,
+) -> None:
+    """The changes `cast_changes_t` recorded (C-order indices in memory order, their rows, steps, and
+    per-row counts) in ascending C order, into idx_C and out_C (as long as at_C): a counting sort on the
+    row, stable, so that each row's columns stay ascending. count_R is used up."""
+    for r in range(count_R.size - 1):
         count_R[r + 1] += count_R[r]
-    idx_C = np.empty(at_C.size, np.int64)
-    out_C = np.empty(step_C.size, step_C.dtype)
     for k in range(at_C.size):
-        j = at_C[k]
-        c, r = divmod(j, rows)
+        r = row_C[k]
         slot = count_R[r]
         count_R[r] = slot + 1
-        idx_C[slot] = np.int64(r) * cols + c
+        idx_C[slot] = at_C[k]
         out_C[slot] = step_C[k]
-    return idx_C, out_C
 
 
 @numba.njit(**_JIT)
@@ -131,7 +164,9 @@ def warm() -> None:
     x_N = np.zeros(4, np.uint32)
     bits_N = np.zeros(4, np.uint16)
     cast_bf16(x_N, bits_N)
-    at_C, step_C = np.zeros(1, np.int64), np.zeros(1, np.int16)
+    at_C, row_C, step_C = np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int16)
     cast_changes(x_N, bits_N, at_C, step_C)
-    idx_C, step_C = hf_order(at_C, step_C, 2, 2)
-    split_gap_steps(idx_C, step_C)
+    count_R = np.zeros(3, np.int64)
+    cast_changes_t(x_N, bits_N, 2, at_C, row_C, step_C, count_R)
+    hf_order(at_C, row_C, step_C, count_R, row_C.copy(), step_C.copy())
+    split_gap_steps(at_C, step_C)

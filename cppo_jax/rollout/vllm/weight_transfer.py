@@ -495,26 +495,38 @@ def _warm() -> None:
 
 def _cast_patch(x: np.ndarray, held: tuple | None, full: bool) -> tuple:
     """One float32 tensor cast to bfloat16 over its bits of the last push (`held`: (bits, memory
-    layout), updated in place; None or a full push: cast whole into fresh or reused bits), and its patch
-    as `_patch` makes it. Returns (changed elements, patch or None (whole), (bits, layout), bf16 view)."""
+    layout, scratch buffers kept across rounds), the bits updated in place; None or a full push: cast
+    whole into fresh or reused bits), and its patch as `_patch` makes it. Returns (changed elements,
+    patch or None (whole), held, bf16 view)."""
     from cppo_jax.rollout.vllm import cast_patch
 
     x_N, memory = _layout(x)
     if held is None or held[1] != memory or held[0].size != x_N.size:
-        held, full = (np.empty(x_N.size, np.uint16), memory), True
-    bits_N = held[0]
+        held, full = (np.empty(x_N.size, np.uint16), memory, {}), True
+    bits_N, _, scratch = held
     arr = _bf16_view(bits_N, x.shape, memory)
     if full:
         cast_patch.cast_bf16(x_N, bits_N)
         return x.size, None, held, arr
-    at_C = np.empty(x.size // 4 + 1, np.int32)  # room for a quarter changed: more goes whole
-    step_C = np.empty(at_C.size, np.int16)
-    n = cast_patch.cast_changes(x_N, bits_N, at_C, step_C)
+    if not scratch:  # room for a quarter changed (more goes whole); kept: fresh pages cost faults
+        room = x.size // 4 + 1
+        scratch.update(at=np.empty(room, np.int32), step=np.empty(room, np.int16))
+        if memory is not None:
+            scratch.update(row=np.empty(room, np.int32), idx=np.empty(room, np.int32))
+            scratch.update(out=np.empty(room, np.int16))
+    at_C, step_C = scratch["at"], scratch["step"]
+    if memory is None:
+        n = cast_patch.cast_changes(x_N, bits_N, at_C, step_C)
+    else:  # recorded with their HF index and row, then put in HF order
+        count_R = np.zeros(memory[0] + 1, np.int64)
+        n = cast_patch.cast_changes_t(x_N, bits_N, memory[0], at_C, scratch["row"], step_C, count_R)
     if 4 * n > x.size:
         return n, None, held, arr
     at_C, step_C = at_C[:n], step_C[:n]
     if memory is not None:
-        at_C, step_C = cast_patch.hf_order(at_C, step_C, *memory)
+        idx_C, out_C = scratch["idx"][:n], scratch["out"][:n]
+        cast_patch.hf_order(at_C, scratch["row"][:n], step_C, count_R, idx_C, out_C)
+        at_C, step_C = idx_C, out_C
     gaps_S, steps_S, rest = cast_patch.split_gap_steps(at_C, step_C)
     if 2 * gaps_S.size + rest.size * (4 + arr.itemsize) >= arr.nbytes:
         return n, None, held, arr
