@@ -39,6 +39,17 @@ def _bf16(u: np.uint32) -> np.uint16:
     )
 
 
+@numba.njit(inline="always")
+def _recast(x_N: np.ndarray, bits_N: np.ndarray, i: int) -> np.int16:
+    """bits_N[i] recast from x_N[i]; returns the change of its bit pattern (new - old modulo 2^16, read
+    signed): 0 where it did not change (two different 16-bit patterns never differ by 0 modulo 2^16)."""
+    new = _bf16(x_N[i])
+    step = np.int16(np.uint16(new - bits_N[i]))
+    if step != 0:
+        bits_N[i] = new
+    return step
+
+
 @numba.njit(**_JIT)
 def cast_bf16(x_N: np.ndarray, bits_N: np.ndarray) -> None:
     """bits_N[:] = the bfloat16 bit patterns of the float32 bit patterns x_N (both flat)."""
@@ -55,14 +66,12 @@ def cast_changes(x_N: np.ndarray, bits_N: np.ndarray, at_C: np.ndarray, step_C: 
     n = 0
     room = at_C.size
     for i in range(x_N.size):
-        new = _bf16(x_N[i])
-        old = bits_N[i]
-        if new != old:
+        step = _recast(x_N, bits_N, i)
+        if step != 0:
             if n < room:
                 at_C[n] = i
-                step_C[n] = np.int16(np.uint16(new - old))
+                step_C[n] = step
             n += 1
-            bits_N[i] = new
     return n
 
 
@@ -84,17 +93,15 @@ def cast_changes_t(
     n = 0
     room = at_C.size
     for i in range(x_N.size):
-        new = _bf16(x_N[i])
-        old = bits_N[i]
-        if new != old:
+        step = _recast(x_N, bits_N, i)
+        if step != 0:
             if n < room:
                 c, r = divmod(i, rows)
                 at_C[n] = r * cols + c
                 row_C[n] = r
-                step_C[n] = np.int16(np.uint16(new - old))
+                step_C[n] = step
                 count_R[r + 1] += 1
             n += 1
-            bits_N[i] = new
     return n
 
 
