@@ -274,6 +274,41 @@ def test_bf16_cast_on_the_host_rounds_as_xla():
     assert np.array_equal(at_C, np.flatnonzero(want)[: at_C.size])
 
 
+@pytest.mark.parametrize("rows, cols", [(13, 7), (1, 300), (300, 1), (257, 9), (600, 997)])
+@pytest.mark.parametrize("frac", [0.04, 0.6])
+def test_cast_changes_record_what_the_cast_then_diff_finds(rows, cols, frac):
+    """The blocked one-pass loops (`cast_changes`, and `cast_changes_t` for a tensor stored transposed)
+    record exactly the changes of the cast then diff, in their order: every block length's tail, rows
+    shorter and longer than a block, and more changes than the room (the rest applied and counted, not
+    recorded)."""
+    from cppo_jax.rollout.vllm import cast_patch
+
+    rng = np.random.default_rng(rows * cols)
+    # the memory order of the transposed [rows, cols]
+    mem = rng.standard_normal((cols, rows), np.float32)
+    old = mem.astype(BF16).view(np.uint16).reshape(-1)
+    hit = rng.random(mem.shape) < frac
+    moved = mem * (1 + rng.integers(-3, 4, mem.shape) * 2.0**-7)
+    new = np.where(hit, moved, mem).astype(np.float32)
+    want = new.astype(BF16).view(np.uint16).reshape(-1)
+    pos = np.flatnonzero(want != old)
+    step = (want[pos] - old[pos]).astype(np.uint16).view(np.int16)
+    room = max(1, mem.size // 4)
+    x = new.reshape(-1).view(np.uint32)
+    bits, at_C, step_C = old.copy(), np.zeros(room, np.int32), np.zeros(room, np.int16)
+    n = cast_patch.cast_changes(x, bits, at_C, step_C)
+    k = min(n, room)
+    assert n == pos.size and np.array_equal(bits, want)
+    assert np.array_equal(at_C[:k], pos[:k]) and np.array_equal(step_C[:k], step[:k])
+    bits, row_C, count_R = old.copy(), np.zeros(room, np.int32), np.zeros(rows + 1, np.int64)
+    n = cast_patch.cast_changes_t(x, bits, rows, at_C, row_C, step_C, count_R)
+    c, r = np.divmod(pos[:k], rows)
+    assert n == pos.size and np.array_equal(bits, want)
+    assert np.array_equal(at_C[:k], r * cols + c) and np.array_equal(row_C[:k], r)
+    assert np.array_equal(step_C[:k], step[:k])
+    assert np.array_equal(count_R[1:], np.bincount(r, minlength=rows))
+
+
 def _f32_views(seed: int) -> dict[str, np.ndarray]:
     """float32 tensors as a push reads the trainer's: linear weights as transposed views of [in, out]
     parameters, the rest C-contiguous."""
