@@ -29,8 +29,9 @@ or not at all (a checksum mismatch, a tensor missing from the round, a sparse pa
 unknown name or an index out of range all raise, and the served weights stay as they were).
 
 What a round costs the server: the payload is mapped, not copied, and checked (CRC-32); each tensor's
-steps are decoded into buffers kept across rounds (fresh memory would cost its page faults every round)
-and written into its run of the served parameter by one `index_add_`, the tensors on one thread per core
+steps are decoded in one compiled pass (numba, which vLLM depends on) into buffers kept across rounds
+(fresh memory would cost its page faults every round) and written into its run of the served parameter
+by one `index_add_`, the tensors on one thread per core
 (vLLM binds its CPU worker to its compute cores; during a round the engine waits on the worker, so the
 round's threads may use the others).
 
@@ -273,6 +274,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if not init_info.root or not os.path.isdir(root):
             raise ValueError(f"cppo_shm: root {init_info.root!r} is not a folder on the server")
         self.root = root
+        _positions()  # compiled now, not inside the first sparse round's pause
 
     def start_weight_update(self) -> None:
         self._pending, self._round, self._round_tensors = [], None, 0
@@ -508,17 +510,42 @@ def _decode(patch: tuple) -> tuple:
         raise ValueError(outside)
     if not n:
         return name, values, idx, None
-    # int32 positions (a tensor has < 2^31 elements); gaps >= 1 make them strictly ascending
+    # int32 positions (a tensor has < 2^31 elements); gaps >= 1 make them strictly ascending from 0
     at, steps = out
-    at.copy_(raw[:n])
-    at.cumsum_(0)
-    at -= 1
-    if int(at[0]) < 0 or int(at[-1]) >= numel:
-        raise ValueError(outside)
-    if not bool(raw[:n].all()):
+    last, zero = _positions()(raw.numpy(), n, at.numpy(), steps.numpy())
+    if zero:
         raise ValueError(f"cppo_shm: sparse patch of {name} has a gap of 0 (a repeated element)")
-    steps.copy_(raw[n:].view(torch.int8))
+    if last >= numel:
+        raise ValueError(outside)
     return name, values, idx, (at, steps)
+
+
+@functools.cache
+def _positions():
+    """The loop `_decode` runs, compiled once per server process (numba, a dependency of vLLM itself;
+    `ShmWeightTransferEngine.init_transfer_engine` asks for it before any round): in one pass over the
+    payload the steps' positions (the running sum of their gaps, less 1) and the steps sign-extended,
+    with the last position and whether any gap was 0. Measured on 2 cores, ~500M model's 20M steps in
+    290 tensors: 0.015-0.017 s, against 0.028-0.041 s for the same in five torch operations."""
+    import numba
+    import numpy as np
+
+    # compiled for these types when defined: the 16- and 32-bit steps (`_SIGNED`)
+    types = [f"(uint8[::1], int64, int32[::1], {t}[::1])" for t in ("int16", "int32")]
+
+    @numba.njit(types, nogil=True, boundscheck=False)
+    def positions(raw_B, n, at_S, steps_S):
+        pos = -1
+        zero = False
+        for s in range(n):
+            gap = raw_B[s]
+            zero |= gap == 0
+            pos += gap
+            at_S[s] = pos
+            steps_S[s] = np.int8(raw_B[n + s])
+        return pos, zero
+
+    return positions
 
 
 def _step(flat: torch.Tensor, at: torch.Tensor, steps: torch.Tensor) -> None:
