@@ -278,9 +278,9 @@ def test_bf16_cast_on_the_host_rounds_as_xla():
 @pytest.mark.parametrize("frac", [0.04, 0.6])
 def test_cast_changes_record_what_the_cast_then_diff_finds(rows, cols, frac):
     """The blocked one-pass loops (`cast_changes`, and `cast_changes_t` for a tensor stored transposed)
-    record exactly the changes of the cast then diff, in their order: every block length's tail, rows
-    shorter and longer than a block, and more changes than the room (the rest applied and counted, not
-    recorded)."""
+    record exactly the changes of the cast then diff, in their order: short last blocks of several
+    lengths, rows shorter and longer than a block, and more changes than the room (the rest applied and
+    counted, not recorded)."""
     from cppo_jax.rollout.vllm import cast_patch
 
     rng = np.random.default_rng(rows * cols)
