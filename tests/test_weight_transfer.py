@@ -660,52 +660,55 @@ class TestProtocolServer:
         backend.verify(params, 1)  # still the confirmed weights
         backend.close()
 
-    @pytest.mark.parametrize("bad", ["numel", "-1"])
-    def test_an_index_outside_a_tensor_is_refused_without_steps(self, shm_server, tmp_path, bad):
-        """A sparse round whose one patch has only indices and values (no steps), one index outside
-        its tensor (past the end, or negative, which torch indexing would wrap): refused, nothing
-        applied."""
+    @staticmethod
+    def _refused(shm_server, tmp_path, bad_patch, match: str) -> None:
+        """After a full push, a sparse round in which the largest tensor carries `bad_patch(numel)`
+        (rest indices, gaps, steps; its values are ones) and every other tensor nothing: refused with
+        `match` after the tensor's name, and the server still serves the confirmed weights."""
         backend, params = _backend(shm_server, tmp_path, weight_sync="protocol")
         backend.sync_weights(params, 0)
         last = backend.pusher._last
         key = max(last, key=lambda k: last[k].size)
         none = (np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int8))
         entries = [(k, a.dtype, a.shape, np.zeros(0, a.dtype), *none) for k, a in last.items()]
-        at = last[key].size if bad == "numel" else -1
+        rest, gaps, steps = bad_patch(last[key].size)
         i = list(last).index(key)
-        entries[i] = (key, last[key].dtype, last[key].shape, np.ones(1, last[key].dtype))
-        entries[i] += (np.array([at], np.int32), *none[1:])
-        with pytest.raises(RolloutServerError, match=f"{key} indexes outside"):
+        entries[i] = (key, last[key].dtype, last[key].shape, np.ones(rest.size, last[key].dtype))
+        entries[i] += (rest, gaps, steps)
+        with pytest.raises(RolloutServerError, match=f"{key} {match}"):
             backend.pusher.push_entries(entries, False, 1, sum(a.size for a in last.values()))
         backend.verify(params, 0)  # still the confirmed weights
         backend.close()
 
-    @pytest.mark.parametrize("bad", ["gap of 0", "indexes outside"])
+    @pytest.mark.parametrize("bad", ["numel", "-1"])
+    def test_an_index_outside_a_tensor_is_refused_without_steps(self, shm_server, tmp_path, bad):
+        """A sparse round whose one patch has only indices and values (no steps), one index outside
+        its tensor (past the end, or negative, which torch indexing would wrap): refused, nothing
+        applied."""
+
+        def patch(numel: int) -> tuple:
+            at = numel if bad == "numel" else -1
+            return np.array([at], np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int8)
+
+        self._refused(shm_server, tmp_path, patch, "indexes outside")
+
+    @pytest.mark.parametrize("bad", ["has a gap of 0", "indexes outside"])
     def test_steps_repeating_an_element_or_running_past_a_tensor_are_refused(
         self, shm_server, tmp_path, bad
     ):
         """A sparse round whose one patch is only steps (the server's compiled decoding), with a gap
         of 0 (one element stepped twice) or gaps running past its tensor's end: refused, naming the
         tensor, nothing applied."""
-        backend, params = _backend(shm_server, tmp_path, weight_sync="protocol")
-        backend.sync_weights(params, 0)
-        last = backend.pusher._last
-        key = max(last, key=lambda k: last[k].size)
-        none = (np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int8))
-        entries = [(k, a.dtype, a.shape, np.zeros(0, a.dtype), *none) for k, a in last.items()]
-        if bad == "gap of 0":
-            gaps = np.array([1, 5, 0, 3], np.uint8)
-        else:  # the last one lands on element numel
-            gaps = np.full(last[key].size // 255, 255, np.uint8)
-            gaps = np.append(gaps, last[key].size - 255 * gaps.size + 1).astype(np.uint8)
-        steps = np.ones(gaps.size, np.int8)
-        i = list(last).index(key)
-        entries[i] = (key, last[key].dtype, last[key].shape, np.zeros(0, last[key].dtype))
-        entries[i] += (none[0], gaps, steps)
-        with pytest.raises(RolloutServerError, match=f"{key} (has a )?{bad}"):
-            backend.pusher.push_entries(entries, False, 1, sum(a.size for a in last.values()))
-        backend.verify(params, 0)  # still the confirmed weights
-        backend.close()
+
+        def patch(numel: int) -> tuple:
+            if bad == "has a gap of 0":
+                gaps = np.array([1, 5, 0, 3], np.uint8)
+            else:  # the last one lands on element numel
+                gaps = np.full(numel // 255, 255, np.uint8)
+                gaps = np.append(gaps, numel - 255 * gaps.size + 1).astype(np.uint8)
+            return np.zeros(0, np.int32), gaps, np.ones(gaps.size, np.int8)
+
+        self._refused(shm_server, tmp_path, patch, bad)
 
     @pytest.mark.parametrize("how", ["host_cast", "host_diff", "device_patch"])
     def test_sparse_run_ends_equal_to_a_full_push(self, shm_server, tmp_path, how):
