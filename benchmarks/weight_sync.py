@@ -5,6 +5,7 @@ paper's (1e-6), on a server keeping plain weights (rounds written in place) or p
 
     python benchmarks/weight_sync.py [--updates 10] [--models tiny,100m,500m,1p5b] [--weights plain,packed]
         [--routes file,dense,sparse,sparse-numpy,sparse-device] [--out benchmarks/results]
+    python benchmarks/weight_sync.py --vllm-url URL --vllm-log LOG --model-dir DIR ...  # a running server
 
 Models: the shipped tiny_arith, and random Qwen2s of about 100M, 500M and 1.5B parameters (the latter two
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes) with the real Qwen2.5 vocabulary (151,936 rows, tied). Each update
@@ -17,6 +18,7 @@ updates (columns: `report`); the largest model's sparse rows are projected to Qw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import shutil
@@ -150,7 +152,10 @@ def measure(
     weights: str = "plain",
     generate: bool = True,
     probe_tol: float | None = None,
+    server: tuple[str, Path] | None = None,
 ) -> list[dict]:
+    """The routes' rows for one model and weights mode, against a server started here from `model_dir`
+    or, `server` = (url, log), one already running from it (bf16, weight transfer on, `weights`)."""
     import jax
     from flax import nnx
 
@@ -167,8 +172,9 @@ def measure(
     shm = Path(tempfile.mkdtemp(prefix="cppo_sync_bench_", dir="/dev/shm"))
     shutil.rmtree(shm)
     rows = []
-    log = work / f"{name}-{weights}.log"
-    with VLLMServer(
+    log = work / f"{name}-{weights}.log" if server is None else Path(server[1])
+    since = log.stat().st_size if server is not None else 0  # its earlier rounds are not ours
+    started = VLLMServer(
         model_dir,
         log_path=log,
         extra_args=["--enforce-eager"],
@@ -178,10 +184,11 @@ def measure(
             "CPPO_VLLM_PLAIN_WEIGHTS": "1" if weights == "plain" else "0",
         },
         startup_timeout_s=900.0,
-    ) as server:
+    )
+    with started if server is None else contextlib.nullcontext():
         cfg = RolloutConfig(
             backend="vllm",
-            vllm_url=server.url,
+            vllm_url=started.url if server is None else server[0],
             weights_dir=str(shm),
             weight_sync="protocol",
             full_push_every=10**6,  # only a refused check or invalidate() makes a push full here
@@ -236,7 +243,7 @@ def measure(
                 )
         backend.close()
     shutil.rmtree(shm, ignore_errors=True)
-    applied = _engine_rounds(log)
+    applied = _engine_rounds(log, since)
     for r in rows:  # the engine's own account of each protocol round, from the server's log
         mine = [applied[k] for k in r.pop("rounds") if k in applied]
         r["server_path"] = ", ".join(sorted({how for how, _, _ in mine})) or "file reload"
@@ -246,13 +253,14 @@ def measure(
     return rows
 
 
-def _engine_rounds(log: Path) -> dict[int, tuple[str, float, float]]:
+def _engine_rounds(log: Path, since: int = 0) -> dict[int, tuple[str, float, float]]:
     """round -> (applied in place | reloaded, seconds reading and checking, seconds applying) from the
-    `cppo_shm` engine's log lines."""
+    `cppo_shm` engine's log lines after byte `since`."""
     import re
 
     pat = r"cppo_shm: round (\d+) (applied in place|reloaded)[^;]*; read and checked in ([\d.]+) s, applied in ([\d.]+) s"
-    return {int(k): (how, float(a), float(b)) for k, how, a, b in re.findall(pat, log.read_text())}
+    text = log.read_bytes()[since:].decode(errors="replace")
+    return {int(k): (how, float(a), float(b)) for k, how, a, b in re.findall(pat, text)}
 
 
 def report(rows: list[dict], load: tuple[str, str], updates: int, argv: str) -> str:
@@ -344,13 +352,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "on 23 GB)",
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument(
+        "--vllm-url",
+        default=None,
+        help="a running server (bf16, VLLM_WEIGHT_TRANSFER=1, the one --weights) started from "
+        "--model-dir, instead of a server started per model; with --vllm-log",
+    )
+    ap.add_argument("--vllm-log", default=None, help="that server's log (the engine's rounds)")
+    ap.add_argument(
+        "--model-dir", default=None, help="the model folder it serves (with --vllm-url)"
+    )
     args = ap.parse_args(argv)
+    if args.vllm_url and not (args.vllm_log and args.model_dir and "," not in args.weights):
+        ap.error("--vllm-url needs --vllm-log, --model-dir and one --weights")
     before = load_average()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cppo_sync_bench_") as tmp:
         work = Path(tmp)
-        for size in args.models.split(","):
-            if size == "tiny":
+        for size in [None] if args.vllm_url else args.models.split(","):
+            if size is None:
+                model_dir = Path(args.model_dir).resolve()
+                name = model_dir.parent.name + "/" + model_dir.name
+            elif size == "tiny":
                 model_dir, name = ROOT / "cppo_jax" / "assets" / "tiny_arith", "tiny_arith"
             else:
                 model_dir, name = _qwen_model(work / size, size), f"random Qwen2 ~{size.upper()}"
@@ -367,6 +390,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         weights,
                         generate=not args.no_generate,
                         probe_tol=args.probe_tol or None,
+                        server=(args.vllm_url, args.vllm_log) if args.vllm_url else None,
                     )
                 finally:
                     if args.logs and (work / f"{name}-{weights}.log").exists():

