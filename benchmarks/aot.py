@@ -6,7 +6,7 @@
     python benchmarks/aot.py --cases gsm8k_1p5b:0.875:v5e:2x4   # some cases (kept beside the others)
     python benchmarks/aot.py --render        # the tables again from aot_tpu.json
     python benchmarks/aot.py --render --replan   # ... with the plan of the current code
-    python benchmarks/aot.py --quick         # a tiny config on v5e:2x2 and cpu (the suite)
+    python benchmarks/aot.py --quick         # tiny_cpu at small shapes, v5e:2x2 and cpu (the suite)
 
 Each case runs `cppo_jax.planning.fit.fit` in a fresh process (its own host memory): the config at its paper
 shapes (P = 512, C = 1024, G = 16; p = 0.875 with dynamic allocation, or p = 0), the mesh the plan
@@ -41,6 +41,9 @@ RATES = ("0.875", "0")
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4", "v5p:2x2x1", "v4:2x2x1", "v5e:4x4", "v5e:4x8")
 PLAN_TOLERANCE = 0.15  # the plan within 15% of the compiler, per program
 QUICK = [("tiny_cpu", "0.75", "v5e:2x2", "full"), ("tiny_cpu", "0.75", "cpu", "full")]
+# --quick's shapes: G = 4, b = 1 question (4 with allocation), 8 new tokens; libtpu compiles them in
+# about a third of the CPU seconds of the demo's own (G = 16, 16 questions, 40 new tokens).
+QUICK_SHAPES = ["cppo.num_generations=4", "cppo.questions_per_step=1", "rollout.max_new_tokens=8"]
 ONE_CHIP = (
     "gsm8k_0p5b_one_chip",
     "gsm8k_0p5b_lora_one_chip",
@@ -449,7 +452,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "rate": rate,
                 "target": target,
                 "variant": variant,
-                "overrides": overrides_of(config, rate, variant),
+                "overrides": overrides_of(config, rate, variant)
+                + (QUICK_SHAPES if args.quick else []),
             }
             row = run_case(case)
             data["rows"] = [r for r in data["rows"] if key_of(r) != key_of(case)]

@@ -21,7 +21,7 @@ medians of wall and process CPU seconds, tokens computed (rows x slots) and toke
 prompt + completion tokens), and the compiled train step's temporary memory.
 
     python benchmarks/packing.py            # writes benchmarks/results/packing.md
-    python benchmarks/packing.py --quick    # tiny model and slots, a smoke test (to a temp folder)
+    python benchmarks/packing.py --quick    # tiny model and slots, p = 0.875: a smoke test (temp folder)
 """
 
 from __future__ import annotations
@@ -252,8 +252,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--P", type=int, default=320)
     parser.add_argument("--C", type=int, default=512)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.P, args.C, args.G, args.steps, args.steps_p0 = 32, 48, 8, 1, 1
+    if args.quick:  # one rate (the bar's), 8 questions keeping 1 of 8 each: 8 sequences to pack
+        args.P, args.C, args.G, args.Q, args.steps, args.steps_p0 = 32, 48, 8, 8, 1, 1
+        args.p = [TARGET_P]
     out = args.out or (Path(tempfile.mkdtemp()) if args.quick else RESULTS)
     lengths = gsm8k_lengths(200 if args.quick else 2000)
     if args.quick:  # scaled into the tiny slots

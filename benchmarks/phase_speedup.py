@@ -602,7 +602,7 @@ def pool_rounds(rows: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="tiny model, p in {0, 0.5}: a smoke test"
+        "--quick", action="store_true", help="tiny model, p in {0, 0.5}, 1 step: a smoke test"
     )
     parser.add_argument("--out", type=Path, default=None, help="folder for phase_speedup.md/.png")
     parser.add_argument("--p", type=float, nargs="*", default=None, help="pruning rates")
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.p = [0.0] + args.p
     args.b = args.b or 1
     args.C = args.C or (8 if args.quick else 16)
-    args.steps = args.steps or 2
+    args.steps = args.steps or (1 if args.quick else 2)
     if args.quick:
         args.G, args.warmup, args.in_process = 4, 1, True
     out = args.out or (Path(tempfile.mkdtemp(prefix="phase_speedup_")) if args.quick else RESULTS)

@@ -20,6 +20,7 @@ TRL runs in its own environment, a virtual environment cached at
 
     python benchmarks/vs_trl.py                   # the full comparison (about 15 minutes on 2 cores)
     python benchmarks/vs_trl.py --quick --out /tmp/v   # tiny sizes: a smoke test
+    python benchmarks/vs_trl.py --install-only     # only build TRL's environment (make trl-env)
 
 Writes `vs_trl.md` (table, targets, machine, versions), `vs_trl.png` and `vs_trl.json` (every step's
 phase seconds) to `--out` (default:
@@ -86,7 +87,7 @@ QUICK = dict(
     questions=2,
     new_tokens=8,
     pruning_rate=0.5,
-    steps=3,
+    steps=2,
     warmup=1,
 )
 BETA, MU, LR, SEED = 0.04, 1, 1e-5, 0
@@ -564,11 +565,21 @@ def write_plot(path: Path, res: dict, info: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 steps: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 steps: a smoke test")
     parser.add_argument("--out", type=Path, default=None, help="folder for vs_trl.md/.png")
     parser.add_argument("--steps", type=int, default=None, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped from the medians")
+    parser.add_argument(
+        "--install-only",
+        action="store_true",
+        help="build TRL's environment if it is missing, print where it is, and exit",
+    )
     args = parser.parse_args(argv)
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if args.install_only:
+        python, _ = ensure_trl_env(log)
+        log(f"TRL {TRL_VERSION} environment: {python.parent.parent}")
+        return {"python": str(python)}
     size = dict(QUICK if args.quick else FULL)
     size["steps"] = args.steps or size["steps"]
     size["warmup"] = size["warmup"] if args.warmup is None else args.warmup
@@ -576,7 +587,6 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"--warmup {size['warmup']}: needs 0 <= warmup < steps ({size['steps']})")
     out = args.out or (Path(tempfile.mkdtemp(prefix="vs_trl_")) if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
 
     python, build_s = ensure_trl_env(log)
 

@@ -267,15 +267,6 @@ def qwen_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen3_model_dir(tmp_path_factory, qwen_tokenizer_dir) -> Path:
-    """The same, as a Qwen3ForCausalLM (the vocabulary Qwen3 shares with Qwen2.5)."""
-    from tests.qwen_vocab import build_qwen_model_dir
-
-    folder = tmp_path_factory.mktemp("qwen3_model") / "model"
-    return build_qwen_model_dir(folder, qwen_tokenizer_dir, arch="qwen3")
-
-
-@pytest.fixture(scope="session")
 def gemma3_model_dir(tmp_path_factory) -> Path:
     """A random Gemma 3 text model with its vocabulary's shape (262,144 rows; tests/qwen_vocab.py)."""
     from tests.qwen_vocab import build_gemma3_vocab_model_dir

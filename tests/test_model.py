@@ -73,6 +73,7 @@ def greedy_hf(hf_model, prompts, steps: int = STEPS):
 
 
 # Covers qwen2 tied/untied, llama, and GQA ratios 2, 4 and 1 (in that order).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch,tied,heads,kv_heads",
     [("qwen2", True, 4, 2), ("qwen2", False, 4, 1), ("llama", False, 4, 4)],
@@ -203,16 +204,14 @@ def test_padding_is_finite_and_ignored():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("policy", ["full", "minimal", "dots_saveable"])
-def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(policy, scan):
-    """A remat policy changes what the backward recomputes, not what it computes: loss and gradient
-    equal those of `save_all` (nothing recomputed) within float32 rounding."""
-    cfg = small_config(num_layers=2, remat=policy, scan_layers=scan)
+def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(scan):
+    """A remat policy changes what the backward recomputes, not what it computes: the loss and
+    gradient of each policy (full, minimal, dots_saveable) equal those of `save_all` (nothing
+    recomputed, its program built once per layer layout) within float32 rounding."""
     assert small_config(remat=True).remat == "full"  # an older config's boolean
     assert small_config(remat=False).remat == "dots_saveable"
-    base_cfg = small_config(num_layers=2, remat="save_all", scan_layers=scan)
-    model, base = scrambled_model(cfg, seed=1), scrambled_model(base_cfg, seed=1)
     tokens_BT, valid_BT, positions_BT = helpers.left_pad(PROMPTS[:2])
 
     def loss(m):
@@ -221,17 +220,21 @@ def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(policy, scan)
         picked_BT = jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
         return -jnp.sum(jnp.where(valid_BT[:, 1:], picked_BT, 0.0))
 
+    def model(remat):
+        return scrambled_model(small_config(num_layers=2, remat=remat, scan_layers=scan), seed=1)
+
     grad = nnx.jit(nnx.value_and_grad(loss))
-    loss_r, g_r = grad(model)
-    loss_b, g_b = grad(base)
+    loss_b, g_b = grad(model("save_all"))
     eps = np.finfo(np.float32).eps
-    np.testing.assert_allclose(loss_r, loss_b, rtol=100 * eps)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(g_r), nnx.to_flat_state(g_b)):
-        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
-        assert np.isfinite(a).all()
-        np.testing.assert_allclose(
-            a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=str(path)
-        )
+    for policy in ("full", "minimal", "dots_saveable"):
+        loss_r, g_r = grad(model(policy))
+        np.testing.assert_allclose(loss_r, loss_b, rtol=100 * eps, err_msg=policy)
+        for (path, a), (_, b) in zip(nnx.to_flat_state(g_r), nnx.to_flat_state(g_b)):
+            a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+            assert np.isfinite(a).all()
+            np.testing.assert_allclose(
+                a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=f"{policy} {path}"
+            )
 
 
 def test_remat_policies_are_checked_by_name():
@@ -321,6 +324,7 @@ def test_config_hf_dict_roundtrip_and_rejections():
         TransformerConfig.from_hf_dict(dict(d, rope_parameters={"rope_type": "llama3"}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["dots_saveable", "full"])
 def test_scanned_and_unrolled_layers_compute_the_same(remat):
     """One param layout, two programs: `scan_layers` changes how the layers run, not what they compute."""
@@ -386,6 +390,7 @@ def test_backward_writes_no_transposed_activations():
     assert not offenders, "\n".join(offenders)
 
 
+@pytest.mark.slow
 def test_library_attention_computes_what_einsum_attention_does():
     """`attention="xla"` (jax.nn.dot_product_attention, the call that "cudnn" makes on a GPU) gives
     the einsum path's logits and gradients on left-padded prompts, to float32 rounding."""

@@ -251,6 +251,7 @@ def test_config_reads_both_gemma_forms_and_refuses_what_it_lacks():
         dataclasses.replace(old, attention="splash")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_sampler_logps_equal_the_full_forward(tmp_path, arch):
     """The embedded sampler (shared prefill, then its own cached decode step) returns the log-probs
@@ -309,24 +310,34 @@ def _arith_model_dir(out, arch: str):
     return save_hf(helpers.random_model(cfg, seed=1), out, tokenizer_dir=tok_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,loss_type", [("qwen3", "gspo"), ("gemma3", "cispo")])
-def test_a_three_step_cppo_run_with_the_embedded_sampler(tmp_path, arch, loss_type):
-    """3 CPPO steps (pruning 0.5, allocation) of each new architecture, random init, the embedded
-    sampler; the exported policy is the trained one and transformers loads it as its class."""
+def test_a_cppo_step_with_the_embedded_sampler_trains_and_exports(tmp_path, arch, loss_type):
+    """One CPPO step (pruning 0.5, allocation, mu = 2: two updates) of each new architecture, random
+    init, the embedded sampler; the run's export (`export_policy`, as the run's end writes it) is
+    the trained policy and transformers loads it as its class. The run around the step (evaluation,
+    checkpoints, the export's place) is the same for every architecture: tests/test_trainer.py."""
+    from cppo_jax.train.export import export_policy
+    from cppo_jax.train.trainer import Trainer
     from tests.helpers import spread_reward
-    from tests.test_trainer import read_metrics, run_trainer, small_config
+    from tests.test_trainer import small_config
 
     model_dir = _arith_model_dir(tmp_path / "model", arch)
     cfg = small_config(
         tmp_path, model_dir, f"cppo.loss_type={loss_type}", "cppo.mu=2", *spread_reward(tmp_path)
     )
-    trainer, _ = run_trainer(cfg)
-    rows = read_metrics(trainer.host.out_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["update_skipped"] == 0.0 and np.isfinite(r["loss"]) for r in rows)
-    assert all(r["grad_norm"] > 0 for r in rows)
-    assert rows[0]["cppo/questions"] == 4 and rows[0]["cppo/kept"] == 8
-    export = trainer.host.out_dir / "export"
+    trainer = Trainer(cfg)
+    try:
+        metrics = trainer.step(0)
+        actor = trainer.actor
+        export = export_policy(
+            actor.graphdef, trainer.policy_params(), cfg, tmp_path / "export", actor.model_path
+        )
+    finally:
+        trainer.close()
+    assert metrics["update_skipped"] == 0.0 and np.isfinite(metrics["loss"])
+    assert metrics["grad_norm"] > 0
+    assert metrics["cppo/questions"] == 4 and metrics["cppo/kept"] == 8
     trained = load_hf(export)
     assert (
         trained.cfg.arch == arch and trained.cfg.local_layers == load_hf(model_dir).cfg.local_layers
@@ -357,6 +368,7 @@ def _gemma_tiny(**changes):
     return dataclasses.replace(cfg, **changes)
 
 
+@pytest.mark.slow
 def test_gemma_library_attention_and_packed_rows_keep_the_window():
     """model.attention=xla (jax.nn.dot_product_attention, the window in its mask) and packed rows
     (trainer.pack: several sequences a row, the window within each) give the einsum path's padded

@@ -55,7 +55,7 @@ def _execute(name: str, tmp_path: Path) -> nbformat.NotebookNode:
         startup_timeout=180,
         resources={"metadata": {"path": str(work)}},  # the kernel's working directory
     )
-    client.execute()
+    client.execute(cleanup_kc=True)  # then shut the kernel down (nbclient keeps a given km's alive)
     return nb
 
 
@@ -160,6 +160,7 @@ def test_one_chip_picks_its_config_by_the_compilers_one_chip_table():
     assert list(held) == sorted(held, key=lambda c: ("0p5b" in c, "lora" in c))  # largest first
 
 
+@pytest.mark.slow
 def test_one_chip_install_cell_installs_the_source_folder_keeping_jax(tmp_path):
     """The one-chip notebook's first cell, forced on this machine in a dry run: pip is asked for the
     source folder itself (editable), with every installed jax* package pinned to its version."""
@@ -186,6 +187,7 @@ def test_one_chip_install_cell_installs_the_source_folder_keeping_jax(tmp_path):
     assert item["download_info"]["dir_info"].get("editable") is True
 
 
+@pytest.mark.slow
 def test_pruning_explained_runs(tmp_path):
     nb = _execute("pruning_explained.ipynb", tmp_path)
     _check_ran(nb)
@@ -200,6 +202,7 @@ def _install_cell(name: str) -> str:
     return next(c.source for c in nb.cells if c.cell_type == "code")
 
 
+@pytest.mark.slow
 def test_install_cell_skips_an_installed_package_and_installs_the_wheel_keeping_jax(tmp_path):
     """The first cell of each notebook: nothing to do where cppo_jax imports (here, and what
     the executions above ran); on a fresh runtime it pip-installs CPPO_SOURCE (here the wheel that

@@ -11,6 +11,7 @@ greedily, and on a model in bfloat16.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,9 @@ except ImportError:  # pragma: no cover - run as a package
     from tests import helpers
 
 PROMPTS = [[5, 17, 33], [9, 200, 3, 44, 45, 46, 47], [128], [7, 7]]
-P, C, G, PAD = 7, 24, 6, 0
+# 4 prompts x G = 2 samples: 8 rows, decoded in loops of 8, 5, 3, 2 and 1 rows once compacted (each
+# loop is compiled: a smaller N compiles fewer of them)
+P, C, G, PAD = 7, 24, 2, 0
 ENDS = tuple(range(237, 257))  # 20 of 257 ids end a row: lengths spread over the C positions
 
 
@@ -44,6 +47,16 @@ def _both(cfg, sp: SamplingParams, num_samples: int, seeds=(3, 4, 5, 6)):
     plain = make_sampler(graphdef, num_samples, sp)(*args)
     packed = make_sampler(graphdef, num_samples, dataclasses.replace(sp, compact=True))(*args)
     return plain, packed
+
+
+@functools.cache
+def _sampled(segment_len: int):
+    """(plain, packed) of the tiny untied model whose rows end at spread-out positions, sampled once
+    per segment length for the tests that read them (each pair is two compiled samplers)."""
+    sp = SamplingParams(
+        max_new_tokens=C, temperature=1.0, eos_id=ENDS, pad_id=PAD, segment_len=segment_len
+    )
+    return _both(helpers.tiny_config(tie_word_embeddings=False), sp, G)
 
 
 def _assert_same(plain, packed, rtol: float):
@@ -72,21 +85,20 @@ def _lengths(samples) -> np.ndarray:
 F32_TOL = 64 * float(np.finfo(np.float32).eps)  # a few roundings of a reduction's order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segment_len", [4, 0], ids=["segments", "one-segment"])
 def test_compacted_rows_draw_what_uncompacted_rows_draw(segment_len):
-    sp = SamplingParams(
-        max_new_tokens=C, temperature=1.0, eos_id=ENDS, pad_id=PAD, segment_len=segment_len
-    )
-    plain, packed = _both(helpers.tiny_config(tie_word_embeddings=False), sp, G)
+    plain, packed = _sampled(segment_len)
     lengths = _lengths(plain)
-    # The rows end at spread-out positions, so that the buckets decode (24 rows: 24, 15, 9, 6, 4,
-    # 3, 2, 1), and some run to the end.
-    assert len(set(lengths.tolist())) >= 6 and lengths.max() == C, lengths
-    assert compact_buckets(len(lengths)) == [24, 15, 9, 6, 4, 3, 2, 1]
+    # The rows end at spread-out positions, so that the buckets decode (8 rows: 8, 5, 3, 2, 1), and
+    # some run to the end.
+    assert len(set(lengths.tolist())) >= 5 and lengths.max() == C, lengths
+    assert compact_buckets(len(lengths)) == [8, 5, 3, 2, 1]
     _assert_same(plain, packed, F32_TOL)
     assert int(packed.row_steps) < int(plain.row_steps)
 
 
+@pytest.mark.slow
 def test_greedy_and_sliding_window_layers_compact_too():
     """Gemma 3's local layers (a window of 5 over the prompt and completion slots), sampled and
     greedy. Its random model repeats each prompt's last token with near certainty, so the sampled
@@ -104,6 +116,7 @@ def test_greedy_and_sliding_window_layers_compact_too():
         assert int(packed.row_steps) < int(plain.row_steps)
 
 
+@pytest.mark.slow
 def test_bfloat16_model_and_cache():
     cfg = helpers.tiny_config(tie_word_embeddings=False, dtype="bfloat16")
     sp = SamplingParams(
@@ -126,11 +139,11 @@ def test_decoded_row_steps_counts_the_bucket_of_every_step():
     assert decoded_row_steps(lengths, 30, compact_buckets(8)) == 8 * 2 + 5 + 5 * 5 + 1 * 12
 
 
+@pytest.mark.slow
 def test_the_sampler_decodes_what_the_count_says():
     """`running_rows` against the sampler itself: its decode count is the steps counted, plus the
-    last token's choice."""
-    sp = SamplingParams(max_new_tokens=C, temperature=1.0, eos_id=ENDS, pad_id=PAD)
-    plain, _ = _both(helpers.tiny_config(tie_word_embeddings=False), sp, G)
+    last token's choice (the one-segment sampler of the test above: C is within one segment)."""
+    plain, _ = _sampled(0)
     lengths = _lengths(plain)
     steps = len(running_rows(lengths, C))
     assert int(plain.steps) == (steps + 1 if lengths.max() == C else steps)
