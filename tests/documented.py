@@ -4,6 +4,12 @@ Sources: README.md and docs/*.md (fenced code blocks, with `$ ` prompts and the 
 and inline code), the module docstrings of configs/*.py (indented lines and inline code) and the `--help`
 of cppo_jax.launch / evaluate / plan. A program named in prose without arguments is not a command; a
 synopsis (`[...]`, `...`, an upper-case placeholder such as CONFIG) is kept and reported, not run.
+
+Also how the tests run `python -m cppo_jax.plan` commands in a process of their own without starting
+one per command (libtpu, the CUDA plugin and JAX loaded once): `run_in_process` runs a command line's
+`main` with what it writes captured at the file descriptors, and `python -m tests.documented ARGVS`
+runs a JSON list of plan command lines that way, one after the other, printing a `RESULT` line for
+each. Nothing here imports JAX before a command does.
 """
 
 from __future__ import annotations
@@ -11,17 +17,21 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import importlib
 import io
+import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
-
-import pytest
-
-from cppo_jax import evaluate, launch, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ENTRY_POINTS = {"launch": launch.main, "evaluate": evaluate.main, "plan": plan.main}
+ENTRY_POINTS = ("launch", "evaluate", "plan")  # python -m cppo_jax.NAME
 NOT_RUN = {
     "pip ": "installs packages (network)",
     "python -m cppo_jax.planning.aot --install-": "installs a compiler (network; make test runs it)",
@@ -136,10 +146,9 @@ def _from_text(text: str, source: str, fenced: bool) -> list[Doc]:
 
 
 def _help(name: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        ENTRY_POINTS[name](["--help"])
-    return out.getvalue()
+    code, out, err = run_in_process(importlib.import_module(f"cppo_jax.{name}").main, ["--help"])
+    assert code == 0, err
+    return out
 
 
 def collect() -> list[Doc]:
@@ -161,3 +170,69 @@ def collect() -> list[Doc]:
         else:
             unique[d.text] = d
     return list(unique.values())
+
+
+# ---- running a command line in this process ---------------------------------------------------
+
+
+def run_in_process(main, argv: list[str]) -> tuple[int, str, str]:
+    """`main(argv)` as `python -m` runs it: its exit status (1 and the traceback on stderr for an
+    exception), and what it wrote to stdout and stderr, through Python's streams or straight to file
+    descriptors 1 and 2 (libtpu's and the CUDA plugin's C++ logging), which are redirected for the
+    call."""
+    py_out, py_err = io.StringIO(), io.StringIO()
+    with tempfile.TemporaryFile() as fd_out, tempfile.TemporaryFile() as fd_err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(fd_out.fileno(), 1)
+        os.dup2(fd_err.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(py_out), contextlib.redirect_stderr(py_err):
+                try:
+                    code = main(argv)
+                except SystemExit as e:
+                    code = e.code
+                except Exception:
+                    traceback.print_exc()
+                    code = 1
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+        written = []
+        for f in (fd_out, fd_err):
+            f.seek(0)
+            written.append(f.read().decode(errors="replace"))
+    if code is not None and not isinstance(code, int):  # SystemExit("message"), as Python prints it
+        py_err.write(f"{code}\n")
+        code = 1
+    return code or 0, py_out.getvalue() + written[0], py_err.getvalue() + written[1]
+
+
+def run_plan_commands(argvs: list[list[str]], env: dict[str, str], timeout: int) -> list[dict]:
+    """`python -m cppo_jax.plan ARGV` for each of `argvs`, all in one new process (`env`, in the
+    repository): per command its exit status, stdout, stderr and seconds. Raises AssertionError with
+    the process's stderr when it dies before the last."""
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.documented", json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        timeout=timeout,
+    )
+    results = [json.loads(x[7:]) for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    assert len(results) == len(argvs), res.stdout[-3000:] + res.stderr[-3000:]
+    return results
+
+
+if __name__ == "__main__":
+    from cppo_jax import plan
+
+    for argv in json.loads(sys.argv[1]):
+        start = time.perf_counter()
+        code, out, err = run_in_process(plan.main, argv)
+        seconds = time.perf_counter() - start
+        print("RESULT " + json.dumps({"code": code, "out": out, "err": err, "seconds": seconds}))
+        sys.stdout.flush()

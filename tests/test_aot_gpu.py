@@ -2,8 +2,11 @@
 
 The GPU compiles run in a subprocess, as the TPU ones do (tests/test_aot.py): the CUDA plugin is put
 on the path only there (`make cuda-compiler`, which `make test` runs, installs it outside the
-environment). The tiny config on one H100 compiles in well under a minute; the paper configs are in
-benchmarks/results/aot_gpu.md.
+environment). One subprocess for the module (`compiled`) runs the command line first
+(`run_in_process`: what it writes, the plugin's C++ logging included, captured as a shell shows it),
+then reads the compiler's own figures and libtpu's one-chip and 16-chip slices. The tiny config
+(with 4 answers per question and no dynamic allocation: 16 sampler rows, not 512) on one H100
+compiles in well under a minute; the paper configs are in benchmarks/results/aot_gpu.md.
 """
 
 from __future__ import annotations
@@ -27,19 +30,13 @@ from cppo_jax.planning.fit import Report
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.py")
+SMALL = ("cppo.num_generations=4", "cppo.allocation=false")  # 16 sampler rows, M = 4 train rows
 
 
-def _env(**extra) -> dict:
+def _env() -> dict:
     drop = ("JAX_PLATFORMS", "TPU_LIBRARY_PATH", "XLA_FLAGS")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
-
-
-def plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cppo_jax.plan", "--config", TINY, *args]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, cwd=ROOT, env=env or _env(), timeout=900
-    )
+    return {**env, "PYTHONPATH": str(ROOT)}
 
 
 @pytest.mark.parametrize(
@@ -140,49 +137,82 @@ def test_a_gpu_fits_in_the_memory_fraction_the_launch_gives_jax():
     assert _report(int((frac - 0.02) * hbm), hbm, "cuda").fits is True
 
 
-# The compiler's own figures for the tiny config's programs on one H100, read without aot.compile_run:
-# the devices from aot_gpu, then jax's lower/compile/memory_analysis with XLA:GPU's options.
-_RAW = textwrap.dedent(
+# In one process: the command line first (before anything else registers the CUDA plugin); then the
+# compiler's own figures for the tiny config's log-prob forward on one H100, read without
+# aot.compile_run (the devices from aot_gpu, then jax's lower/compile/memory_analysis with XLA:GPU's
+# options); then libtpu's devices for one-chip slices and a mesh placed on a 4 x 4 torus.
+_CHILD = textwrap.dedent(
     """
     import json, sys
+    from cppo_jax import plan
+    from tests.documented import run_in_process
+    tiny, report, small = sys.argv[1], sys.argv[2], sys.argv[3:]
+    args = ["--config", tiny, "--compile-for", "h100:1", "--no-search", "--json", report, *small]
+    print("RUN " + json.dumps(run_in_process(plan.main, args)), flush=True)
+
     from cppo_jax.planning import gpu_targets as aot_gpu
     from cppo_jax.train import programs
     from cppo_jax.config.files import load_config
     devices = aot_gpu.gpu_devices("h100:1")
-    cfg = load_config(sys.argv[1], [])
-    fn, args = programs.build(cfg, devices).programs["ref_logps"]
+    fn, args = programs.build(load_config(tiny, small), devices).programs["ref_logps"]
     m = fn.lower(*args).compile(aot_gpu.compiler_options()).memory_analysis()
     print("RAW " + json.dumps({k: getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")}))
+
+    from cppo_jax.planning import aot
+    one = []
+    for target in ("v5e:1x1", "v6e:1x1"):
+        d = aot.target_devices(target)
+        one.append([target, len(d), d[0].device_kind])
+    print("ONE " + json.dumps(one))
+
+    from cppo_jax.parallel import sharding
+    from cppo_jax.config.run import MeshConfig
+    devices = aot.target_devices("v6e:4x4")
+    mesh = sharding.make_mesh(MeshConfig(data=8, fsdp=1, tensor=2), devices)
+    ids = sorted(d.id for d in mesh.devices.flat)
+    print("MESH " + json.dumps([dict(mesh.shape), ids == sorted(d.id for d in devices)]))
     """
 )
 
 
-def test_gpu_compile_of_a_tiny_run_reports_the_compilers_figures(tmp_path):
-    out = tmp_path / "report.json"
-    res = plan("--compile-for", "h100:1", "--no-search", "--json", str(out))
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled for h100:1: 1 x NVIDIA H100 80GB HBM3" in res.stdout
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """What `_CHILD` found: "RUN" (exit status, stdout, stderr of the command line), "report" (its
+    --json), "RAW", "ONE" and "MESH"."""
+    report = tmp_path_factory.mktemp("gpu") / "report.json"
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD, TINY, str(report), *SMALL],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=1800,
+    )
+    found = {}
+    for line in res.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("RUN", "RAW", "ONE", "MESH"):
+            found[key] = json.loads(value)
+    assert set(found) == {"RUN", "RAW", "ONE", "MESH"}, (found.get("RUN"), res.stderr[-3000:])
+    return {**found, "report": json.loads(report.read_text())}
+
+
+@pytest.mark.slow
+def test_gpu_compile_of_a_tiny_run_reports_the_compilers_figures(compiled):
+    code, stdout, stderr = compiled["RUN"]
+    assert code == 0, stderr[-3000:]
+    assert "compiled for h100:1: 1 x NVIDIA H100 80GB HBM3" in stdout
     frac = layout.GPU_MEM_FRACTION  # the fraction the launch sets (layout.USABLE_FRACTION)
-    assert f"{frac:.0%} usable: JAX's XLA_PYTHON_CLIENT_MEM_FRACTION={frac}" in res.stdout
-    assert "cuda drivers" not in res.stderr.lower()  # the plugin's notice is held back
-    report = json.loads(out.read_text())
+    assert f"{frac:.0%} usable: JAX's XLA_PYTHON_CLIENT_MEM_FRACTION={frac}" in stdout
+    assert "cuda drivers" not in stderr.lower()  # the plugin's notice is held back
+    report = compiled["report"]
     assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["fits"] is True
     assert report["usable_fraction"] == layout.GPU_MEM_FRACTION
     assert report["hbm_bytes"] == int(aot_gpu.spec_field("h100", "device_memory_size"))
     programs = {p["program"]: p for p in report["programs"]}
     assert {"train_step", "ref_logps", "sampler"} <= set(programs)
     assert all(p["total"] > 0 and not p["error"] for p in programs.values())
-    raw = subprocess.run(
-        [sys.executable, "-c", _RAW, TINY],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=_env(),
-        timeout=900,
-    )
-    line = next((x for x in raw.stdout.splitlines() if x.startswith("RAW ")), None)
-    assert line is not None, raw.stderr[-3000:]
-    m, ref = json.loads(line[4:]), programs["ref_logps"]
+    m, ref = compiled["RAW"], programs["ref_logps"]
     assert ref["arguments"] == m["argument_size_in_bytes"]
     assert ref["temporaries"] == m["temp_size_in_bytes"]
     # The roofline on the H100's datasheet figures.
@@ -194,61 +224,20 @@ def test_one_chip_tpu_hosts_get_their_own_host_bounds():
     assert aot._host_bounds("v5e:2x4") == {} and aot._host_bounds("v5p:2x2x1") == {}
 
 
-_ONE_CHIP = textwrap.dedent(
-    """
-    from cppo_jax.planning import aot
-    for target in ("v5e:1x1", "v6e:1x1"):
-        d = aot.target_devices(target)
-        print("ONE", target, len(d), d[0].device_kind)
-    """
-)
-
-
-def test_one_chip_tpu_topologies_compile_for_one_device():
+@pytest.mark.slow
+def test_one_chip_tpu_topologies_compile_for_one_device(compiled):
     """libtpu refuses `v5e:1x1` with the default host of 2x2x1 chips; given the host's bounds, a
     one-chip slice is one device of that chip."""
-    res = subprocess.run(
-        [sys.executable, "-c", _ONE_CHIP],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=_env(JAX_PLATFORMS="cpu"),
-        timeout=600,
-    )
-    found = [x.split(" ", 3)[1:] for x in res.stdout.splitlines() if x.startswith("ONE ")]
-    assert found == [["v5e:1x1", "1", "TPU v5 lite"], ["v6e:1x1", "1", "TPU v6 lite"]], res.stderr[
-        -2000:
-    ]
+    assert compiled["ONE"] == [["v5e:1x1", 1, "TPU v5 lite"], ["v6e:1x1", 1, "TPU v6 lite"]]
 
 
-_SPLIT = textwrap.dedent(
-    """
-    from cppo_jax.planning import aot
-    from cppo_jax.parallel import sharding
-    from cppo_jax.config.run import MeshConfig
-    devices = aot.target_devices("v6e:4x4")
-    mesh = sharding.make_mesh(MeshConfig(data=8, fsdp=1, tensor=2), devices)
-    ids = sorted(d.id for d in mesh.devices.flat)
-    print("MESH", dict(mesh.shape), ids == sorted(d.id for d in devices))
-    """
-)
-
-
-def test_a_mesh_off_the_torus_sides_is_placed_by_splitting_a_physical_axis():
+@pytest.mark.slow
+def test_a_mesh_off_the_torus_sides_is_placed_by_splitting_a_physical_axis(compiled):
     """math7b + LoRA on a 16-chip slice needs tensor = 2 beside data = 8 (Q = 24): on v6e's 4 x 4
     torus no side is 2 long, and jax.make_mesh raised NotImplementedError ("Failed to find
     assignment for logical_axis_index 2"). The mesh is placed with a physical axis split, each of
     the 16 devices once."""
-    res = subprocess.run(
-        [sys.executable, "-c", _SPLIT],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=_env(JAX_PLATFORMS="cpu"),
-        timeout=600,
-    )
-    line = next((x for x in res.stdout.splitlines() if x.startswith("MESH ")), None)
-    assert line == "MESH {'data': 8, 'fsdp': 1, 'tensor': 2} True", res.stderr[-2000:]
+    assert compiled["MESH"] == [{"data": 8, "fsdp": 1, "tensor": 2}, True]
 
 
 def test_a_mesh_that_cannot_be_placed_names_the_mesh_and_the_torus(monkeypatch):

@@ -11,7 +11,9 @@ plan, and what each launch script prints with `--dry-run` (the commands it would
   rows, 256 generated arith problems instead of 20000) so that tokenizing stays fast; a supervised warm
   start config (it has no dry run) runs 2 steps into a temporary folder; `make demo` is its Makefile recipe, run the same way;
 - `python -m cppo_jax.evaluate ...` with `--dry-run`; `python -m cppo_jax.plan ...` as written, its shown
-  output (`$ ` blocks) checked line by line; `python -m tools.docs_gen` as `--check`;
+  output (`$ ` blocks) checked line by line; `plan --compile-for TARGET` at a tiny shape, all of them in
+  one process after the rest (libtpu and the CUDA plugin loaded once), two that differ only in naming
+  the config by name or by path (the same file) run once; `python -m tools.docs_gen` as `--check`;
 - launch scripts (and `sbatch SCRIPT`) with `--dry-run`, then every trainer command they print.
 Placeholder paths that do not exist here are stood in for: a model folder named like a paper model gets
 that model's config.json, a safetensors header at its real shapes (no data) and a tiny tokenizer; a
@@ -25,6 +27,7 @@ each command, is printed in the terminal summary ("documented commands").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
@@ -37,14 +40,25 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cppo_jax import evaluate, launch, plan
-from cppo_jax.config.files import load_config
+from cppo_jax.config.files import load_config, resolve_config_path
 from cppo_jax.config.schema import Config
 from cppo_jax.eval import policy as eval_checkpoint
 from cppo_jax.models import known
 from cppo_jax.train.sft import SFTConfig
 from tests.conftest import build_arith_model_dir
-from tests.documented import _ENV, NOT_RUN, Doc, _head, _synopsis, collect
+from tests.documented import (
+    _ENV,
+    NOT_RUN,
+    Doc,
+    _head,
+    _synopsis,
+    collect,
+    run_in_process,
+    run_plan_commands,
+)
 from tests.test_launch import model_folder
 from tools import docs_gen
 
@@ -183,6 +197,16 @@ def _call(fn, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
     return int(code or 0), out.getvalue()
 
 
+@dataclasses.dataclass
+class Compile:
+    """A `plan --compile-for` command (as shown, and the overrides that shrink it), which
+    `Runner.compile_all` runs with the others after the rest."""
+
+    source: str
+    argv: list[str]
+    shrink: list[str]
+
+
 def _mesh_product(overrides: list[str]) -> int | None:
     sizes = [int(a.split("=")[1]) for a in overrides if re.match(r"^mesh\.(data|fsdp|tensor)=", a)]
     return math.prod(sizes) if sizes and -1 not in sizes else None
@@ -192,9 +216,10 @@ class Runner:
     def __init__(self, stand_ins: StandIns):
         self.s = stand_ins
 
-    def run(self, doc: Doc) -> tuple[str, list[Doc]]:
-        """What happened ("ok: ..." or "not run: ..."; raises AssertionError when it fails) and the
-        commands a launch script printed (run next)."""
+    def run(self, doc: Doc) -> tuple[str | Compile, list[Doc]]:
+        """What happened ("ok: ..." or "not run: ..."; raises AssertionError when it fails), or the
+        `plan --compile-for` command to run later (`compile_all`), and the commands a launch script
+        printed (run next)."""
         text = doc.text
         head = _head(text)
         for prefix, why in NOT_RUN.items():
@@ -257,7 +282,7 @@ class Runner:
         note = f" (multi-process flags {dropped} dropped)" if dropped else ""
         return f"ok: dry run for {where}{note}"
 
-    def module(self, name: str, argv: list[str], doc: Doc) -> str:
+    def module(self, name: str, argv: list[str], doc: Doc) -> str | Compile:
         argv = self.s.substitute(argv)
         if name == "docs_gen":
             code, out = _call(docs_gen.main, ["--check"], {})
@@ -269,7 +294,7 @@ class Runner:
             return "ok: --dry-run"
         assert name == "plan", name
         if "--compile-for" in argv:
-            return self.compile_for(argv)
+            return self.compile_for(argv, doc)
         code, out = _call(plan.main, argv, {})
         shown = [ln for ln in doc.output if ln != "..."]
         for line in shown:
@@ -279,11 +304,11 @@ class Runner:
         assert code == (1 if fits_no else 0), out[-3000:]
         return f"ok: exit {code}, {len(shown)} shown output lines matched"
 
-    def compile_for(self, argv: list[str]) -> str:
-        """`plan --compile-for TARGET` at a tiny shape, in its own process (libtpu is loaded only
-        there): the config's model replaced by a 2-layer one, prompts of 16 and completions of 8
-        tokens, no search (a LoRA rank above the tiny model's narrowest projection, 16, cut to 8).
-        The target's devices, the config's mesh rules and the report are real."""
+    def compile_for(self, argv: list[str], doc: Doc) -> Compile:
+        """`plan --compile-for TARGET` at a tiny shape: the config's model replaced by a 2-layer
+        one, prompts of 16 and completions of 8 tokens, no search (a LoRA rank above the tiny
+        model's narrowest projection, 16, cut to 8). The target's devices, the config's mesh rules
+        and the report are real. Run later, with the others, by `compile_all`."""
         tiny = self.s.tmp / "compile_for_model"
         if not (tiny / "config.json").is_file():
             build_arith_model_dir(tiny, hidden=32, layers=2)
@@ -297,18 +322,41 @@ class Runner:
         if lora.enabled and lora.rank > 8:
             shrink.append("model.lora.rank=8")
         shrink.append("--no-search")
-        out = subprocess.run(
-            [sys.executable, "-m", "cppo_jax.plan", *argv, *shrink],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        target = argv[argv.index("--compile-for") + 1]
-        assert f"compiled for {target}: " in out.stdout and "fits: yes" in out.stdout, out.stdout
-        return f"ok: compiled for {target} at a tiny shape ({' '.join(shrink[1:])})"
+        return Compile(doc.source, argv, shrink)
+
+    def compile_all(self, compiles: list[Compile]) -> list[tuple[str, float, str | None]]:
+        """Every `plan --compile-for` command, all in one process of their own (libtpu and the CUDA
+        plugin are loaded only there, and once): per command its status, seconds and what failed
+        (None). A command that differs from an earlier one only in how it names the config file
+        (`gsm8k_1p5b` for `configs/gsm8k_1p5b.py`: the same file, as `resolve_config_path` finds
+        it for `plan`) is that command's run, not another."""
+        first: dict[tuple, int] = {}  # the command, its config resolved -> its index in `runs`
+        runs: list[list[str]] = []
+        of = []
+        for c in compiles:
+            i = c.argv.index("--config") + 1
+            key = (str(resolve_config_path(c.argv[i])), *c.argv[:i], *c.argv[i + 1 :], *c.shrink)
+            if key not in first:
+                first[key] = len(runs)
+                runs.append([*c.argv, *c.shrink])
+            of.append(first[key])
+        results = run_plan_commands(runs, dict(os.environ), timeout=600 * len(runs))
+        out = []
+        for n, (c, i) in enumerate(zip(compiles, of)):
+            r, target = results[i], c.argv[c.argv.index("--compile-for") + 1]
+            ok = (
+                r["code"] == 0
+                and f"compiled for {target}: " in r["out"]
+                and "fits: yes" in r["out"]
+            )
+            if of.index(i) < n:  # an earlier command was this one's run
+                status, seconds = f"as {compiles[of.index(i)].source} (the same config file)", 0.0
+            else:
+                status = f"compiled for {target} at a tiny shape ({' '.join(c.shrink[1:])})"
+                seconds = r["seconds"]
+            failure = None if ok else f"exit {r['code']}\n{r['out'][-3000:]}\n{r['err'][-3000:]}"
+            out.append((f"ok: {status}" if ok else "FAILED", seconds, failure))
+        return out
 
     def script(self, argv: list[str], env: dict, doc: Doc) -> tuple[str, list[Doc]]:
         argv = [argv[0], "--dry-run", *self.s.substitute(argv[1:])]
@@ -372,11 +420,49 @@ def test_extraction_finds_the_commands_of_every_source():
     assert any(line.startswith("fits: ") for line in shown.output)
 
 
+def test_a_command_run_in_process_gives_its_status_and_everything_it_wrote():
+    """What Python and C++ code write, through sys.stdout or straight to file descriptors 1 and 2,
+    comes back in order of stream; the suite's own streams are as before afterwards."""
+
+    def main(argv):
+        print("python out", argv)
+        sys.stderr.write("python err\n")
+        sys.stdout.flush()
+        os.write(1, b"fd out\n")
+        os.write(2, b"fd err\n")
+        return 3
+
+    before = sys.stdout, sys.stderr, os.fstat(1).st_ino, os.fstat(2).st_ino
+    code, out, err = run_in_process(main, ["x"])
+    assert code == 3
+    assert out == "python out ['x']\nfd out\n" and err == "python err\nfd err\n"
+    assert (sys.stdout, sys.stderr, os.fstat(1).st_ino, os.fstat(2).st_ino) == before
+
+
+@pytest.mark.parametrize(
+    "exit_with, code, needle",
+    [
+        (SystemExit(2), 2, ""),  # argparse's error
+        (SystemExit("error: no such config"), 1, "error: no such config"),  # as Python prints it
+        (SystemExit(None), 0, ""),
+        (ValueError("bad value"), 1, "ValueError: bad value"),  # the traceback, as python -m shows
+    ],
+)
+def test_a_command_run_in_process_exits_as_python_m_would(exit_with, code, needle):
+    def main(argv):
+        raise exit_with
+
+    got, out, err = run_in_process(main, [])
+    assert got == code and out == ""
+    assert needle in err and (("Traceback" in err) == isinstance(exit_with, ValueError))
+
+
+@pytest.mark.slow
 def test_every_documented_command_runs(tmp_path, monkeypatch, pytestconfig):
     monkeypatch.chdir(ROOT)
     docs = collect()
     runner = Runner(StandIns(tmp_path, docs))
-    report, failures = [], []
+    report, failures, compiles = [], [], []  # report: [status, seconds, where, command]
     queue = list(docs)
     while queue:
         doc = queue.pop(0)
@@ -394,9 +480,18 @@ def test_every_documented_command_runs(tmp_path, monkeypatch, pytestconfig):
             status, children = "FAILED", []
             failures.append(f"{doc.source}: {doc.text}\n{type(e).__name__}: {e}")
         where = doc.source + (f" (+{len(doc.also)} more)" if doc.also else "")
-        seconds = time.perf_counter() - start
-        report.append(f"{status:<60} {seconds:5.1f} s  {where}: {doc.text}")
+        if isinstance(status, Compile):
+            compiles.append((len(report), doc, status))
+        report.append([status, time.perf_counter() - start, where, doc.text])
         queue = children + queue
+    compiled = runner.compile_all([c for _, _, c in compiles]) if compiles else []
+    for (i, doc, _), (status, seconds, failure) in zip(compiles, compiled):
+        report[i][:2] = status, seconds
+        if failure:
+            failures.append(f"{doc.source}: {doc.text}\n{failure}")
+    report = [
+        f"{status:<60} {seconds:5.1f} s  {where}: {text}" for status, seconds, where, text in report
+    ]
     ran = sum(line.startswith("ok") for line in report)
     lines = [f"{len(report)} documented commands, {ran} run, {len(failures)} failed:", *report]
     pytestconfig.documented_commands = lines
