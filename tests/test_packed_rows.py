@@ -19,7 +19,7 @@ from cppo_jax.packing import pack as packing
 from cppo_jax.packing.rows import packed_batch
 from cppo_jax.train import device_fns as step_lib
 from cppo_jax.train import optimizer as optimizer_lib
-from tests.conftest import default_xla_env, xla_flags
+from tests.conftest import xla_flags
 
 try:
     from helpers import count_compiles, random_model, tiny_config
@@ -72,7 +72,9 @@ def _close(actual, expected, ulps: int = 16):
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=0, atol=ulps * EPS32 * scale)
 
 
-@pytest.mark.parametrize("attention", ["einsum", "xla", "splash"])
+@pytest.mark.parametrize(
+    "attention", ["einsum", "xla", pytest.param("splash", marks=pytest.mark.slow)]
+)
 def test_packed_forward_logps_equal_the_padded_forwards(attention):
     graphdef, params, spec = _parts(attention=attention)
     batch = _padded(seed=1)
@@ -93,6 +95,7 @@ def test_packed_forward_logps_equal_the_padded_forwards(attention):
     assert np.abs(np.where(mask, leaky_MC - padded_MC, 0.0)).max() > 1e3 * EPS32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "loss_type, attention",
     [(t, "einsum") for t in LOSS_TYPES] + [("token_mean", "xla"), ("token_mean", "splash")],
@@ -113,6 +116,7 @@ def test_packed_loss_and_gradient_equal_the_padded_steps(loss_type, attention):
         _close(a, b, ulps=64)
 
 
+@pytest.mark.slow
 def test_one_compiled_step_serves_every_packing():
     graphdef, params, spec = _parts(mu=2)
     tx = optimizer_lib.make_optimizer(
@@ -142,40 +146,59 @@ def test_packed_step_refuses_micro_batches():
         step_lib._grads(params, graphdef, _packed(_padded(seed=1)), spec)
 
 
-def _train(out_dir, model_dir, *overrides: str):
-    """(trainer, metrics, events) of a 3-step run of tests/test_trainer.py's small config."""
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory, arith_model_dir):
+    """(trainer, its first step's metrics): tests/test_trainer.py's small config, unpacked. The
+    first step is taken here, before any test uses the trainer (the overflow test sets its state)."""
+    from cppo_jax.train.trainer import Trainer
+
+    try:
+        from test_trainer import small_config
+    except ImportError:  # tests/ became a package
+        from tests.test_trainer import small_config
+
+    folder = tmp_path_factory.mktemp("padded")
+    trainer = Trainer(small_config(folder, arith_model_dir, "trainer.steps=3"))
+    try:
+        yield trainer, trainer.step(0)
+    finally:
+        trainer.close()
+
+
+def _steps(out_dir, model_dir, *overrides: str):
+    """(trainer, each step's metrics, events) of 3 steps of tests/test_trainer.py's small config."""
     import json
 
     from cppo_jax.train.trainer import Trainer
 
     try:
-        from test_trainer import read_metrics, small_config
+        from test_trainer import small_config
     except ImportError:  # tests/ became a package
-        from tests.test_trainer import read_metrics, small_config
+        from tests.test_trainer import small_config
 
     trainer = Trainer(small_config(out_dir, model_dir, "trainer.steps=3", *overrides))
     try:
-        trainer.train()
+        rows = [trainer.step(s) for s in range(3)]
     finally:
         trainer.close()
     events = (trainer.host.out_dir / "events.jsonl").read_text().splitlines()
-    return trainer, read_metrics(trainer.host.out_dir), [json.loads(e) for e in events]
+    return trainer, rows, [json.loads(e) for e in events]
 
 
-def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(tmp_path, arith_model_dir):
+@pytest.mark.slow
+def test_trainer_pack_trains_the_padded_runs_first_step_in_half_the_rows(
+    tmp_path, arith_model_dir, padded
+):
     """`trainer.pack=true` in the real trainer: step 1 (same rollout, same params) gives the padded
     run's loss, KL and gradient norm; later steps compile nothing new."""
-    rows = {}
     # arith's sequences take most of their P + C = 84 slots: two to a row of 168, any two fit
-    packed = ["trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"]
-    for name, extra in (("padded", []), ("packed", packed)):
-        trainer, rows[name], _ = _train(tmp_path / name, arith_model_dir, *extra)
-        if name == "packed":
-            assert trainer.actor.packer.rows == 4 < trainer.shapes.M
-    first_padded, first_packed = rows["padded"][0], rows["packed"][0]
+    pack = ["trainer.pack=true", "trainer.pack_rows=4", "trainer.pack_len=168"]
+    trainer, rows, _ = _steps(tmp_path, arith_model_dir, *pack)
+    assert trainer.actor.packer.rows == 4 < trainer.shapes.M
+    first_padded, first_packed = padded[1], rows[0]
     for key in ("loss", "kl", "grad_norm", "entropy"):
         _close(first_packed[key], first_padded[key], ulps=64)
-    compiles = [r["jit/compilations"] for r in rows["packed"]]
+    compiles = [r["jit/compilations"] for r in rows]
     assert compiles[1] == compiles[-1], compiles
 
 
@@ -237,6 +260,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device():
     """4 fake CPU devices, mesh data 2 x fsdp 2: the packed rows (4) split as the 8 kept sequences
     are; log-probs, loss, gradient norm and updated params equal one device's padded step. The
@@ -271,67 +295,21 @@ def test_packed_step_on_a_data_fsdp_mesh_matches_the_padded_step_on_one_device()
     assert "trainer.pack_rows' = 3" in out["refused"]
 
 
-# The run of the next test and its one-step twin, in a subprocess compiled with XLA's default flags
-# (the overflow pattern below is this model's and seed's, with those flags' rollouts). Every step's
-# params and optimizer state are copied before it (the update donates them); the first step that did
-# not fit its rows is run again from that copy by an unpacked trainer's update, on the same rollout.
-_OVERFLOW_WORKER = """
-import json, sys
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-import jax, jax.numpy as jnp, numpy as np, optax
-from cppo_jax.train import update as trainer_update
-from cppo_jax.train.trainer import Trainer
-import test_packed_rows as t
-from test_trainer import small_config
-
-out, model = Path(sys.argv[1]), sys.argv[2]
-inner, seen = trainer_update.after_rewards, []
-
-def spy(trainer, rollout, rewards_QG, sample_params, step, times):
-    # a reward that varies within every group (the random model earns no arith reward: advantages
-    # and the policy gradient would be zero), so the update has a real gradient to compare
-    tokens_NC, valid_NC = np.asarray(rollout.samples.tokens_NC), np.asarray(rollout.samples.valid_NC)
-    odd_N = ((tokens_NC % 2) * valid_NC).sum(1) / np.maximum(valid_NC.sum(1), 1)
-    rewards_QG = odd_N.reshape(np.shape(rewards_QG)).astype(np.float32)
-    before = jax.tree.map(jnp.copy, (trainer.params, trainer.opt_state))
-    m = inner(trainer, rollout, rewards_QG, sample_params, step, times)
-    if m.get("pack/overflow") and not seen:
-        seen.append((step, rollout, rewards_QG, sample_params, before, m,
-                     jax.tree.map(jnp.copy, trainer.opt_state)))
-    return m
-
-def save(name, opt_state):
-    moments = [optax.tree_utils.tree_get(opt_state, k) for k in ("mu", "nu")]
-    np.savez(out / (name + ".npz"), *[np.asarray(x) for x in jax.tree.leaves(moments)])
-
-trainer_update.after_rewards = spy
-_, metrics, events = t._train(out / "overflowing", model, *t.OVERFLOW)
-step, rollout, rewards_QG, sample_params, (params, opt_state), m_over, opt_over = seen[0]
-save("overflowing", opt_over)
-unpacked = Trainer(small_config(out / "unpacked", model, "trainer.steps=3"))
-try:
-    unpacked.params, unpacked.opt_state = params, opt_state
-    m_unpacked = inner(unpacked, rollout, rewards_QG, sample_params, step, {{}})
-    save("unpacked", unpacked.opt_state)
-finally:
-    unpacked.close()
-result = {{"metrics": metrics, "events": events, "step": step, "overflowing": m_over,
-          "unpacked": m_unpacked, "saved": ["overflowing", "unpacked"]}}
-print("RESULT " + json.dumps(result))
-"""
 OVERFLOW = ["trainer.pack=true", "trainer.pack_rows=3", "trainer.pack_len=230"]
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_trains_padded_and_updates_as_an_unpacked_step(
-    tmp_path, arith_model_dir
+    tmp_path, arith_model_dir, padded, monkeypatch
 ):
     """3 rows of 230 slots hold the 8 kept arith sequences (~77 tokens each) three to a row in
-    most steps but not all (with this model and seed, one of the 3 steps needs 4 rows). The run
-    does not stop: the step that does not fit trains on the padded batch (logged as
-    `pack_overflow`, counted in `pack/overflow*`), the next packed step compiles nothing new, and
-    the overflow step's update equals the update an unpacked run's program makes from the same
-    params, optimizer state and rollout (both in `_OVERFLOW_WORKER`).
+    most steps but not all (with this model and seed, the second of the 3 steps needs 4 rows: 230
+    slots are 5 short of fitting it, and 10 more than the others need). The run does not stop: the
+    step that does not fit trains on the padded batch (logged as `pack_overflow`, counted in
+    `pack/overflow*`), the next packed step compiles nothing new, and the overflow step's update
+    equals the update an unpacked trainer's program (`padded`) makes from the same params,
+    optimizer state and rollout: every step's params and optimizer state are copied before it (the
+    update donates them), and the first step that did not fit is run again from that copy.
 
     The update is compared at one step, where a rounding stays a rounding: the step's loss, KL,
     gradient norm and tokens trained, and AdamW's two moments after it (mu = b1 mu + (1 - b1) g,
@@ -341,23 +319,37 @@ def test_a_step_that_does_not_fit_trains_padded_and_updates_as_an_unpacked_step(
     eps) per element, which amplifies a rounding of a near-zero gradient up to a whole step of the
     learning rate (1 / eps): over several steps, or at one, two programs' params agree only to
     about lr per element, on any CPU, so they are not what is compared."""
-    import json
-    import subprocess
-    import sys
+    import optax
 
-    root = Path(__file__).resolve().parents[1]
-    code = _OVERFLOW_WORKER.format(tests=str(root / "tests"))
-    res = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path), str(arith_model_dir)],
-        capture_output=True,
-        text=True,
-        env={**default_xla_env(), "PYTHONPATH": str(root)},
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT ") :])
-    steps, events = out["metrics"], out["events"]
+    from cppo_jax.train import update as trainer_update
+
+    inner, seen = trainer_update.after_rewards, []
+
+    def spy(trainer, rollout, rewards_QG, sample_params, step, times):
+        # a reward that varies within every group (the random model earns no arith reward:
+        # advantages and the policy gradient would be zero), so the update has a real gradient
+        tokens_NC = np.asarray(rollout.samples.tokens_NC)
+        valid_NC = np.asarray(rollout.samples.valid_NC)
+        odd_N = ((tokens_NC % 2) * valid_NC).sum(1) / np.maximum(valid_NC.sum(1), 1)
+        rewards_QG = odd_N.reshape(np.shape(rewards_QG)).astype(np.float32)
+        before = jax.tree.map(jnp.copy, (trainer.params, trainer.opt_state))
+        m = inner(trainer, rollout, rewards_QG, sample_params, step, times)
+        if m.get("pack/overflow") and not seen:
+            after = jax.tree.map(jnp.copy, trainer.opt_state)  # the next step donates it
+            seen.append((step, rollout, rewards_QG, sample_params, before, m, after))
+        return m
+
+    def moments(opt_state) -> list[np.ndarray]:
+        trees = [optax.tree_utils.tree_get(opt_state, k) for k in ("mu", "nu")]
+        return [np.asarray(x) for x in jax.tree.leaves(trees)]
+
+    monkeypatch.setattr(trainer_update, "after_rewards", spy)
+    _, steps, events = _steps(tmp_path, arith_model_dir, *OVERFLOW)
+    step, rollout, rewards_QG, sample_params, (params, opt_state), over, opt_over = seen[0]
+    unpacked = padded[0]
+    unpacked.params, unpacked.opt_state = params, opt_state
+    m_unpacked = inner(unpacked, rollout, rewards_QG, sample_params, step, {})
+
     overflow = [r["pack/overflow"] for r in steps]
     assert 0.0 in overflow and 1.0 in overflow, f"want a mix: pick another pack_len {overflow}"
     assert [r["pack/overflow_steps"] for r in steps] == list(np.cumsum(overflow))
@@ -368,18 +360,17 @@ def test_a_step_that_does_not_fit_trains_padded_and_updates_as_an_unpacked_step(
     chosen = [e for e in events if e.get("event") == "pack_rows"]
     assert chosen and chosen[0]["rows"] == 3 and chosen[0]["length"] == 230
     first_padded = overflow.index(1.0)
-    assert out["step"] == first_padded
+    assert step == first_padded
     if first_padded + 1 < len(steps):  # the padded programs compiled once, then none
         compiles = [r["jit/compilations"] for r in steps]
         assert compiles[-1] == compiles[first_padded], compiles
     # The overflow step's update against the unpacked program's from the same state and rollout.
-    over, unpacked = out["overflowing"], out["unpacked"]
     for key in ("loss", "kl", "grad_norm", "cppo/tokens_trained"):
-        _close(over[key], unpacked[key], ulps=64)
-    moments = {name: list(np.load(tmp_path / f"{name}.npz").values()) for name in out["saved"]}
-    assert len(moments["overflowing"]) == len(moments["unpacked"]) > 0
-    assert np.mean([np.abs(b).max() > 0 for b in moments["unpacked"]]) > 0.5  # most were trained
-    for a, b in zip(moments["overflowing"], moments["unpacked"]):
+        _close(over[key], m_unpacked[key], ulps=64)
+    got, want = moments(opt_over), moments(unpacked.opt_state)
+    assert len(got) == len(want) > 0
+    assert np.mean([np.abs(b).max() > 0 for b in want]) > 0.5  # most were trained
+    for a, b in zip(got, want):
         _close(a, b, ulps=64)
     doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     logged = [k for k in steps[0] if k.startswith("pack/")] + ["pack_rows", "pack_overflow"]

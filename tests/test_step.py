@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,11 @@ EPS32 = float(np.finfo(np.float32).eps)
 M, P, C, V = 8, 6, 5, 61
 
 
-def _parts(micro_batch: int = 0, mu: int = 2, **optim):
-    """(graphdef, params, spec, tx) of a tiny model; a new optimizer object each call, as each run's
-    (AdamW at lr 1e-3, or `optim`'s OptimConfig keywords)."""
+def _parts(micro_batch: int = 0, mu: int = 2):
+    """(graphdef, params, spec, tx) of a tiny model; a new optimizer object each call, as each run's.
+    AdamW made smooth in the gradient (`SMOOTH_ADAMW`, eps = 1): tests compare two programs' params
+    after updates, where at the default eps a rounding of a near-zero gradient element moves its
+    param by up to a whole lr step (issue #50); with eps = 1 it stays a rounding, on any CPU."""
     cfg = TransformerConfig(
         arch="qwen2",
         vocab_size=V,
@@ -52,9 +55,8 @@ def _parts(micro_batch: int = 0, mu: int = 2, **optim):
     )
     graphdef, params = nnx.split(init_model(cfg, seed=3))
     spec = step_lib.StepSpec.make(CPPOConfig(beta=0.04, mu=mu), P, C, 1.0, micro_batch=micro_batch)
-    optim = {"lr": 1e-3, **optim}
     tx = optimizer_lib.make_optimizer(
-        OptimConfig(schedule="constant", warmup_ratio=0.0, **optim), 10
+        OptimConfig(schedule="constant", warmup_ratio=0.0, **SMOOTH_ADAMW), 10
     )
     return graphdef, params, spec, tx
 
@@ -72,27 +74,34 @@ def _batch() -> step_lib.Batch:
     return step_lib.Batch(tokens, valid, mask, adv, None, ref)
 
 
-def _setup(micro_batch: int = 0, mu: int = 2, **optim):
-    graphdef, params, spec, tx = _parts(micro_batch, mu, **optim)
+def _setup(micro_batch: int = 0, mu: int = 2):
+    graphdef, params, spec, tx = _parts(micro_batch, mu)
     train_step, logps = step_lib.compiled(graphdef, tx, spec)
     return params, tx, _batch(), train_step, logps
-
-
-def _one_update(micro_batch: int = 0, **optim):
-    """`step.one_update` jitted alone: (params, opt_state, metrics, logp_MC) of one update."""
-    graphdef, _, spec, tx = _parts(micro_batch, **optim)
-    return jax.jit(functools.partial(step_lib.one_update, graphdef=graphdef, tx=tx, spec=spec))
 
 
 def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-@pytest.mark.parametrize("micro_batch", [0, 2])
-def test_returned_logps_are_the_pre_update_policy_in_row_order(micro_batch):
-    params, tx, batch, _, logps = _setup(micro_batch)
-    want = np.asarray(logps(params, batch.tokens_MT, batch.valid_MT))
-    _, _, _, got = _one_update(micro_batch)(_copy(params), tx.init(params), batch)
+@pytest.fixture(scope="module", params=[0, 2], ids=lambda m: f"micro_batch{m}")
+def mu2(request) -> SimpleNamespace:
+    """mu = 2 programs of one micro-batch setting, built once for the tests below: the train step
+    and the log-prob program (`step.compiled`), and `step.one_update` jitted alone, (params,
+    opt_state, metrics, logp_MC) of one update; with the params and batch they start from."""
+    graphdef, params, spec, tx = _parts(request.param, mu=2)
+    train_step, logps = step_lib.compiled(graphdef, tx, spec)
+    one = jax.jit(functools.partial(step_lib.one_update, graphdef=graphdef, tx=tx, spec=spec))
+    return SimpleNamespace(
+        params=params, tx=tx, batch=_batch(), train_step=train_step, logps=logps, one=one
+    )
+
+
+@pytest.mark.slow
+def test_returned_logps_are_the_pre_update_policy_in_row_order(mu2):
+    params, tx, batch = mu2.params, mu2.tx, mu2.batch
+    want = np.asarray(mu2.logps(params, batch.tokens_MT, batch.valid_MT))
+    _, _, _, got = mu2.one(_copy(params), tx.init(params), batch)
     got = np.asarray(got)
     mask = np.asarray(batch.mask_MC) > 0
     # Two programs (the gradient's forward, the log-prob one) of the same float32 math.
@@ -108,25 +117,23 @@ def _assert_params_close(got, want, tol):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.abs(b).max()))
 
 
-@pytest.mark.parametrize("micro_batch", [0, 2])
+@pytest.mark.slow
 @pytest.mark.parametrize("given_old", [False, True])
-def test_mu2_in_one_program_is_two_updates(micro_batch, given_old):
+def test_mu2_in_one_program_is_two_updates(mu2, given_old):
     """mu = 2 in one program = two separate updates: the second with the first's log-probs as the old
     ones (given_old: both with the batch's). Metrics: the last update's.
 
-    Two programs' params after two updates: AdamW made smooth in the gradient (`SMOOTH_ADAMW`,
-    eps = 1), so that a rounding of a near-zero gradient element stays a rounding of its param
-    instead of up to a whole lr step (issue #50); then a few float32 ulps per operation, on any CPU.
-    Fails when the program's second update starts from the wrong params, old log-probs or batch:
-    those move the params by ~lr x a gradient difference, far above it."""
-    params, tx, batch, train_step, _ = _setup(micro_batch, mu=2, **SMOOTH_ADAMW)
+    Two programs' params after two updates: AdamW made smooth in the gradient (`_parts`), so a few
+    float32 ulps per operation, on any CPU. Fails when the program's second update starts from the
+    wrong params, old log-probs or batch: those move the params by ~lr x a gradient difference, far
+    above it."""
+    params, tx, batch, one = mu2.params, mu2.tx, mu2.batch, mu2.one
     if given_old:  # a stale rollout's (here another policy's: ratios far from 1)
         batch = batch._replace(old_logp_MC=batch.ref_logp_MC)
-    one = _one_update(micro_batch, **SMOOTH_ADAMW)
     p1, o1, _, logp_MC = one(_copy(params), tx.init(params), batch)
     second = batch if given_old else batch._replace(old_logp_MC=logp_MC)
     want_p, _, want_m, _ = one(p1, o1, second)
-    got_p, _, got_m = train_step(_copy(params), tx.init(params), batch)
+    got_p, _, got_m = mu2.train_step(_copy(params), tx.init(params), batch)
     # The same float32 math in two programs (XLA may fuse, so round, differently): a few float32
     # ulps per operation, relative to each leaf's size.
     tol = 64 * EPS32
@@ -139,6 +146,7 @@ def test_mu2_in_one_program_is_two_updates(micro_batch, given_old):
     assert float(got_m["ratio/abs_dev_mean"]) > 1e3 * EPS32
 
 
+@pytest.mark.slow
 def test_given_old_logps_are_the_old_policy_and_none_is_the_current_one():
     params, tx, batch, train_step, _ = _setup(mu=1)
     stale = batch._replace(old_logp_MC=batch.ref_logp_MC)  # not this policy's: ratios far from 1
@@ -154,6 +162,7 @@ def test_given_old_logps_are_the_old_policy_and_none_is_the_current_one():
     assert moved > 0.0
 
 
+@pytest.mark.slow
 def test_a_skipped_update_is_reported_whichever_of_mu():
     """A non-finite loss skips every update (params unchanged) and the step reports it."""
     params, tx, batch, train_step, _ = _setup(mu=3)
@@ -198,6 +207,7 @@ def _zero_residual_writes(params):
     return nnx.from_flat_state(flat)
 
 
+@pytest.mark.slow
 def test_bf16_training_logps_equal_the_samplers_with_float32_params():
     """bf16 compute, float32 params: the trainer's log-probs of the sampled tokens are the embedded
     sampler's (Samples.logp_NC), and the on-policy TIS weight is 1, to float32 rounding.
