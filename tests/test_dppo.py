@@ -18,6 +18,10 @@ from tests import reference_numpy as ref
 from tests.helpers import prune_inputs
 
 EPS32 = float(np.finfo(np.float32).eps)
+# The functions under test, each compiled once per shape (called op by op they compile every op).
+inclusion_probs = jax.jit(dppo.inclusion_probs, static_argnums=1)
+systematic_indices = jax.jit(dppo.systematic_indices, static_argnums=1)
+trained_advantages = jax.jit(dppo.trained_advantages, static_argnums=2)
 
 
 def outcomes(pi_G: np.ndarray, n: int) -> list[tuple[float, tuple[int, ...]]]:
@@ -30,7 +34,7 @@ def outcomes(pi_G: np.ndarray, n: int) -> list[tuple[float, tuple[int, ...]]]:
     out = []
     for a, b in itertools.pairwise(cuts):
         u = jnp.full((1,), (a + b) / 2, jnp.float32)
-        idx = np.asarray(dppo.systematic_indices(jnp.asarray(pi_G)[None], n, u))[0]
+        idx = np.asarray(systematic_indices(jnp.asarray(pi_G)[None], n, u))[0]
         out.append((b - a, tuple(int(i) for i in idx)))
     return out
 
@@ -40,7 +44,7 @@ def test_inclusion_probs_are_capped_proportional_and_sum_to_n():
         [[9.0, 1, 0.5, 0.5, 0, 0.25, 2], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 3, 0, 0]], np.float32
     )
     for n in (1, 2, 3, 7):
-        pi = np.asarray(dppo.inclusion_probs(jnp.asarray(s_XG), n))
+        pi = np.asarray(inclusion_probs(jnp.asarray(s_XG), n))
         np.testing.assert_allclose(pi.sum(-1), n, rtol=8 * EPS32)
         assert np.all((pi >= 0) & (pi <= 1))
         free = (pi < 1) & (s_XG[0:1] > 0)  # row 0: the uncapped share one factor c
@@ -49,7 +53,7 @@ def test_inclusion_probs_are_capped_proportional_and_sum_to_n():
         np.testing.assert_allclose(pi[1], n / 7, rtol=8 * EPS32)
         # one positive score: it is kept surely, the other places spread over the zeros
         np.testing.assert_allclose(pi[2], np.where(s_XG[2] > 0, 1.0, (n - 1) / 6), rtol=8 * EPS32)
-    assert np.asarray(dppo.inclusion_probs(jnp.asarray(s_XG), 2))[0, 0] == 1.0  # 9 / 13.5 > 1/2
+    assert np.asarray(inclusion_probs(jnp.asarray(s_XG), 2))[0, 0] == 1.0  # 9 / 13.5 > 1/2
     with pytest.raises(ValueError, match="n"):
         dppo.inclusion_probs(jnp.asarray(s_XG), 8)
 
@@ -58,7 +62,7 @@ def test_systematic_draws_n_distinct_units_with_probability_pi():
     gen = np.random.default_rng(3)
     for G, n in [(7, 2), (5, 3), (11, 4)]:
         score = gen.random(G).astype(np.float32) * (gen.random(G) < 0.8)
-        pi = np.asarray(dppo.inclusion_probs(jnp.asarray(score[None]), n))[0]
+        pi = np.asarray(inclusion_probs(jnp.asarray(score[None]), n))[0]
         freq = np.zeros(G)
         total = 0.0
         for p, idx in outcomes(pi, n):
@@ -103,12 +107,12 @@ def test_enumerated_expectation_of_the_rescaled_estimator_is_the_full_gradient(l
     grad = _grad_fn(loss_type, C)
     full = np.asarray(grad(logp_NC, jnp.arange(Q * G), adv_QG.reshape(-1), mask_NC))
 
-    rho_Q = np.asarray(dppo.prompt_probs(adv_QG, U))
+    rho_Q = np.asarray(jax.jit(dppo.prompt_probs, static_argnums=1)(adv_QG, U))
     mean_rescaled, mean_plain, biggest, count = 0.0, 0.0, 0.0, 0
     for p_q, groups in outcomes(rho_Q, U):
         groups_U = jnp.asarray(groups, jnp.int32)
-        adv_UG, trained_UG = dppo.trained_advantages(adv_QG, groups_U, K)
-        pi_UG = np.asarray(dppo.inclusion_probs(jnp.abs(adv_UG), K))
+        adv_UG, trained_UG = trained_advantages(adv_QG, groups_U, K)
+        pi_UG = np.asarray(inclusion_probs(jnp.abs(adv_UG), K))
         per_group = [outcomes(pi_UG[u], K) for u in range(U)]
         for draws in itertools.product(*per_group):
             p = p_q * np.prod([d[0] for d in draws])
@@ -150,7 +154,7 @@ def test_prune_with_dppo_trains_the_drawn_groups_with_rescaled_advantages():
     assert len(set(groups.tolist())) == shapes.U and not {1, 6} & set(groups.tolist())
     adv_QG = ref.group_advantages(inputs[0])
     np.testing.assert_allclose(out.adv_UG, adv_QG[groups], rtol=16 * EPS32, atol=16 * EPS32)
-    _, trained_UG = dppo.trained_advantages(jnp.asarray(adv_QG), jnp.asarray(groups), shapes.k)
+    _, trained_UG = trained_advantages(jnp.asarray(adv_QG), jnp.asarray(groups), shapes.k)
     kept = np.asarray(out.kept).reshape(shapes.U, shapes.k)
     assert np.all(kept // G == groups[:, None])
     want = np.take_along_axis(np.asarray(trained_UG), kept % G, axis=1).reshape(-1)

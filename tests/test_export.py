@@ -56,6 +56,7 @@ def run(tmp_path_factory, source_dir):
     return trainer, out / "run"
 
 
+@pytest.mark.slow
 def test_every_run_ends_with_an_export_transformers_reproduces(run, source_dir):
     trainer, run_dir = run
     out = run_dir / export.EXPORT_DIR
@@ -89,6 +90,7 @@ def test_every_run_ends_with_an_export_transformers_reproduces(run, source_dir):
     assert np.abs(first - theirs)[valid_BT].max() > 10 * tol
 
 
+@pytest.mark.slow
 def test_cli_exports_any_checkpoint_and_names_bad_input(run, tmp_path):
     _, run_dir = run
     step1 = tmp_path / "step1"

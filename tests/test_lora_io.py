@@ -1,7 +1,7 @@
 """LoRA adapters leave the trainer as PEFT loads them, and checkpoints hold the adapters only:
 a PEFT adapter folder on the transformers model of our exported base gives our logits; a LoRA run
-resumes from its adapter checkpoint; a full run's checkpoint in a LoRA run is an error naming
-`model.lora`."""
+(one, shared by the tests of its outputs) exports the merged policy and the adapters and resumes from
+its adapter checkpoint; a full run's checkpoint in a LoRA run is an error naming `model.lora`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from cppo_jax.models import load_hf, lora_state, peft_io, save_hf
 from cppo_jax.train.trainer import Trainer
 from tests.helpers import forward, load_hf_torch, random_model, tiny_config
 from tests.test_lora import _inputs, _noisy_adapters
-from tests.test_lora_train import _batch as _random_batch
 from tests.test_trainer import small_config
 
 LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8")
@@ -28,6 +27,7 @@ LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8")
 @pytest.mark.parametrize(
     "arch, targets", [("qwen2", ("q", "k", "v", "o", "gate", "up", "down")), ("llama", ("o", "up"))]
 )
+@pytest.mark.slow
 def test_peft_loads_our_adapter_folder_and_gives_our_logits(tmp_path, arch, targets):
     peft = pytest.importorskip("peft")
     torch = pytest.importorskip("torch")
@@ -67,19 +67,26 @@ def test_adapter_bytes_counts_the_saved_tensors(tmp_path):
     assert (out / peft_io.WEIGHTS_FILE).stat().st_size > peft_io.adapter_bytes(adapted.cfg)
 
 
-def test_lora_checkpoints_hold_the_adapters_and_resume(tmp_path, arith_model_dir):
-    cfg = small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=2")
-    trainer = Trainer(cfg)
-    try:
-        trainer.step(0)
-        trainer.save(1)
-        saved = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.params))
-        n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
-    finally:
-        trainer.close()
-    on_disk = sum(
-        f.stat().st_size for f in (tmp_path / "run" / "checkpoints").rglob("*") if f.is_file()
-    )
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, arith_model_dir):
+    """A one-step LoRA run (`Trainer.train`: its checkpoint, export/ and adapter/ folders) on a
+    reward spread over any text, so that the step moves the adapters: (trainer, config)."""
+    from tests.helpers import spread_reward
+    from tests.test_trainer import run_trainer
+
+    out = tmp_path_factory.mktemp("lora_run")
+    cfg = small_config(out, arith_model_dir, *LORA, *spread_reward(out), "trainer.steps=1")
+    trainer, _ = run_trainer(cfg)
+    return trainer, cfg
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_hold_the_adapters_and_resume(lora_run, arith_model_dir):
+    trainer, cfg = lora_run
+    run_dir = trainer.host.out_dir
+    saved = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.params))
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    on_disk = sum(f.stat().st_size for f in (run_dir / "checkpoints").rglob("*") if f.is_file())
     base_bytes = sum(f.stat().st_size for f in arith_model_dir.glob("*.safetensors"))
     # adapters + 2 AdamW moments in float32 and metadata: well under the base's weights
     assert on_disk < base_bytes, (on_disk, base_bytes, n_params)
@@ -119,16 +126,15 @@ def test_a_checkpoint_of_another_kind_names_model_lora(
         trainer.close()
 
 
-def test_a_lora_run_exports_the_merged_policy_and_a_peft_adapter(tmp_path, arith_model_dir):
-    from tests.test_trainer import run_trainer
-
-    trainer, _ = run_trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
-    adapter = tmp_path / "run" / "adapter"
+@pytest.mark.slow
+def test_a_lora_run_exports_the_merged_policy_and_a_peft_adapter(lora_run, arith_model_dir):
+    trainer, _ = lora_run
+    adapter = trainer.host.out_dir / "adapter"
     config = json.loads((adapter / peft_io.CONFIG_FILE).read_text())
     assert config["r"] == 4 and config["base_model_name_or_path"] == str(arith_model_dir)
     assert (adapter / peft_io.WEIGHTS_FILE).is_file()
     # export/: the adapters merged into the base, a plain Hugging Face folder
-    exported = load_hf(tmp_path / "run" / "export")
+    exported = load_hf(trainer.host.out_dir / "export")
     want = trainer.policy_params()
     got = nnx.state(exported)
     jax.tree.map(
@@ -138,21 +144,18 @@ def test_a_lora_run_exports_the_merged_policy_and_a_peft_adapter(tmp_path, arith
     )
 
 
-def test_export_of_a_lora_checkpoint_merges_the_adapters(tmp_path, arith_model_dir):
+@pytest.mark.slow
+def test_export_of_a_lora_checkpoint_merges_the_adapters(lora_run, arith_model_dir, tmp_path):
     from cppo_jax.train.export import export_run
 
-    trainer = Trainer(small_config(tmp_path, arith_model_dir, *LORA, "trainer.steps=1"))
-    try:
-        batch = _random_batch(trainer)
-        trainer.params, trainer.opt_state, _ = trainer.actor.train_step(
-            trainer.params, trainer.opt_state, batch, trainer.actor.frozen
-        )
-        trainer.save(1)
-        want = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.policy_params()))
-    finally:
-        trainer.close()
-    out = export_run(tmp_path / "run")
+    trainer, _ = lora_run
+    want = jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.policy_params()))
+    out = export_run(trainer.host.out_dir, out=tmp_path / "export")  # the checkpoint of step 1
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(load_hf(out))))
     jax.tree.map(np.testing.assert_array_equal, got, want)
+    base = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(load_hf(arith_model_dir))))
+    assert any(  # the step moved the adapters: the merge is not the base
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base))
+    )
     adapter = out.with_name("export-adapter")
     assert json.loads((adapter / peft_io.CONFIG_FILE).read_text())["r"] == 4

@@ -100,6 +100,7 @@ def _config(out_dir: Path, model_dir: Path, *overrides: str) -> Config:
     )
 
 
+@pytest.mark.slow
 def test_trainer_logs_learning_rate_entropy_num_tokens_and_eval_in_tensorboard(
     tmp_path, arith_model_dir
 ):
@@ -201,6 +202,7 @@ def launched(tmp_path_factory, arith_model_dir):
     return proc, tmp / "user"
 
 
+@pytest.mark.slow
 def test_evaluation_scores_accuracy_when_training_rewards_exclude_it(launched):
     """Issue #22: training rewards without the task's accuracy function no longer crash evaluation."""
     proc, run_dir = launched
@@ -217,6 +219,7 @@ def test_evaluation_scores_accuracy_when_training_rewards_exclude_it(launched):
     assert "accuracy" not in rows[0]  # no training accuracy reward, so no sampled training accuracy
 
 
+@pytest.mark.slow
 def test_progress_bar_is_closed_before_the_summary_which_is_printed_once(launched):
     proc, _ = launched
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -255,6 +258,7 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_evaluations_and_config(launched):
     proc, run = launched
     assert proc.returncode == 0, proc.stdout[-3000:]

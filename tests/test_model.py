@@ -204,14 +204,8 @@ def test_padding_is_finite_and_ignored():
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scan", [True, False])
-def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(scan):
-    """A remat policy changes what the backward recomputes, not what it computes: the loss and
-    gradient of each policy (full, minimal, dots_saveable) equal those of `save_all` (nothing
-    recomputed, its program built once per layer layout) within float32 rounding."""
-    assert small_config(remat=True).remat == "full"  # an older config's boolean
-    assert small_config(remat=False).remat == "dots_saveable"
+def _remat_loss_and_grad(policy: str, scan: bool):
+    """The loss of two prompts and its gradient for a 2-layer model with remat `policy`, host copies."""
     tokens_BT, valid_BT, positions_BT = helpers.left_pad(PROMPTS[:2])
 
     def loss(m):
@@ -220,21 +214,41 @@ def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(scan):
         picked_BT = jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
         return -jnp.sum(jnp.where(valid_BT[:, 1:], picked_BT, 0.0))
 
-    def model(remat):
-        return scrambled_model(small_config(num_layers=2, remat=remat, scan_layers=scan), seed=1)
+    model = scrambled_model(small_config(num_layers=2, remat=policy, scan_layers=scan), seed=1)
+    loss_v, g = nnx.jit(nnx.value_and_grad(loss))(model)
+    return float(loss_v), [(p, np.asarray(v.get_value())) for p, v in nnx.to_flat_state(g)]
 
-    grad = nnx.jit(nnx.value_and_grad(loss))
-    loss_b, g_b = grad(model("save_all"))
+
+@pytest.fixture(scope="module")
+def save_all():
+    """`_remat_loss_and_grad` of `save_all` (nothing recomputed) per layer layout, built once."""
+    done = {}
+
+    def of(scan: bool):
+        if scan not in done:
+            done[scan] = _remat_loss_and_grad("save_all", scan)
+        return done[scan]
+
+    return of
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("policy", ["full", "minimal", "dots_saveable"])
+def test_each_remat_policy_gives_the_loss_and_gradient_of_no_remat(policy, scan, save_all):
+    """A remat policy changes what the backward recomputes, not what it computes: the loss and
+    gradient equal those of `save_all` (nothing recomputed) within float32 rounding."""
+    assert small_config(remat=True).remat == "full"  # an older config's boolean
+    assert small_config(remat=False).remat == "dots_saveable"
+    loss_b, g_b = save_all(scan)
+    loss_r, g_r = _remat_loss_and_grad(policy, scan)
     eps = np.finfo(np.float32).eps
-    for policy in ("full", "minimal", "dots_saveable"):
-        loss_r, g_r = grad(model(policy))
-        np.testing.assert_allclose(loss_r, loss_b, rtol=100 * eps, err_msg=policy)
-        for (path, a), (_, b) in zip(nnx.to_flat_state(g_r), nnx.to_flat_state(g_b)):
-            a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
-            assert np.isfinite(a).all()
-            np.testing.assert_allclose(
-                a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=f"{policy} {path}"
-            )
+    np.testing.assert_allclose(loss_r, loss_b, rtol=100 * eps)
+    for (path, a), (_, b) in zip(g_r, g_b, strict=True):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(
+            a, b, rtol=0, atol=100 * eps * max(np.abs(b).max(), eps), err_msg=str(path)
+        )
 
 
 def test_remat_policies_are_checked_by_name():

@@ -128,7 +128,7 @@ def test_on_policy_gspo_is_the_sequence_mean_policy_gradient(seed):
                 x, x, None, adv, mask, loss_type=loss_type, beta=0.0, eps_low=3e-4, eps_high=4e-4
             )[0]
 
-        return np.asarray(jax.grad(f)(logp))
+        return np.asarray(jax.jit(jax.grad(f))(logp))
 
     N = logp.shape[0]
     closed_form = -adv[:, None] * mask / (N * mask.sum(axis=1, keepdims=True))
@@ -154,7 +154,7 @@ def test_cispo_without_a_cap_is_the_unclipped_importance_sampled_gradient(seed):
         per_token = -r * adv[:, None] + 0.04 * (jnp.exp(d) - d - 1)
         return jnp.sum(per_token * mask) / jnp.sum(mask)
 
-    want = np.asarray(jax.grad(unclipped_is)(logp))
+    want = np.asarray(jax.jit(jax.grad(unclipped_is))(logp))
     got = np.asarray(jax.jit(jax.grad(cispo))(logp))
     np.testing.assert_allclose(got, want, rtol=0, atol=16 * EPS64 * np.abs(want).max())
     assert (np.exp(logp - old)[mask > 0] > 1.5).any()  # a clip at 1 + 0.2 or 5 would differ here
@@ -181,6 +181,7 @@ def test_truncated_is_weights_each_tokens_term(loss_type):
     assert (w[mask > 0] >= cap).any() and (w[mask > 0] < 1).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["gspo", "cispo"])
 def test_micro_batches_give_the_whole_batchs_gradient(loss_type):
     """trainer.micro_batch: GSPO's sequence means weigh micro-batches equally, CISPO's token mean by

@@ -9,8 +9,6 @@ flight, and that a failed generation stops the run with a checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import threading
 import time
 
@@ -23,7 +21,6 @@ from cppo_jax.config.choices import ConfigError
 from cppo_jax.rollout.backend import EmbeddedBackend
 from cppo_jax.rollout.vllm.client import RolloutServerError
 from cppo_jax.train import loop as trainer_run
-from cppo_jax.train.stopping import SignalStopError
 from cppo_jax.train.trainer import Trainer
 from tests.helpers import spread_reward
 from tests.reliability.runs import read_events
@@ -118,6 +115,7 @@ def overlap_trainer(tmp_path, arith_model_dir, *overrides, partial=False, delay_
     return trainer, backend
 
 
+@pytest.mark.slow
 def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_model_dir):
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
     seen = []
@@ -163,6 +161,7 @@ def test_overlap_samples_one_update_behind_with_exact_old_logps(tmp_path, arith_
     assert all(np.isfinite(m["loss"]) for m in history)
 
 
+@pytest.mark.slow
 def test_failed_background_rollout_stops_the_run_with_a_checkpoint(tmp_path, arith_model_dir):
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
     backend.fail_call = 2  # the generation of step 2, requested during step 1
@@ -180,6 +179,7 @@ def producer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("cppo-rollout")]
 
 
+@pytest.mark.slow
 def test_close_stops_the_producer_before_the_client(tmp_path, arith_model_dir):
     """Closing while the next step's generation runs: the producer ends first (the generation is let
     finish, nothing new starts), then the backend and its client are closed."""
@@ -202,6 +202,7 @@ def test_close_stops_the_producer_before_the_client(tmp_path, arith_model_dir):
         trainer.overlap.take(trainer.params, 2)
 
 
+@pytest.mark.slow
 def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir)
     trainer.overlap.close_wait_s = 0.5
@@ -228,6 +229,7 @@ def test_close_does_not_wait_for_a_hung_rollout(tmp_path, arith_model_dir):
     assert backend.in_flight == 0 and not producer_threads()
 
 
+@pytest.mark.slow
 def test_a_step_that_returns_early_waits_for_the_generation_it_requested(
     tmp_path, arith_model_dir, monkeypatch
 ):
@@ -262,6 +264,7 @@ def test_overlap_needs_a_server(tmp_path):
         small_config(tmp_path, tmp_path / "model", "rollout.overlap=1")
 
 
+@pytest.mark.slow
 def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
     """overlap 0: every step samples with its own current weights, in the step, and trains on-policy."""
     trainer, backend = overlap_trainer(tmp_path, arith_model_dir, "rollout.overlap=0")
@@ -290,6 +293,7 @@ def test_overlap_0_is_the_synchronous_step(tmp_path, arith_model_dir):
     assert backend.pushed == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_the_snapshot_is_a_compute_dtype_copy(tmp_path, arith_model_dir):
     """bf16 compute, float32 params: the params that sample the next step are held in bf16 (they only
     run forwards), each leaf the policy's rounded once, a buffer of its own that outlives the donation."""
@@ -343,6 +347,7 @@ def record_trained(monkeypatch) -> list[tuple[int, int, list[str]]]:
     return trained
 
 
+@pytest.mark.slow
 def test_k2_queues_two_steps_ahead_with_pushes_landing_mid_rollout(
     tmp_path, arith_model_dir, monkeypatch
 ):
@@ -385,6 +390,7 @@ def test_k2_queues_two_steps_ahead_with_pushes_landing_mid_rollout(
     assert all(np.isfinite(m["loss"]) for m in history)
 
 
+@pytest.mark.slow
 def test_a_rollout_older_than_k_is_dropped_counted_and_resampled(
     tmp_path, arith_model_dir, monkeypatch
 ):
@@ -411,24 +417,21 @@ def test_a_rollout_older_than_k_is_dropped_counted_and_resampled(
     assert [t[:2] for t in trained] == [(s, s) for s in range(4)]  # nothing lost, nothing twice
 
 
+@pytest.mark.slow
 def test_a_resumed_k2_run_trains_nothing_twice(tmp_path, arith_model_dir, monkeypatch):
-    """A k = 2 run stopped by SIGTERM after 2 of 4 steps: the rollouts queued for steps 2 and 3 are
-    discarded with the run; the resumed run samples them again, so every step trains once, on its
-    own questions, and the stale-drop count carries over in the checkpoint."""
+    """A k = 2 trainer checkpointed after 2 of 4 steps and closed: the rollouts queued for steps 2
+    and 3 are discarded with it; the resumed run (`Trainer.train`) samples them again, so every step
+    trains once, on its own questions, and the stale-drop count carries over in the checkpoint."""
     trained = record_trained(monkeypatch)
     trainer, _ = ahead_trainer(tmp_path, arith_model_dir, "trainer.steps=4")
-
-    def stop_after_two(metrics):
-        if metrics["step"] == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
     try:
-        with pytest.raises(SignalStopError):
-            trainer.train(progress=stop_after_two)
+        for s in range(2):
+            trainer.step(s)
+        trainer.save(2)  # as a stop after step 2 does (loop.stop_if_asked)
         queued_at_stop = trainer.overlap.queued
     finally:
         trainer.close()
-    assert trainer.host.ckpt.latest_step() == 2 and queued_at_stop == [2, 3]
+    assert queued_at_stop == [2, 3]
     assert [t[0] for t in trained] == [0, 1]
 
     resumed, backend2 = overlap_trainer(

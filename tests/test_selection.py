@@ -96,14 +96,16 @@ def test_proportional_draws_follow_q_with_replacement():
 def test_max_variance_ties_and_all_equal_groups():
     """Equal values sort by index; among equally good splits the fewest lowest values win, so an
     all-equal group keeps its last k completions (any subset has variance 0)."""
+    # compiled once per k (called op by op, every op of the rule compiles on its own)
+    keep = jax.jit(cppo.keep_indices, static_argnames=("k", "metric"))
     r = jnp.asarray([[2.0, 2.0, 2.0, 2.0, 2.0]])
     for k in (1, 3, 5):
-        got = np.asarray(cppo.keep_indices(r, k, metric="max_variance"))[0]
+        got = np.asarray(keep(r, k=k, metric="max_variance"))[0]
         np.testing.assert_array_equal(got, np.arange(5 - k, 5))
     # 0/1 rewards with ties: one 1 and one 0 for k = 2; the 1 is the last one by index among the
     # highest sorted (stable sort: equal values in index order), the 0 the first.
     r01 = jnp.asarray([[1.0, 0.0, 1.0, 0.0, 1.0]])
-    np.testing.assert_array_equal(cppo.keep_indices(r01, 2, metric="max_variance"), [[1, 4]])
+    np.testing.assert_array_equal(keep(r01, k=2, metric="max_variance"), [[1, 4]])
 
 
 def _prune_inputs(Q, G, P, C, seed=0):
@@ -191,16 +193,24 @@ def test_filter_config_is_validated_and_shapes_are_exact():
     assert plain.Q == plain.U == 3
 
 
-def test_a_run_with_filter_groups_logs_what_it_dropped(tmp_path, arith_model_dir):
-    from tests.test_trainer import read_metrics, run_trainer, small_config
+@pytest.mark.slow
+def test_a_trainer_with_filter_groups_logs_what_it_dropped(tmp_path, arith_model_dir):
+    """Two steps of a trainer that filters groups: each step's metrics (the rows metrics.jsonl logs)
+    count the groups rolled out, trained, zero-variance and dropped, under documented names."""
+    from cppo_jax.train.trainer import Trainer
+    from tests.test_trainer import small_config
 
     cfg = small_config(
         tmp_path, arith_model_dir, "cppo.filter_groups=true", "cppo.filter_oversample=1.5"
     )
-    trainer, _ = run_trainer(cfg)
+    trainer = Trainer(cfg)
+    try:
+        history = [trainer.step(s) for s in range(2)]
+    finally:
+        trainer.close()
     assert (trainer.shapes.Q, trainer.shapes.U, trainer.shapes.M) == (6, 4, 8)
-    rows = [m for m in read_metrics(trainer.host.out_dir) if "filter/dropped" in m]
-    assert len(rows) == cfg.trainer.steps
+    rows = [m for m in history if "filter/dropped" in m]
+    assert len(rows) == 2
     for m in rows:
         assert m["cppo/questions"] == 6 and m["cppo/questions_trained"] == 4
         zero = m["filter/zero_variance_groups"]

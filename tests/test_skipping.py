@@ -1,5 +1,5 @@
 """GRESO prompt skipping (`cppo_jax.data.skipping`): the p^z rule, p's adaptation, the fixed batch shape,
-exploration, exact resume (unit and a real trainer run), metrics, config errors."""
+exploration, exact resume (unit, and a trainer resumed from its checkpoint), metrics, config errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from cppo_jax.config.choices import ConfigError
 from cppo_jax.data import prompt_batches as pipeline
 from cppo_jax.data.skipping import PromptSkipper, easy_of, resume, zero_variance
-from tests.test_trainer import read_metrics, small_config
+from tests.test_trainer import small_config
 
 EPS64 = float(np.finfo(np.float64).eps)
 G = 4
@@ -80,6 +80,7 @@ def test_p_adapts_toward_the_target_share_and_stays_in_its_bounds():
     assert m["skip/p_hard"] == pytest.approx(0.05, rel=tol) and m["skip/p_easy"] == 1.0
 
 
+@pytest.mark.slow
 def test_the_batch_is_always_q_and_every_question_keeps_coming_back_when_all_is_zero_variance():
     """Nearly everything skipped: a pass that cannot fill the batch fills it with the smallest z, so
     the shape holds and the questions take turns (z never more than 1 apart once p is at its floor,
@@ -178,32 +179,43 @@ def test_more_questions_per_step_than_training_questions_is_refused():
         PromptSkipper(3, 4, seed=0)
 
 
+def _skipping_trainer(tmp_path, model_dir, name: str, steps: int, *extra: str):
+    """A trainer skipping over 8 questions (2 steps an epoch, so questions come back), its run
+    folder tmp_path / name."""
+    from cppo_jax.train.trainer import Trainer
+
+    cfg = small_config(
+        tmp_path,
+        model_dir,
+        "data.num_train=8",
+        "data.skip_zero_variance=true",
+        "data.skip_p_init=0.05",
+        f"trainer.steps={steps}",
+        f"trainer.run_name={name}",
+        *extra,
+    )
+    return Trainer(cfg)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
     tmp_path, arith_model_dir, overlap
 ):
-    """A 6-step run with skipping over 8 questions (2 steps an epoch, so questions come back) equals,
-    draw for draw, a run stopped after step 3 and resumed from its checkpoint. With rollout.overlap=1
-    (the embedded sampler behind test_overlap's recording wrapper, slowed so that the next step's
-    rollout runs while this step trains) step s + 1 is drawn before step s is recorded, in every run."""
+    """6 steps with skipping, checkpointed after step 3: a trainer resumed from that checkpoint
+    draws and records, event for event, what the uninterrupted one did after it, and ends in the
+    same skipper state. With rollout.overlap=1 (the embedded sampler behind test_overlap's recording
+    wrapper, slowed so that the next step's rollout runs while this step trains) step s + 1 is
+    drawn before step s is recorded. Every step logs the skip metrics, documented."""
     from cppo_jax.rollout.backend import EmbeddedBackend
-    from cppo_jax.train.trainer import Trainer
     from tests.test_overlap import RecordingBackend
 
-    def run(name: str, steps: int, *extra: str) -> tuple[list, dict]:
-        server = ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:9"]  # never contacted
-        cfg = small_config(
-            tmp_path,
-            arith_model_dir,
-            "data.num_train=8",
-            "data.skip_zero_variance=true",
-            "data.skip_p_init=0.05",
-            f"trainer.steps={steps}",
-            f"trainer.run_name={name}",
-            *(server + ["rollout.overlap=1"] if overlap else []),
-            *extra,
-        )
-        trainer = Trainer(cfg)
+    server = ["rollout.backend=vllm", "rollout.vllm_url=http://127.0.0.1:9"]  # never contacted
+    extra = [*server, "rollout.overlap=1"] if overlap else []
+
+    def spied(*resume: str):
+        """The trainer (its skipper's draws and records noted in `events`) and `events`."""
+        trainer = _skipping_trainer(tmp_path, arith_model_dir, "run", 6, *extra, *resume)
         if overlap:
             trainer.rollout = dataclasses.replace(
                 trainer.rollout,
@@ -224,64 +236,63 @@ def test_trainer_resume_draws_the_same_questions_and_logs_skip_metrics(
             return record(step, *args)
 
         sk.draw, sk.record = spy_draw, spy_record
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        return events, sk.state_dict()
+        return trainer, events
 
-    whole, whole_state = run("whole", 6)
-    first, _ = run("cut", 3)
-    second, cut_state = run("cut", 6, "trainer.resume=true")
-    assert first + second == whole
-    assert cut_state == whole_state
-    order = [e[:2] for e in whole]
+    whole, whole_events = spied()
+    try:
+        rows = [whole.step(s) for s in range(3)]
+        whole.save(3)
+        cut_at = len(whole_events)
+        rows += [whole.step(s) for s in range(3, 6)]
+    finally:
+        whole.close()
+    resumed, resumed_events = spied("trainer.resume=true")
+    try:
+        resumed.maybe_resume()
+        assert resumed.start_step == 3
+        for s in range(3, 6):
+            resumed.step(s)
+    finally:
+        resumed.close()
+    assert resumed_events == whole_events[cut_at:]
+    assert resumed.data.skipper.state_dict() == whole.data.skipper.state_dict()
+    order = [e[:2] for e in whole_events]
     for s in range(5):  # overlap: s + 1 drawn before s is recorded; else after
         assert (order.index(("draw", s + 1)) < order.index(("record", s))) == bool(overlap), order
-    rows = read_metrics(tmp_path / "whole")
     doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     for key in ("skip/skipped", "skip/p_easy", "skip/p_hard", "skip/zero_variance_frac"):
         assert all(key in row for row in rows), key
         assert f"`{key}`" in doc, f"{key} is logged but not documented in docs/metrics.md"
     assert sum(row["skip/skipped"] for row in rows) > 0  # questions came back and were skipped
-    assert [row["step"] for row in read_metrics(tmp_path / "cut")] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
     tmp_path, arith_model_dir
 ):
     """trainer.max_nan_streak reached at step 2: the checkpoint (2 steps done) holds the skipper and
-    the token count as step 2 began, so the resumed run records step 2's questions and counts its
-    tokens once, and ends where an uninterrupted run ends."""
+    the token count as step 2 began, so the resumed trainer records step 2's questions and counts its
+    tokens once, and ends where an uninterrupted one ends."""
     import jax.numpy as jnp
 
     from cppo_jax.train.checkpoint import Checkpointer
-    from cppo_jax.train.trainer import NonFiniteError, Trainer
+    from cppo_jax.train.trainer import NonFiniteError
 
-    def make(name: str, steps: int, *extra: str) -> Trainer:
-        return Trainer(
-            small_config(
-                tmp_path,
-                arith_model_dir,
-                "data.num_train=8",
-                "data.skip_zero_variance=true",
-                "data.skip_p_init=0.05",
-                f"trainer.steps={steps}",
-                f"trainer.run_name={name}",
-                *extra,
-            )
-        )
-
-    def finish(trainer: Trainer) -> tuple[dict, int]:
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
+    def counters(trainer) -> tuple[dict, int]:
         return trainer.data.skipper.state_dict(), trainer.num_tokens
 
-    whole = finish(make("whole", 4))
-    two = finish(make("two", 2))
-    cut = make("cut", 4, "trainer.max_nan_streak=1")
+    def steps(trainer, first: int, last: int) -> None:
+        for s in range(first, last):
+            trainer.step(s)
+
+    whole = _skipping_trainer(tmp_path, arith_model_dir, "whole", 4)
+    try:
+        steps(whole, 0, 2)
+        two = counters(whole)  # as step 2 begins
+        steps(whole, 2, 4)
+    finally:
+        whole.close()
+    cut = _skipping_trainer(tmp_path, arith_model_dir, "cut", 4, "trainer.max_nan_streak=1")
     inner = cut.actor.train_step
 
     def poisoned(params, opt_state, batch):  # step 2's update only (params_step: done)
@@ -291,12 +302,24 @@ def test_a_stop_on_non_finite_steps_saves_the_counters_before_the_failed_step(
 
     cut.actor = dataclasses.replace(cut.actor, train_step=poisoned)
     cut.phase_split = True  # the programs apart, so the updates' batch is seen
-    with pytest.raises(NonFiniteError, match="at step 3"):
-        cut.train()
-    cut.close()
+    try:
+        steps(cut, 0, 2)
+        with pytest.raises(NonFiniteError, match="at step 3"):
+            cut.step(2)
+    finally:
+        cut.close()
     _, meta = Checkpointer(cut.host.out_dir / "checkpoints").restore(
         None, {"params": cut.params, "opt_state": cut.opt_state}
     )
     assert meta["step"] == 2
     assert (meta["skipper"], meta["num_tokens"]) == two
-    assert finish(make("cut", 4, "trainer.resume=true")) == whole
+    resumed = _skipping_trainer(
+        tmp_path, arith_model_dir, "cut", 4, "trainer.max_nan_streak=1", "trainer.resume=true"
+    )
+    try:
+        resumed.maybe_resume()
+        assert resumed.start_step == 2
+        steps(resumed, 2, 4)
+    finally:
+        resumed.close()
+    assert counters(resumed) == counters(whole)

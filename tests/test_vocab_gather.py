@@ -147,6 +147,7 @@ def on_tpu():
     return _run("v5e:2x4", {**env, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_vocab_matrices_are_gathered_in_the_compute_dtype(on_tpu, tied):
     found = {tuple(x) for x in on_tpu[str(tied)]}
@@ -154,6 +155,7 @@ def test_vocab_matrices_are_gathered_in_the_compute_dtype(on_tpu, tied):
     assert any(dtype == "bf16" for dtype, _ in found), found  # moved in the compute dtype
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_sharded_logps_and_grads_equal_one_device_within_bf16(on_cpu, tied):
     r = on_cpu[str(tied)]

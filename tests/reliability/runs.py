@@ -23,14 +23,10 @@ def write_config_file(path: Path, cfg: Config) -> Path:
 
 
 def launch(config_file: Path, *overrides: str) -> subprocess.Popen:
-    """`python -m cppo_jax.launch --config config_file overrides...`, output piped. Runs from one config
-    folder share a persistent XLA compilation cache there (a resumed run then skips most compiling)."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(config_file.parent / "xla_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
+    """`python -m cppo_jax.launch --config config_file overrides...`, output piped. The run uses the
+    suite's persistent XLA compilation cache (tests/conftest.py: in the environment), so the programs
+    it shares with this process's trainers are compiled once."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "cppo_jax.launch", "--config", str(config_file), *overrides]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

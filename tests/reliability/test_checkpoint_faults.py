@@ -63,6 +63,7 @@ def _check_all_load(directory: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_of_checkpoint_writes_leaves_only_loadable_ones(tmp_path):
     """Four kills of a process that checkpoints in a loop: two while a step folder is being written
     (its temporary folder exists), two after a random delay. After each kill every listed checkpoint
@@ -108,6 +109,7 @@ def _file_size_limit(nbytes: int):
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_stops_the_run_and_keeps_the_previous_one(shared_trainer, tmp_path):
     trainer, init = shared_trainer
     rewind(trainer, tmp_path / "run", *init, "trainer.steps=4", "trainer.checkpoint_every=1")

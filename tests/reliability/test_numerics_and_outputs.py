@@ -26,6 +26,7 @@ def _leaves(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(
     shared_trainer, tmp_path, monkeypatch
 ):
@@ -69,6 +70,7 @@ def test_nonfinite_rewards_skip_reset_then_stop_with_the_last_good_state(
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_special_token_and_max_length_completions_score_and_log(
     shared_trainer, tmp_path, monkeypatch
 ):

@@ -32,6 +32,8 @@ from tests.reliability.runs import metrics_steps, read_events, rewind
 from tests.test_trainer import small_config
 from tests.test_vllm_client import FakeVLLM
 
+pytestmark = pytest.mark.slow  # every case trains through `Trainer.train`
+
 
 class FaultyVLLM(FakeVLLM):
     """FakeVLLM whose completions turn bad once `fault` is set: "500" (always), "500x2" (the next two
