@@ -159,7 +159,8 @@ def test_a_servers_tests_run_together_on_one_worker_longest_group_first():
         _Item("test_vllm.py", "untied_fp32"),
         _Item("test_vllm.py", "arith_fp32"),
     ]
-    config = types.SimpleNamespace(option=types.SimpleNamespace(dist="loadgroup"))
+    # As xdist's workers see the options (xdist/remote.py): dist "no", loadgroup on.
+    config = types.SimpleNamespace(option=types.SimpleNamespace(dist="no", loadgroup=True))
     config.getvalue = lambda name: getattr(config.option, name)
     conftest.pytest_collection_modifyitems(None, config, items)
     groups = [i.get_closest_marker("xdist_group").args[0] for i in items]
