@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -103,18 +104,21 @@ def test_an_unknown_configuration_names_the_known_ones(tmp_path):
     assert len(CONFIGS) <= 6  # the issue's ceiling on real server starts in one make test
 
 
-def test_starts_are_counted_from_the_servers_logs(tmp_path):
+def test_starts_are_counted_from_the_servers_logs():
     """Each model a vLLM worker began to load is a start; a server refused before it loaded a model,
-    and any other log, is not."""
+    and any other file, is not. (Written outside the run's temporary folder, whose logs the run's
+    own count reads.)"""
     line = (
         "(EngineCore_DP0 pid=1) INFO 12-08 01:00:00 [gpu_model_runner.py:1] Starting to load model "
     )
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "server.log").write_text(f"{line}/m\nready\n{line}/m\n")
-    (tmp_path / "b.log").write_text("error: address already in use\n")
-    (tmp_path / "c.txt").write_text(f"{line}/m\n")  # not a log
-    starts, logs = count_starts(tmp_path)
-    assert starts == 2 and logs == [tmp_path / "a" / "server.log"]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "a").mkdir()
+        (root / "a" / "server.log").write_text(f"{line}/m\nready\n{line}/m\n")
+        (root / "b.log").write_text("error: address already in use\n")
+        (root / "c.txt").write_text(f"{line}/m\n")  # not a log
+        starts, logs = count_starts(root)
+        assert starts == 2 and logs == [root / "a" / "server.log"]
 
 
 def test_the_budget_names_each_server_and_only_test_files_that_exist():
